@@ -1,0 +1,407 @@
+//! The batch engine: a trait shaped like Mooncake's `TransferEngine` and its
+//! implementation [`MooncakeEngine`].
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use crate::batch::{BatchState, TaskStatus};
+use crate::client;
+use crate::error::EngineError;
+use crate::memory::{MemoryRegion, MemoryRegistry};
+use crate::proto::{NotifyDesc, ProtoVersion, SegmentDesc, TcpOpcode};
+use crate::server::{self, Listener, ServerShared, TargetStats};
+use crate::transport::{Completion, DataTransport, RemoteSegment, TcpTransport, TcpTransportConfig, TransportWork};
+
+/// Engine-local handle of an opened remote segment (Mooncake `SegmentHandle`).
+pub type SegmentId = u64;
+/// Batch id (Mooncake `BatchID`).
+pub type BatchId = u64;
+
+/// One transfer request (Mooncake `TransferRequest`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferRequest {
+    /// READ (remote → local) or WRITE (local → remote).
+    pub opcode: TcpOpcode,
+    /// Local address; `[source, source+length)` must lie in one registered region.
+    pub source: u64,
+    /// Target segment, from [`TransferEngine::open_segment`].
+    pub target_id: SegmentId,
+    /// Remote virtual address (for host segments, as in Mooncake).
+    pub target_offset: u64,
+    /// Length in bytes (> 0).
+    pub length: u64,
+}
+
+/// What is known about an opened segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentInfo {
+    /// Segment id.
+    pub id: SegmentId,
+    /// The descriptor the peer sent.
+    pub desc: SegmentDesc,
+    /// Framing version it speaks (V1: completions prove nothing remotely).
+    pub proto: ProtoVersion,
+    /// Data address used.
+    pub data_addr: SocketAddr,
+}
+
+/// Mooncake Transfer Engine semantics. Every method is non-blocking except
+/// `open_segment`, `send_notify` (network round trips) and `wait_transfer`.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
+pub trait TransferEngine: Send + Sync {
+    /// Our segment name (`host:handshake_port`), what peers pass to `open_segment`.
+    fn local_segment_name(&self) -> String;
+    /// Registers local memory (zero length and overlaps are rejected). Remote
+    /// peers may READ/WRITE it from now on.
+    fn register_memory(&self, region: MemoryRegion) -> Result<(), EngineError>;
+    /// Unregisters the region starting at `addr`. Refused with
+    /// [`EngineError::RegionBusy`] while any local task or remote request holds
+    /// it; `Ok` means the engine will never touch it again.
+    fn unregister_memory(&self, addr: u64) -> Result<(), EngineError>;
+    /// Fetches a peer's descriptor (handshake Metadata) and returns its handle;
+    /// opening the same name again refreshes the descriptor, same id.
+    fn open_segment(&self, name: &str) -> Result<SegmentId, EngineError>;
+    /// Descriptor and protocol version of an opened segment.
+    fn segment_info(&self, id: SegmentId) -> Result<SegmentInfo, EngineError>;
+    /// Forgets a segment; refused with [`EngineError::SegmentBusy`] while tasks
+    /// to it are unfinished.
+    fn close_segment(&self, id: SegmentId) -> Result<(), EngineError>;
+    /// Allocates a batch able to hold `batch_size` tasks.
+    fn allocate_batch_id(&self, batch_size: usize) -> Result<BatchId, EngineError>;
+    /// Submits requests (all or nothing); returns the task indices they got.
+    /// Each request is checked before anything is queued: registered local
+    /// range, non-zero length, known segment, and (unless disabled) that the
+    /// remote range lies in one advertised buffer.
+    fn submit_transfer(
+        &self,
+        batch: BatchId,
+        requests: &[TransferRequest],
+    ) -> Result<std::ops::Range<usize>, EngineError>;
+    /// Current status of one task (TIMEOUT is reported for a task past the
+    /// configured transfer timeout; it is not terminal).
+    fn get_transfer_status(&self, batch: BatchId, task: usize) -> Result<TaskStatus, EngineError>;
+    /// Blocks up to `wait` for the task to finish; returns its status then.
+    fn wait_transfer(&self, batch: BatchId, task: usize, wait: Duration) -> Result<TaskStatus, EngineError>;
+    /// Frees a batch; refused with [`EngineError::BatchBusy`] while any task
+    /// is not COMPLETED or FAILED.
+    fn free_batch_id(&self, batch: BatchId) -> Result<(), EngineError>;
+    /// Sends a notification to an opened segment's handshake port; `Ok` only
+    /// when the peer queued it.
+    fn send_notify(&self, target: SegmentId, msg: &str) -> Result<(), EngineError>;
+    /// Takes the notifications received so far (oldest first).
+    fn get_notifies(&self) -> Vec<NotifyDesc>;
+}
+
+/// Engine options.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Host/IP we listen on and advertise (segment name host).
+    pub local_host: String,
+    /// Handshake port; 0 picks a free one.
+    pub handshake_port: u16,
+    /// Data port; 0 picks a free one.
+    pub data_port: u16,
+    /// Timeout of handshake round trips (and handshake server reads).
+    pub handshake_timeout: Duration,
+    /// A task unfinished after this long is reported TIMEOUT (not terminal).
+    pub transfer_timeout: Option<Duration>,
+    /// Reject requests outside the target's advertised buffers at submit time.
+    /// Disable only to exercise the target's own rejection (status word 1).
+    pub check_remote_bounds: bool,
+    /// Most queued notifications kept (oldest dropped beyond).
+    pub max_notifies: usize,
+    /// `tcp_proto_version` our descriptor advertises (2; set 1 to make peers,
+    /// including our own initiator, speak the legacy framing, for tests).
+    pub advertised_tcp_proto_version: u32,
+    /// TCP transport options.
+    pub tcp: TcpTransportConfig,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            local_host: "127.0.0.1".into(),
+            handshake_port: 0,
+            data_port: 0,
+            handshake_timeout: Duration::from_secs(5),
+            transfer_timeout: None,
+            check_remote_bounds: true,
+            max_notifies: 65536,
+            advertised_tcp_proto_version: 2,
+            tcp: TcpTransportConfig::default(),
+        }
+    }
+}
+
+/// The engine: handshake server, data server, TCP transport and batches.
+///
+/// Dropping it tears down every data connection and joins every thread, after
+/// which no registered memory is touched any more.
+#[derive(Debug)]
+pub struct MooncakeEngine {
+    cfg: EngineConfig,
+    shared: Arc<ServerShared>,
+    registry: Arc<MemoryRegistry>,
+    segments: RwLock<HashMap<SegmentId, Arc<RemoteSegment>>>,
+    names: Mutex<HashMap<String, SegmentId>>,
+    batches: Mutex<HashMap<BatchId, Arc<BatchState>>>,
+    next_id: AtomicU64,
+    transport: Option<Arc<dyn DataTransport>>,
+    handshake: Option<Listener>,
+    data: Option<Listener>,
+}
+
+impl MooncakeEngine {
+    /// Starts an engine with the TCP transport.
+    pub fn new(cfg: EngineConfig) -> Result<Self, EngineError> {
+        let t = TcpTransport::new(cfg.tcp.clone()).map_err(|e| EngineError::io("start transport", e))?;
+        Self::with_transport(cfg, Arc::new(t))
+    }
+
+    /// Starts an engine with a given data transport (the servers still speak TCP).
+    pub fn with_transport(cfg: EngineConfig, transport: Arc<dyn DataTransport>) -> Result<Self, EngineError> {
+        let ip: IpAddr = client::resolve_segment(&format!("{}:0", cfg.local_host))?.ip();
+        let data_l =
+            TcpListener::bind(SocketAddr::new(ip, cfg.data_port)).map_err(|e| EngineError::io("bind data port", e))?;
+        let data_port = data_l.local_addr().map_err(|e| EngineError::io("local_addr", e))?.port();
+        // Bind the handshake port first so the segment name is known.
+        let hs_l = TcpListener::bind(SocketAddr::new(ip, cfg.handshake_port))
+            .map_err(|e| EngineError::io("bind handshake port", e))?;
+        let hs_addr = hs_l.local_addr().map_err(|e| EngineError::io("local_addr", e))?;
+        drop(hs_l);
+        let registry = Arc::new(MemoryRegistry::default());
+        let shared = Arc::new(ServerShared {
+            registry: registry.clone(),
+            notifies: Mutex::new(VecDeque::new()),
+            segment_name: format!("{}:{}", cfg.local_host, hs_addr.port()),
+            data_host: cfg.local_host.clone(),
+            data_port,
+            io_timeout: cfg.handshake_timeout.max(Duration::from_secs(1)),
+            stop: AtomicBool::new(false),
+            max_notifies: cfg.max_notifies.max(1),
+            advertised_version: cfg.advertised_tcp_proto_version.max(1),
+            stats: Default::default(),
+        });
+        let handshake = server::start_handshake(hs_addr, shared.clone())?;
+        let data = server::start_data(data_l, shared.clone())?;
+        tracing::info!(segment = %shared.segment_name, data_port, "mooncake engine listening");
+        Ok(Self {
+            cfg,
+            shared,
+            registry,
+            segments: RwLock::default(),
+            names: Mutex::default(),
+            batches: Mutex::default(),
+            next_id: AtomicU64::new(1),
+            transport: Some(transport),
+            handshake: Some(handshake),
+            data: Some(data),
+        })
+    }
+
+    /// Handshake listening address.
+    pub fn handshake_addr(&self) -> Option<SocketAddr> {
+        self.handshake.as_ref().map(Listener::local_addr)
+    }
+
+    /// Data listening address.
+    pub fn data_addr(&self) -> Option<SocketAddr> {
+        self.data.as_ref().map(Listener::local_addr)
+    }
+
+    /// Target-side counters (which framing initiators use, rejections, bytes).
+    pub fn target_stats(&self) -> TargetStats {
+        self.shared.stats.snapshot()
+    }
+
+    /// Our descriptor as a Metadata handshake returns it.
+    pub fn local_descriptor(&self) -> SegmentDesc {
+        self.shared.descriptor()
+    }
+
+    fn transport(&self) -> Result<&Arc<dyn DataTransport>, EngineError> {
+        self.transport.as_ref().ok_or(EngineError::Shutdown)
+    }
+
+    fn batch(&self, id: BatchId) -> Result<Arc<BatchState>, EngineError> {
+        self.batches.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned().ok_or(EngineError::UnknownBatch(id))
+    }
+
+    fn segment(&self, id: SegmentId) -> Result<Arc<RemoteSegment>, EngineError> {
+        self.segments.read().unwrap_or_else(|e| e.into_inner()).get(&id).cloned().ok_or(EngineError::UnknownSegment(id))
+    }
+}
+
+impl Drop for MooncakeEngine {
+    fn drop(&mut self) {
+        // Servers first (fence remote access), then the transport (joins workers).
+        self.handshake.take();
+        self.data.take();
+        self.transport.take();
+    }
+}
+
+impl TransferEngine for MooncakeEngine {
+    fn local_segment_name(&self) -> String {
+        self.shared.segment_name.clone()
+    }
+
+    fn register_memory(&self, region: MemoryRegion) -> Result<(), EngineError> {
+        self.registry.register(region)
+    }
+
+    fn unregister_memory(&self, addr: u64) -> Result<(), EngineError> {
+        self.registry.unregister(addr)
+    }
+
+    fn open_segment(&self, name: &str) -> Result<SegmentId, EngineError> {
+        let hs = client::resolve_segment(name)?;
+        let desc = client::fetch_metadata(hs, &self.shared.descriptor(), self.cfg.handshake_timeout)?;
+        let data_addr = SocketAddr::new(hs.ip(), desc.tcp_data_port);
+        let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let id = *names.entry(name.to_string()).or_insert_with(|| self.next_id.fetch_add(1, Ordering::Relaxed));
+        let proto = desc.proto_version();
+        tracing::debug!(name, id, ?proto, buffers = desc.buffers.len(), "opened segment");
+        let seg = Arc::new(RemoteSegment { id, desc, data_addr, proto });
+        self.segments.write().unwrap_or_else(|e| e.into_inner()).insert(id, seg);
+        Ok(id)
+    }
+
+    fn segment_info(&self, id: SegmentId) -> Result<SegmentInfo, EngineError> {
+        let s = self.segment(id)?;
+        Ok(SegmentInfo { id, desc: s.desc.clone(), proto: s.proto, data_addr: s.data_addr })
+    }
+
+    fn close_segment(&self, id: SegmentId) -> Result<(), EngineError> {
+        let mut segs = self.segments.write().unwrap_or_else(|e| e.into_inner());
+        let s = segs.get(&id).ok_or(EngineError::UnknownSegment(id))?;
+        if Arc::strong_count(s) > 1 {
+            return Err(EngineError::SegmentBusy(id));
+        }
+        segs.remove(&id);
+        drop(segs);
+        self.names.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, v| *v != id);
+        if let Ok(t) = self.transport() {
+            t.forget_segment(id);
+        }
+        Ok(())
+    }
+
+    fn allocate_batch_id(&self, batch_size: usize) -> Result<BatchId, EngineError> {
+        if batch_size == 0 {
+            return Err(EngineError::ZeroBatchSize);
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.batches.lock().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::new(BatchState::new(id, batch_size)));
+        Ok(id)
+    }
+
+    fn submit_transfer(
+        &self,
+        batch: BatchId,
+        requests: &[TransferRequest],
+    ) -> Result<std::ops::Range<usize>, EngineError> {
+        let transport = self.transport()?.clone();
+        let b = self.batch(batch)?;
+        let mut prepared = Vec::with_capacity(requests.len());
+        for r in requests {
+            if r.length == 0 {
+                return Err(EngineError::ZeroLength);
+            }
+            let seg = self.segment(r.target_id)?;
+            if self.cfg.check_remote_bounds && seg.desc.buffer_containing(r.target_offset, r.length).is_none() {
+                return Err(EngineError::TargetOutOfRange {
+                    segment: r.target_id,
+                    addr: r.target_offset,
+                    len: r.length,
+                });
+            }
+            let local = self
+                .registry
+                .acquire(r.source, r.length)
+                .ok_or(EngineError::SourceNotRegistered { addr: r.source, len: r.length })?;
+            prepared.push((r, seg, local));
+        }
+        let protos: Vec<ProtoVersion> = prepared.iter().map(|(_, s, _)| s.proto).collect();
+        let first = b.reserve(&protos)?;
+        for (i, (r, seg, local)) in prepared.into_iter().enumerate() {
+            transport.submit(TransportWork {
+                opcode: r.opcode,
+                local,
+                local_addr: r.source,
+                remote: seg,
+                remote_addr: r.target_offset,
+                len: r.length,
+                completion: Completion::new(b.clone(), first + i),
+            });
+        }
+        Ok(first..first + requests.len())
+    }
+
+    fn get_transfer_status(&self, batch: BatchId, task: usize) -> Result<TaskStatus, EngineError> {
+        self.batch(batch)?.status(task, self.cfg.transfer_timeout)
+    }
+
+    fn wait_transfer(&self, batch: BatchId, task: usize, wait: Duration) -> Result<TaskStatus, EngineError> {
+        self.batch(batch)?.wait(task, wait, self.cfg.transfer_timeout)
+    }
+
+    fn free_batch_id(&self, batch: BatchId) -> Result<(), EngineError> {
+        let mut map = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+        let b = map.get(&batch).ok_or(EngineError::UnknownBatch(batch))?;
+        b.try_free().map_err(|unfinished| EngineError::BatchBusy { batch, unfinished })?;
+        map.remove(&batch);
+        Ok(())
+    }
+
+    fn send_notify(&self, target: SegmentId, msg: &str) -> Result<(), EngineError> {
+        let seg = self.segment(target)?;
+        let hs = client::resolve_segment(&seg.desc.name).or_else(|_| {
+            let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+            let n = names.iter().find(|(_, v)| **v == target).map(|(k, _)| k.clone());
+            drop(names);
+            n.ok_or(EngineError::UnknownSegment(target)).and_then(|n| client::resolve_segment(&n))
+        })?;
+        let n = NotifyDesc { name: self.shared.segment_name.clone(), notify_msg: msg.to_string() };
+        client::send_notify(hs, &n, self.cfg.handshake_timeout)
+    }
+
+    fn get_notifies(&self) -> Vec<NotifyDesc> {
+        self.shared.notifies.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect()
+    }
+}
+
+#[cfg(test)]
+mod mock_tests {
+    use super::*;
+    use crate::batch::TransferStatus;
+
+    /// The mock can play the real engine at its worst: TIMEOUT forever and
+    /// free refused, which an adapter must survive without releasing memory.
+    #[test]
+    fn mock_engine_timeout_forever() {
+        let mut m = MockTransferEngine::new();
+        m.expect_allocate_batch_id().returning(|_| Ok(7));
+        m.expect_submit_transfer().returning(|_, r| Ok(0..r.len()));
+        m.expect_get_transfer_status().returning(|_, _| {
+            Ok(TaskStatus {
+                status: TransferStatus::Timeout,
+                transferred_bytes: 0,
+                error: None,
+                proto: ProtoVersion::V2,
+            })
+        });
+        m.expect_free_batch_id().returning(|b| Err(EngineError::BatchBusy { batch: b, unfinished: 1 }));
+        let e: &dyn TransferEngine = &m;
+        let b = e.allocate_batch_id(1).unwrap();
+        let req = TransferRequest { opcode: TcpOpcode::Write, source: 1, target_id: 1, target_offset: 1, length: 1 };
+        assert_eq!(e.submit_transfer(b, &[req]).unwrap(), 0..1);
+        for _ in 0..100 {
+            assert!(!e.get_transfer_status(b, 0).unwrap().status.is_finished());
+        }
+        assert!(matches!(e.free_batch_id(b), Err(EngineError::BatchBusy { .. })));
+    }
+}

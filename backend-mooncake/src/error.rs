@@ -1,0 +1,153 @@
+//! Typed errors of the engine layer.
+
+use crate::proto::ProtoError;
+
+/// An error returned by an engine call.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// Socket or bind error.
+    #[error("i/o error during {context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A peer sent something that does not decode.
+    #[error("protocol error: {0}")]
+    Proto(#[from] ProtoError),
+    /// A peer answered a handshake with an unexpected message type.
+    #[error("handshake: expected {expected:?} reply, got {got:?}")]
+    UnexpectedReply {
+        /// Expected type.
+        expected: crate::proto::HandshakeType,
+        /// Received type.
+        got: crate::proto::HandshakeType,
+    },
+    /// A notify was not acknowledged with `success`.
+    #[error("notify rejected by peer: {0:?}")]
+    NotifyRejected(String),
+    /// A memory region has zero length or wraps the address space.
+    #[error("invalid memory region [{addr:#x}, +{len})")]
+    InvalidRegion {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// A memory region overlaps one already registered.
+    #[error("memory region [{addr:#x}, +{len}) overlaps a registered region")]
+    RegionOverlap {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// No region is registered at this address.
+    #[error("no memory region registered at {0:#x}")]
+    RegionNotRegistered(u64),
+    /// The region still has transfers in flight (local or remote); retry after
+    /// they finish.
+    #[error("memory region at {addr:#x} has {inflight} transfer(s) in flight")]
+    RegionBusy {
+        /// Start of the region.
+        addr: u64,
+        /// Transfers holding it.
+        inflight: usize,
+    },
+    /// A request's local range is not inside one registered region.
+    #[error("local range [{addr:#x}, +{len}) is not inside a registered region")]
+    SourceNotRegistered {
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// A request's remote range is not inside one buffer the target advertised.
+    #[error("remote range [{addr:#x}, +{len}) is outside segment {segment}'s buffers")]
+    TargetOutOfRange {
+        /// Segment.
+        segment: u64,
+        /// Start.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// A request with zero length.
+    #[error("zero-length request")]
+    ZeroLength,
+    /// Unknown segment id.
+    #[error("unknown segment id {0}")]
+    UnknownSegment(u64),
+    /// The segment name does not resolve to a socket address.
+    #[error("bad segment name {0:?} (want host:port)")]
+    BadSegmentName(String),
+    /// The segment still has tasks in flight.
+    #[error("segment {0} has transfers in flight")]
+    SegmentBusy(u64),
+    /// Unknown batch id.
+    #[error("unknown batch id {0}")]
+    UnknownBatch(u64),
+    /// Batch capacity of zero requested.
+    #[error("batch size must be > 0")]
+    ZeroBatchSize,
+    /// Submitting would exceed the batch capacity.
+    #[error("batch {batch} full: capacity {capacity}, have {used}, adding {adding}")]
+    BatchFull {
+        /// Batch.
+        batch: u64,
+        /// Capacity.
+        capacity: usize,
+        /// Tasks already submitted.
+        used: usize,
+        /// Tasks in this call.
+        adding: usize,
+    },
+    /// Task index out of range for this batch.
+    #[error("batch {batch} has no task {task}")]
+    UnknownTask {
+        /// Batch.
+        batch: u64,
+        /// Task.
+        task: usize,
+    },
+    /// `free_batch_id` while some task has not reached COMPLETED or FAILED.
+    #[error("batch {batch} busy: {unfinished} task(s) unfinished")]
+    BatchBusy {
+        /// Batch.
+        batch: u64,
+        /// Unfinished tasks.
+        unfinished: usize,
+    },
+    /// The engine is shutting down.
+    #[error("engine is shut down")]
+    Shutdown,
+}
+
+impl EngineError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        EngineError::Io { context: context.into(), source }
+    }
+}
+
+/// Why a task ended FAILED (kept with the task status).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TaskError {
+    /// The target answered status 1: address rejected (nothing applied).
+    #[error("target rejected the address range")]
+    AddrRejected,
+    /// Connecting to the data port failed (nothing was sent).
+    #[error("connect failed: {0}")]
+    Connect(String),
+    /// The connection failed mid-request; the connection was closed, so no
+    /// more bytes of this request will be sent or received by this process.
+    #[error("connection failed mid-transfer: {0}")]
+    Connection(String),
+    /// The peer sent a malformed status word; the connection was closed.
+    #[error("bad status word: {0}")]
+    BadStatus(ProtoError),
+    /// The transport dropped the request without running it.
+    #[error("transport dropped the request")]
+    Dropped,
+}

@@ -1,0 +1,102 @@
+//! Plain data types shared by the raw wrappers, the trait and its mocks.
+
+use super::error::EngineError;
+
+/// One contiguous host-memory range: a registration or transfer descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MemRegion {
+    /// Start address (in the owning process).
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Device id; 0 for host memory. Remote descriptors must carry the id the peer
+    /// registered with.
+    pub dev_id: u64,
+}
+
+impl MemRegion {
+    /// A host region with device id 0.
+    pub fn new(addr: usize, len: usize) -> Self {
+        Self { addr, len, dev_id: 0 }
+    }
+}
+
+/// Direction of a transfer, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum XferOp {
+    /// Pull: remote to local (`NIXL_CAPI_XFER_OP_READ` = 0).
+    Read,
+    /// Push: local to remote (`NIXL_CAPI_XFER_OP_WRITE` = 1).
+    Write,
+}
+
+/// What one transfer request moves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XferSpec {
+    /// Read or write.
+    pub op: XferOp,
+    /// Local descriptors (inside memory registered with this engine).
+    pub local: Vec<MemRegion>,
+    /// Remote descriptors (inside memory the peer registered), paired one to one
+    /// with `local`, same lengths.
+    pub remote: Vec<MemRegion>,
+    /// The peer's agent name, as returned by `load_remote_metadata`.
+    pub remote_agent: String,
+    /// A notification the peer receives once all the data has landed (only if
+    /// the request reaches `Done` while being polled; a request released early
+    /// never sends it).
+    pub notif: Option<Vec<u8>>,
+}
+
+/// One notification received from a peer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Notification {
+    /// The sender's agent name.
+    pub agent: String,
+    /// The message bytes, copied out of NIXL's map.
+    pub msg: Vec<u8>,
+}
+
+/// Checks a descriptor pairing before any C call: non-empty, same count, non-zero
+/// and equal lengths pairwise, non-null addresses.
+pub fn validate_descs(local: &[MemRegion], remote: &[MemRegion]) -> Result<(), EngineError> {
+    if local.is_empty() {
+        return Err(EngineError::InvalidArgument("no descriptors".into()));
+    }
+    if local.len() != remote.len() {
+        return Err(EngineError::InvalidArgument(format!(
+            "{} local descriptors but {} remote",
+            local.len(),
+            remote.len()
+        )));
+    }
+    for (i, (l, r)) in local.iter().zip(remote).enumerate() {
+        if l.len == 0 || l.addr == 0 || r.addr == 0 {
+            return Err(EngineError::InvalidArgument(format!("descriptor {i} is empty or null")));
+        }
+        if l.len != r.len {
+            return Err(EngineError::InvalidArgument(format!(
+                "descriptor {i}: local length {} != remote length {}",
+                l.len, r.len
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation() {
+        let a = MemRegion::new(0x1000, 64);
+        let b = MemRegion::new(0x2000, 64);
+        assert!(validate_descs(&[a], &[b]).is_ok());
+        assert!(validate_descs(&[], &[]).is_err());
+        assert!(validate_descs(&[a], &[b, b]).is_err());
+        assert!(validate_descs(&[a], &[MemRegion::new(0x2000, 32)]).is_err());
+        assert!(validate_descs(&[MemRegion::new(0, 64)], &[b]).is_err());
+        assert!(validate_descs(&[MemRegion::new(0x1000, 0)], &[MemRegion::new(0x2000, 0)]).is_err());
+    }
+}

@@ -1,0 +1,205 @@
+//! The WRITE throughput loop, reusable by `kvt bench`.
+//!
+//! Two NICs in this process on loopback: an initiator with a pool of
+//! `threads × batch` source slots and a target with as many destination
+//! slots, exposed once per thread. Each thread posts `batch` single-slot
+//! WRITEs through the [`Transfer`] trait, waits for all of them, and repeats
+//! until the duration is spent.
+//!
+//! ```
+//! use backend_tcp_sim::bench::{run_write_bench, BenchConfig};
+//! use std::time::Duration;
+//! let r = run_write_bench(&BenchConfig {
+//!     block_size: 64 << 10,
+//!     batch: 4,
+//!     threads: 1,
+//!     duration: Duration::from_millis(50),
+//!     warmup: Duration::ZERO,
+//! })
+//! .unwrap();
+//! assert!(r.bytes > 0 && r.gb_per_s > 0.0);
+//! ```
+
+use crate::{block_on, NicConfig, NicError, SimNic};
+use kv_transfer_core::{HostRegion, PoolConfig, RemoteSlots, Transfer, TransferOptions};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+/// What to measure.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BenchConfig {
+    /// Bytes per WRITE (one slot).
+    pub block_size: usize,
+    /// WRITEs posted before waiting for them all.
+    pub batch: usize,
+    /// Posting threads.
+    pub threads: usize,
+    /// Measured time.
+    pub duration: Duration,
+    /// Unmeasured time before it.
+    pub warmup: Duration,
+}
+
+impl Default for BenchConfig {
+    /// 1 MiB blocks, batch 32, 4 threads, 2 s after 200 ms of warm-up.
+    fn default() -> Self {
+        Self {
+            block_size: 1 << 20,
+            batch: 32,
+            threads: 4,
+            duration: Duration::from_secs(2),
+            warmup: Duration::from_millis(200),
+        }
+    }
+}
+
+/// What was measured.
+#[derive(Clone, Debug)]
+pub struct BenchResult {
+    /// The configuration.
+    pub config: BenchConfig,
+    /// Bytes written in the measured time.
+    pub bytes: u64,
+    /// Measured time.
+    pub elapsed: Duration,
+    /// Throughput in GB/s (10^9 bytes per second).
+    pub gb_per_s: f64,
+    /// Latency of each measured batch (post of the first WRITE to the last completion), µs.
+    pub batch_latency_us: Vec<u64>,
+}
+
+impl BenchResult {
+    /// A latency quantile (`q` in `[0, 1]`) of the batches, µs.
+    pub fn latency_quantile_us(&self, q: f64) -> u64 {
+        let mut v = self.batch_latency_us.clone();
+        if v.is_empty() {
+            return 0;
+        }
+        v.sort_unstable();
+        let i = ((v.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize;
+        v[i]
+    }
+}
+
+/// Why the bench could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BenchError {
+    /// NIC setup failed.
+    #[error(transparent)]
+    Nic(#[from] NicError),
+    /// Bad configuration, or a failure while running.
+    #[error("{0}")]
+    Other(String),
+}
+
+fn other(e: impl std::fmt::Display) -> BenchError {
+    BenchError::Other(e.to_string())
+}
+
+/// Runs the WRITE loop and reports throughput and per-batch latency.
+pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
+    if cfg.block_size == 0 || cfg.batch == 0 || cfg.threads == 0 {
+        return Err(other("block_size, batch and threads must be non-zero"));
+    }
+    let slots = cfg.threads * cfg.batch;
+    let bytes = slots.checked_mul(cfg.block_size).ok_or_else(|| other("too large"))?;
+    let target = SimNic::start(NicConfig::new("bench-target"))?;
+    let tpool = target.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
+    let init = SimNic::start(NicConfig::new("bench-initiator"))?;
+    let ipool = init.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
+    init.connect(target.endpoint())?;
+    let peer =
+        target.wait_for_peer("bench-initiator", Duration::from_secs(5)).ok_or_else(|| other("peer did not connect"))?;
+
+    let mut exposures = Vec::new();
+    let mut per_thread: Vec<Vec<RemoteSlots>> = Vec::new();
+    for _ in 0..cfg.threads {
+        let lease = tpool.reserve(cfg.batch).map_err(other)?;
+        let (exposed, remote) = target.expose(lease, peer).map_err(|e| other(e.kind))?;
+        let singles = remote
+            .slots
+            .iter()
+            .map(|s| RemoteSlots { slots: vec![*s], ..remote.clone() })
+            .collect();
+        per_thread.push(singles);
+        exposures.push(exposed);
+    }
+
+    let barrier = Arc::new(Barrier::new(cfg.threads + 1));
+    let mut joins = Vec::new();
+    for remotes in per_thread {
+        let init = init.clone();
+        let ipool = ipool.clone();
+        let barrier = barrier.clone();
+        let cfg = cfg.clone();
+        joins.push(std::thread::spawn(move || -> Result<(u64, Vec<u64>, Duration), BenchError> {
+            let mut leases = Vec::with_capacity(cfg.batch);
+            for i in 0..cfg.batch {
+                let mut l = ipool.reserve(1).map_err(other)?;
+                l.write_at(0, 0, &vec![(i % 251) as u8; cfg.block_size]).map_err(other)?;
+                leases.push(l);
+            }
+            barrier.wait();
+            let t0 = Instant::now();
+            let measure_from = t0 + cfg.warmup;
+            let end = measure_from + cfg.duration;
+            let (mut bytes, mut lat, mut last_end) = (0u64, Vec::new(), measure_from);
+            loop {
+                let now = Instant::now();
+                if now >= end {
+                    break;
+                }
+                let b0 = Instant::now();
+                let mut handles = Vec::with_capacity(cfg.batch);
+                for (l, r) in leases.drain(..).zip(&remotes) {
+                    let h = block_on(init.write(l, r, TransferOptions::notify(false))).map_err(|e| other(e.kind))?;
+                    handles.push(h);
+                }
+                for h in handles {
+                    let out = block_on(h).map_err(other)?;
+                    out.result.map_err(other)?;
+                    leases.push(out.lease.into_reserved());
+                }
+                if b0 >= measure_from {
+                    bytes += (cfg.batch * cfg.block_size) as u64;
+                    lat.push(b0.elapsed().as_micros() as u64);
+                    last_end = Instant::now();
+                }
+            }
+            Ok((bytes, lat, last_end.saturating_duration_since(measure_from)))
+        }));
+    }
+    barrier.wait();
+    let mut total = 0u64;
+    let mut lat = Vec::new();
+    let mut first_err = None;
+    let mut elapsed = Duration::ZERO;
+    for j in joins {
+        match j.join() {
+            Ok(Ok((b, l, e))) => {
+                total += b;
+                elapsed = elapsed.max(e);
+                lat.extend(l);
+            }
+            Ok(Err(e)) => first_err = Some(e),
+            Err(_) => first_err = Some(other("bench thread panicked")),
+        }
+    }
+    for e in exposures {
+        target.revoke(&e);
+        if let Ok(s) = e.try_settled() {
+            s.release();
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    Ok(BenchResult {
+        config: cfg.clone(),
+        bytes: total,
+        elapsed,
+        gb_per_s: if elapsed.is_zero() { 0.0 } else { total as f64 / elapsed.as_secs_f64() / 1e9 },
+        batch_latency_us: lat,
+    })
+}

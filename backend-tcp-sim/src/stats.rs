@@ -1,0 +1,93 @@
+//! Per-NIC counters.
+
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+macro_rules! stats {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        #[derive(Debug, Default)]
+        pub(crate) struct Counters {
+            $(pub(crate) $name: AtomicU64,)*
+        }
+
+        /// A snapshot of a NIC's counters ([`SimNic::stats`](crate::SimNic::stats)).
+        #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+        #[non_exhaustive]
+        pub struct NicStats {
+            $($(#[$doc])* pub $name: u64,)*
+        }
+
+        impl Counters {
+            pub(crate) fn snapshot(&self) -> NicStats {
+                NicStats { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+        }
+    };
+}
+
+stats! {
+    /// WRITEs applied into registered memory (target side).
+    writes_applied,
+    /// Bytes applied by those WRITEs.
+    bytes_applied,
+    /// READs served (target side).
+    reads_served,
+    /// Bytes served by those READs.
+    bytes_read,
+    /// Accesses rejected: out of bounds (or outside the named slot).
+    rejected_out_of_bounds,
+    /// Accesses rejected: unknown key.
+    rejected_unknown_key,
+    /// Accesses rejected: generation not the one bound to the slot (or revoked).
+    rejected_stale_generation,
+    /// Accesses rejected: arrived on a connection the slot is not exposed to.
+    rejected_wrong_peer,
+    /// Accesses rejected: zero length.
+    rejected_zero_length,
+    /// Accesses rejected: longer than the NIC's `max_wr_bytes`.
+    rejected_oversize,
+    /// Frames that did not decode (the connection is then torn down).
+    malformed_frames,
+    /// Work requests posted by this NIC (initiator side).
+    wrs_posted,
+    /// Work requests that completed successfully.
+    wrs_ok,
+    /// Work requests that completed with an error.
+    wrs_failed,
+    /// Work requests canceled before they were sent.
+    wrs_canceled,
+    /// NOTIFY frames sent.
+    notifications_sent,
+    /// NOTIFY frames received.
+    notifications_received,
+    /// Tenancies in received NOTIFY / ABORT_ACK frames that were not (or no longer) bound here.
+    notifications_stale,
+    /// ABORT frames sent (escalation: request drain).
+    aborts_sent,
+    /// ABORT frames received.
+    aborts_received,
+    /// ABORT_ACK frames sent.
+    abort_acks_sent,
+    /// ABORT_ACK frames received.
+    abort_acks_received,
+    /// Tenancies revoked (binding cleared, in-flight applies drained).
+    revocations,
+    /// Revocations that could not drain in time (escalated further).
+    revocations_timed_out,
+    /// Connections fenced (torn down and joined).
+    fences,
+    /// Connections opened by this NIC.
+    connections_opened,
+    /// Connections accepted by this NIC.
+    connections_accepted,
+    /// Naive policy only: Completed proofs minted without evidence on quarantine.
+    naive_releases,
+}
+
+pub(crate) fn inc(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}

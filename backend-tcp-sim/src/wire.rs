@@ -1,0 +1,605 @@
+//! The simulator's frame codec: pure, I/O-free, never panics (the layering of
+//! `quinn-proto` under `quinn`). The NIC reads a fixed [`PREFIX_LEN`]-byte
+//! prefix, then the frame's fields, then (for data frames) streams the payload
+//! straight into registered memory; [`decode`] does the same on a buffer and is
+//! what the fuzz target drives.
+//!
+//! Layout (little endian):
+//!
+//! ```text
+//! prefix   magic:u16 = 0x4B56 | kind:u8 | flags:u8 (0) | len:u32   (len = bytes after the prefix)
+//! HELLO      name_len:u16 name endpoint_len:u16 endpoint
+//! WRITE      wr_id:u64 key:u64 addr:u64 slot:u32 generation:u64 | payload (len - 36 bytes)
+//! READ       wr_id:u64 key:u64 addr:u64 slot:u32 generation:u64 read_len:u32
+//! READ_RESP  wr_id:u64 status:u8 reason:u8 | payload (len - 10 bytes)
+//! COMPLETION wr_id:u64 status:u8 reason:u8
+//! NOTIFY / ABORT / ABORT_ACK   key:u64 count:u16 count × (slot:u32 generation:u64)
+//! ```
+//!
+//! ```
+//! use backend_tcp_sim::wire::{self, AccessHeader, Body, WireStatus};
+//! use kv_transfer_core::{Generation, SlotId};
+//!
+//! let h = AccessHeader { wr_id: 7, key: 1, addr: 4096, slot: SlotId(1), generation: Generation(3), len: 4 };
+//! let mut buf = wire::encode_head(&Body::Write(h), 4).unwrap();
+//! buf.extend_from_slice(b"abcd");
+//! let d = wire::decode(&buf).unwrap();
+//! assert_eq!(d.body, Body::Write(h));
+//! assert_eq!(d.payload, b"abcd");
+//! assert_eq!(d.consumed, buf.len());
+//! // Truncated input is a typed error, never a panic.
+//! assert!(matches!(wire::decode(&buf[..10]), Err(wire::DecodeError::Truncated { .. })));
+//! # let _ = WireStatus::Ok;
+//! ```
+
+use kv_transfer_core::{Generation, RejectReason, SlotId, Tenancy};
+
+/// First two bytes of every frame.
+pub const MAGIC: u16 = 0x4B56;
+/// Bytes of the fixed prefix.
+pub const PREFIX_LEN: usize = 8;
+/// Largest payload a data frame may carry (WRITE, READ_RESP). A larger length
+/// cannot be decoded: the stream is torn down.
+pub const MAX_PAYLOAD: u32 = 64 << 20;
+/// Largest body of a control frame.
+pub const MAX_CONTROL: u32 = 64 << 10;
+/// Most tenancies one NOTIFY / ABORT / ABORT_ACK may carry.
+pub const MAX_TENANCIES: usize = (MAX_CONTROL as usize - 10) / 12;
+/// Longest name or endpoint in a HELLO.
+pub const MAX_NAME: usize = 1024;
+
+/// Bytes of fields in front of a WRITE's payload.
+pub const WRITE_FIELDS: usize = 36;
+/// Bytes of a READ's fields.
+pub const READ_FIELDS: usize = 40;
+/// Bytes of fields of a READ_RESP (in front of its payload) and of a COMPLETION.
+pub const STATUS_FIELDS: usize = 10;
+
+/// Frame kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Kind {
+    /// Handshake: the NIC's name and listening endpoint.
+    Hello = 1,
+    /// One-sided write of one slot's range.
+    Write = 2,
+    /// One-sided read of one slot's range.
+    Read = 3,
+    /// The data (or failure) of a READ.
+    ReadResp = 4,
+    /// Terminal status of a WRITE, sent by the target after it applied (or rejected) it.
+    Completion = 5,
+    /// After the data: the tenancies an operation wrote or read.
+    Notify = 6,
+    /// Target → initiator: stop and drain everything aimed at these tenancies, then ack.
+    Abort = 7,
+    /// Initiator → target: every operation on these tenancies is terminal.
+    AbortAck = 8,
+}
+
+impl Kind {
+    fn from_u8(b: u8) -> Option<Self> {
+        Some(match b {
+            1 => Self::Hello,
+            2 => Self::Write,
+            3 => Self::Read,
+            4 => Self::ReadResp,
+            5 => Self::Completion,
+            6 => Self::Notify,
+            7 => Self::Abort,
+            8 => Self::AbortAck,
+            _ => return None,
+        })
+    }
+}
+
+/// Why bytes are not a frame. Every malformed input maps to one of these.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// More bytes are needed.
+    #[error("truncated: need {needed} bytes, have {have}")]
+    Truncated {
+        /// Bytes needed for the next step.
+        needed: usize,
+        /// Bytes available.
+        have: usize,
+    },
+    /// The first two bytes are not [`MAGIC`].
+    #[error("bad magic {0:#06x}")]
+    BadMagic(u16),
+    /// Unknown frame kind.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// Non-zero flags (reserved).
+    #[error("reserved flags set: {0:#04x}")]
+    BadFlags(u8),
+    /// A length beyond the codec's limits.
+    #[error("frame of kind {kind:?} declares {len} bytes; at most {max} allowed")]
+    Oversize {
+        /// Frame kind.
+        kind: Kind,
+        /// Declared length.
+        len: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// A length that does not fit the kind's fixed fields.
+    #[error("frame of kind {kind:?} cannot be {len} bytes long")]
+    BadLength {
+        /// Frame kind.
+        kind: Kind,
+        /// Declared length.
+        len: u32,
+    },
+    /// Unknown completion status or reject reason.
+    #[error("unknown status {status}/{reason}")]
+    BadStatus {
+        /// Status byte.
+        status: u8,
+        /// Reason byte.
+        reason: u8,
+    },
+    /// A name or endpoint that is not UTF-8 or too long.
+    #[error("bad name in HELLO")]
+    BadName,
+    /// More tenancies than [`MAX_TENANCIES`].
+    #[error("{0} tenancies in one frame; at most {MAX_TENANCIES}")]
+    TooManyTenancies(usize),
+}
+
+/// Why a frame cannot be encoded.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// Payload longer than [`MAX_PAYLOAD`], or a payload on a frame kind without one.
+    #[error("payload of {0} bytes not allowed here")]
+    Payload(usize),
+    /// More tenancies than [`MAX_TENANCIES`].
+    #[error("{0} tenancies in one frame; at most {MAX_TENANCIES}")]
+    TooManyTenancies(usize),
+    /// Name or endpoint longer than [`MAX_NAME`].
+    #[error("name too long")]
+    NameTooLong,
+}
+
+/// The fixed prefix of a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefix {
+    /// Frame kind.
+    pub kind: Kind,
+    /// Bytes after the prefix (fields and payload).
+    pub len: u32,
+}
+
+impl Prefix {
+    /// Bytes of fields that follow the prefix (everything but the payload).
+    pub fn fields_len(&self) -> usize {
+        match self.kind {
+            Kind::Write => WRITE_FIELDS,
+            Kind::ReadResp => STATUS_FIELDS,
+            _ => self.len as usize,
+        }
+    }
+    /// Bytes of payload after the fields.
+    pub fn payload_len(&self) -> usize {
+        self.len as usize - self.fields_len()
+    }
+}
+
+/// Where a one-sided access goes: one slot's range at the target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AccessHeader {
+    /// Initiator's work-request id, echoed by the completion.
+    pub wr_id: u64,
+    /// The target region's key.
+    pub key: u64,
+    /// Target address (inside the slot's range).
+    pub addr: u64,
+    /// The slot the access is for.
+    pub slot: SlotId,
+    /// The tenancy's generation: the target checks it against the bound one.
+    pub generation: Generation,
+    /// Bytes written (WRITE: the payload's length) or asked for (READ).
+    pub len: u32,
+}
+
+/// Terminal status of one work request on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WireStatus {
+    /// Applied (WRITE) or read (READ).
+    Ok,
+    /// Refused by the target's NIC; nothing was written.
+    Rejected(RejectReason),
+    /// The target failed to access its memory.
+    TargetError,
+}
+
+impl WireStatus {
+    fn to_bytes(self) -> [u8; 2] {
+        match self {
+            Self::Ok => [0, 0],
+            Self::Rejected(r) => [
+                1,
+                match r {
+                    RejectReason::OutOfBounds => 1,
+                    RejectReason::UnknownKey => 2,
+                    RejectReason::StaleGeneration => 3,
+                    RejectReason::ZeroLength => 4,
+                    RejectReason::Oversize => 5,
+                    // RejectReason is non_exhaustive; a future reason travels as "unknown".
+                    _ => 255,
+                },
+            ],
+            Self::TargetError => [2, 0],
+        }
+    }
+    fn from_bytes(status: u8, reason: u8) -> Result<Self, DecodeError> {
+        let bad = DecodeError::BadStatus { status, reason };
+        match (status, reason) {
+            (0, 0) => Ok(Self::Ok),
+            (1, r) => Ok(Self::Rejected(match r {
+                1 => RejectReason::OutOfBounds,
+                2 => RejectReason::UnknownKey,
+                3 => RejectReason::StaleGeneration,
+                4 => RejectReason::ZeroLength,
+                5 => RejectReason::Oversize,
+                _ => return Err(bad),
+            })),
+            (2, 0) => Ok(Self::TargetError),
+            _ => Err(bad),
+        }
+    }
+}
+
+/// Tenancies of one region, as NOTIFY, ABORT and ABORT_ACK carry them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenancyList {
+    /// The region's key (at the side that exposed the slots).
+    pub key: u64,
+    /// The tenancies.
+    pub tenancies: Vec<Tenancy>,
+}
+
+/// A decoded frame without its payload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Body {
+    /// Handshake.
+    Hello {
+        /// The NIC's name.
+        name: String,
+        /// Where it listens.
+        endpoint: String,
+    },
+    /// One-sided write; `len` is the payload's length.
+    Write(AccessHeader),
+    /// One-sided read.
+    Read(AccessHeader),
+    /// The answer to a READ; its payload follows.
+    ReadResp {
+        /// The READ's id.
+        wr_id: u64,
+        /// Its status.
+        status: WireStatus,
+    },
+    /// Terminal status of a WRITE.
+    Completion {
+        /// The WRITE's id.
+        wr_id: u64,
+        /// Its status.
+        status: WireStatus,
+    },
+    /// Data of an operation is complete at these tenancies.
+    Notify(TenancyList),
+    /// Drain and ack.
+    Abort(TenancyList),
+    /// Drained.
+    AbortAck(TenancyList),
+}
+
+impl Body {
+    /// The frame kind.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Self::Hello { .. } => Kind::Hello,
+            Self::Write(_) => Kind::Write,
+            Self::Read(_) => Kind::Read,
+            Self::ReadResp { .. } => Kind::ReadResp,
+            Self::Completion { .. } => Kind::Completion,
+            Self::Notify(_) => Kind::Notify,
+            Self::Abort(_) => Kind::Abort,
+            Self::AbortAck(_) => Kind::AbortAck,
+        }
+    }
+}
+
+/// A frame decoded from a buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decoded<'a> {
+    /// The frame's fields.
+    pub body: Body,
+    /// Its payload (empty for frames without one).
+    pub payload: &'a [u8],
+    /// Bytes of the buffer the frame used.
+    pub consumed: usize,
+}
+
+struct Cursor<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.b.len() < n {
+            return Err(DecodeError::Truncated { needed: n, have: self.b.len() });
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Ok(h)
+    }
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let s = self.take(N)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.arr::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.arr()?))
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.arr()?))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.arr()?))
+    }
+    fn name(&mut self) -> Result<String, DecodeError> {
+        let n = self.u16()? as usize;
+        if n > MAX_NAME {
+            return Err(DecodeError::BadName);
+        }
+        let s = self.take(n)?;
+        std::str::from_utf8(s).map(str::to_owned).map_err(|_| DecodeError::BadName)
+    }
+}
+
+/// Decodes and validates a frame's prefix (the first [`PREFIX_LEN`] bytes of
+/// `b`). Checks magic, kind, flags, and the length against the kind's limits.
+pub fn decode_prefix(b: &[u8]) -> Result<Prefix, DecodeError> {
+    let mut c = Cursor { b };
+    let p = c.arr::<PREFIX_LEN>()?;
+    let magic = u16::from_le_bytes([p[0], p[1]]);
+    if magic != MAGIC {
+        return Err(DecodeError::BadMagic(magic));
+    }
+    let kind = Kind::from_u8(p[2]).ok_or(DecodeError::UnknownKind(p[2]))?;
+    if p[3] != 0 {
+        return Err(DecodeError::BadFlags(p[3]));
+    }
+    let len = u32::from_le_bytes([p[4], p[5], p[6], p[7]]);
+    let bad_len = DecodeError::BadLength { kind, len };
+    match kind {
+        Kind::Write | Kind::ReadResp => {
+            let fixed = if kind == Kind::Write { WRITE_FIELDS } else { STATUS_FIELDS } as u32;
+            if len < fixed {
+                return Err(bad_len);
+            }
+            if len - fixed > MAX_PAYLOAD {
+                return Err(DecodeError::Oversize { kind, len, max: MAX_PAYLOAD + fixed });
+            }
+        }
+        Kind::Read if len as usize != READ_FIELDS => return Err(bad_len),
+        Kind::Completion if len as usize != STATUS_FIELDS => return Err(bad_len),
+        Kind::Hello | Kind::Notify | Kind::Abort | Kind::AbortAck => {
+            if len > MAX_CONTROL {
+                return Err(DecodeError::Oversize { kind, len, max: MAX_CONTROL });
+            }
+            if kind != Kind::Hello && (len < 10 || (len - 10) % 12 != 0) {
+                return Err(bad_len);
+            }
+        }
+        Kind::Read | Kind::Completion => {}
+    }
+    Ok(Prefix { kind, len })
+}
+
+/// Decodes a frame's fields (`fields` must be exactly
+/// [`Prefix::fields_len`] bytes).
+pub fn decode_fields(prefix: &Prefix, fields: &[u8]) -> Result<Body, DecodeError> {
+    if fields.len() != prefix.fields_len() {
+        return Err(DecodeError::BadLength { kind: prefix.kind, len: prefix.len });
+    }
+    let mut c = Cursor { b: fields };
+    let body = match prefix.kind {
+        Kind::Hello => {
+            let name = c.name()?;
+            let endpoint = c.name()?;
+            Body::Hello { name, endpoint }
+        }
+        Kind::Write | Kind::Read => {
+            let wr_id = c.u64()?;
+            let key = c.u64()?;
+            let addr = c.u64()?;
+            let slot = SlotId(c.u32()?);
+            let generation = Generation(c.u64()?);
+            let len = if prefix.kind == Kind::Write { prefix.payload_len() as u32 } else { c.u32()? };
+            let h = AccessHeader { wr_id, key, addr, slot, generation, len };
+            if prefix.kind == Kind::Write {
+                Body::Write(h)
+            } else {
+                Body::Read(h)
+            }
+        }
+        Kind::ReadResp | Kind::Completion => {
+            let wr_id = c.u64()?;
+            let status = c.u8()?;
+            let reason = c.u8()?;
+            let status = WireStatus::from_bytes(status, reason)?;
+            if prefix.kind == Kind::ReadResp {
+                if status != WireStatus::Ok && prefix.payload_len() != 0 {
+                    return Err(DecodeError::BadLength { kind: prefix.kind, len: prefix.len });
+                }
+                Body::ReadResp { wr_id, status }
+            } else {
+                Body::Completion { wr_id, status }
+            }
+        }
+        Kind::Notify | Kind::Abort | Kind::AbortAck => {
+            let key = c.u64()?;
+            let count = c.u16()? as usize;
+            if count > MAX_TENANCIES {
+                return Err(DecodeError::TooManyTenancies(count));
+            }
+            if c.b.len() != count * 12 {
+                return Err(DecodeError::BadLength { kind: prefix.kind, len: prefix.len });
+            }
+            let mut tenancies = Vec::with_capacity(count);
+            for _ in 0..count {
+                let slot = SlotId(c.u32()?);
+                let generation = Generation(c.u64()?);
+                tenancies.push(Tenancy::new(slot, generation));
+            }
+            let list = TenancyList { key, tenancies };
+            match prefix.kind {
+                Kind::Notify => Body::Notify(list),
+                Kind::Abort => Body::Abort(list),
+                _ => Body::AbortAck(list),
+            }
+        }
+    };
+    if !c.b.is_empty() {
+        return Err(DecodeError::BadLength { kind: prefix.kind, len: prefix.len });
+    }
+    Ok(body)
+}
+
+/// Decodes one whole frame from the front of `buf`.
+pub fn decode(buf: &[u8]) -> Result<Decoded<'_>, DecodeError> {
+    let prefix = decode_prefix(buf)?;
+    let rest = &buf[PREFIX_LEN..];
+    let total = prefix.len as usize;
+    if rest.len() < total {
+        return Err(DecodeError::Truncated { needed: PREFIX_LEN + total, have: buf.len() });
+    }
+    let fl = prefix.fields_len();
+    let body = decode_fields(&prefix, &rest[..fl])?;
+    Ok(Decoded { body, payload: &rest[fl..total], consumed: PREFIX_LEN + total })
+}
+
+fn put_list(out: &mut Vec<u8>, l: &TenancyList) -> Result<(), EncodeError> {
+    if l.tenancies.len() > MAX_TENANCIES {
+        return Err(EncodeError::TooManyTenancies(l.tenancies.len()));
+    }
+    out.extend_from_slice(&l.key.to_le_bytes());
+    out.extend_from_slice(&(l.tenancies.len() as u16).to_le_bytes());
+    for t in &l.tenancies {
+        out.extend_from_slice(&t.slot.0.to_le_bytes());
+        out.extend_from_slice(&t.generation.0.to_le_bytes());
+    }
+    Ok(())
+}
+
+fn put_name(out: &mut Vec<u8>, s: &str) -> Result<(), EncodeError> {
+    if s.len() > MAX_NAME {
+        return Err(EncodeError::NameTooLong);
+    }
+    out.extend_from_slice(&(s.len() as u16).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+    Ok(())
+}
+
+/// Encodes a frame's prefix and fields; a data frame's `payload_len` bytes of
+/// payload must follow (WRITE: `payload_len` must equal the header's `len`).
+pub fn encode_head(body: &Body, payload_len: usize) -> Result<Vec<u8>, EncodeError> {
+    let has_payload = matches!(body, Body::Write(_) | Body::ReadResp { .. });
+    if (!has_payload && payload_len != 0) || payload_len > MAX_PAYLOAD as usize {
+        return Err(EncodeError::Payload(payload_len));
+    }
+    if let Body::Write(h) = body {
+        if h.len as usize != payload_len {
+            return Err(EncodeError::Payload(payload_len));
+        }
+    }
+    let mut out = Vec::with_capacity(PREFIX_LEN + READ_FIELDS);
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.push(body.kind() as u8);
+    out.push(0);
+    out.extend_from_slice(&[0; 4]);
+    match body {
+        Body::Hello { name, endpoint } => {
+            put_name(&mut out, name)?;
+            put_name(&mut out, endpoint)?;
+        }
+        Body::Write(h) | Body::Read(h) => {
+            out.extend_from_slice(&h.wr_id.to_le_bytes());
+            out.extend_from_slice(&h.key.to_le_bytes());
+            out.extend_from_slice(&h.addr.to_le_bytes());
+            out.extend_from_slice(&h.slot.0.to_le_bytes());
+            out.extend_from_slice(&h.generation.0.to_le_bytes());
+            if matches!(body, Body::Read(_)) {
+                out.extend_from_slice(&h.len.to_le_bytes());
+            }
+        }
+        Body::ReadResp { wr_id, status } | Body::Completion { wr_id, status } => {
+            if matches!(body, Body::ReadResp { .. }) && *status != WireStatus::Ok && payload_len != 0 {
+                return Err(EncodeError::Payload(payload_len));
+            }
+            out.extend_from_slice(&wr_id.to_le_bytes());
+            out.extend_from_slice(&status.to_bytes());
+        }
+        Body::Notify(l) | Body::Abort(l) | Body::AbortAck(l) => put_list(&mut out, l)?,
+    }
+    let len = (out.len() - PREFIX_LEN + payload_len) as u32;
+    out[4..8].copy_from_slice(&len.to_le_bytes());
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn list() -> TenancyList {
+        TenancyList { key: 9, tenancies: vec![Tenancy::new(SlotId(1), Generation(2)), Tenancy::new(SlotId(3), Generation(4))] }
+    }
+
+    #[test]
+    fn round_trips() {
+        let h = AccessHeader { wr_id: 1, key: 2, addr: 3, slot: SlotId(4), generation: Generation(5), len: 6 };
+        let bodies = [
+            (Body::Hello { name: "a".into(), endpoint: "127.0.0.1:1".into() }, 0),
+            (Body::Write(h), 6),
+            (Body::Read(h), 0),
+            (Body::ReadResp { wr_id: 1, status: WireStatus::Ok }, 3),
+            (Body::ReadResp { wr_id: 1, status: WireStatus::Rejected(RejectReason::StaleGeneration) }, 0),
+            (Body::Completion { wr_id: 1, status: WireStatus::TargetError }, 0),
+            (Body::Notify(list()), 0),
+            (Body::Abort(list()), 0),
+            (Body::AbortAck(list()), 0),
+        ];
+        for (b, pl) in bodies {
+            let mut buf = encode_head(&b, pl).unwrap();
+            buf.extend_from_slice(&vec![0xAB; pl]);
+            let d = decode(&buf).unwrap();
+            assert_eq!(d.body, b);
+            assert_eq!(d.payload.len(), pl);
+            assert_eq!(d.consumed, buf.len());
+            for cut in 0..buf.len() {
+                assert!(decode(&buf[..cut]).is_err());
+            }
+        }
+    }
+
+    #[test]
+    fn typed_errors() {
+        assert_eq!(decode(&[0x00, 0x00, 1, 0, 0, 0, 0, 0]), Err(DecodeError::BadMagic(0)));
+        assert_eq!(decode(&[0x56, 0x4B, 99, 0, 0, 0, 0, 0]), Err(DecodeError::UnknownKind(99)));
+        assert_eq!(decode(&[0x56, 0x4B, 2, 1, 0, 0, 0, 0]), Err(DecodeError::BadFlags(1)));
+        assert!(matches!(decode(&[0x56, 0x4B, 2, 0, 0xff, 0xff, 0xff, 0xff]), Err(DecodeError::Oversize { .. })));
+        assert!(matches!(decode(&[0x56, 0x4B, 5, 0, 3, 0, 0, 0]), Err(DecodeError::BadLength { .. })));
+        let mut c = encode_head(&Body::Completion { wr_id: 1, status: WireStatus::Ok }, 0).unwrap();
+        c[16] = 7;
+        assert!(matches!(decode(&c), Err(DecodeError::BadStatus { .. })));
+    }
+}

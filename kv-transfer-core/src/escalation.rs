@@ -1,0 +1,82 @@
+//! The escalation ladder for quarantined slots.
+//!
+//! A deadline never frees a slot (DESIGN rule 2). When an exposed lease is
+//! aborted or dropped its slots enter quarantine, and the ladder says what the
+//! backend should try next, and when: ask the peer to drain and ack, then
+//! revoke the access key, then fence the connection. Each step can only
+//! produce a proof; the slot leaves quarantine only when one arrives. At the
+//! end of the ladder the slot stays quarantined and is counted as stuck.
+
+use crate::ids::{PeerId, Tenancy};
+use std::time::Duration;
+
+/// Deadlines between the steps of the ladder, measured from the abort.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EscalationLadder {
+    /// How long the peer has to drain and acknowledge (ABORT / ABORT_ACK)
+    /// before the backend is asked to revoke.
+    pub drain: Duration,
+    /// How long revocation may take before the backend is asked to fence.
+    pub revoke: Duration,
+    /// How long the fence may take before the slots are reported stuck.
+    pub fence: Duration,
+}
+
+impl Default for EscalationLadder {
+    /// 2 s to drain, 1 s to revoke, 5 s to fence: generous next to an RDMA
+    /// write of a few MiB, short next to a request's lifetime.
+    fn default() -> Self {
+        Self { drain: Duration::from_secs(2), revoke: Duration::from_secs(1), fence: Duration::from_secs(5) }
+    }
+}
+
+/// One rung of the ladder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum EscalationStep {
+    /// Ask the peer (or the local operation) to stop and drain, then ack.
+    RequestDrain,
+    /// Invalidate the access key for these tenancies and confirm.
+    Revoke,
+    /// Tear down the connection to the peer and confirm nothing more arrives.
+    Fence,
+    /// Nothing left to try: the slots stay quarantined and are reported.
+    Exhausted,
+}
+
+impl EscalationStep {
+    pub(crate) fn next(self) -> Option<Self> {
+        match self {
+            Self::RequestDrain => Some(Self::Revoke),
+            Self::Revoke => Some(Self::Fence),
+            Self::Fence => Some(Self::Exhausted),
+            Self::Exhausted => None,
+        }
+    }
+
+    /// Time from the previous step to this one.
+    pub(crate) fn delay(self, ladder: &EscalationLadder) -> Duration {
+        match self {
+            Self::RequestDrain => Duration::ZERO,
+            Self::Revoke => ladder.drain,
+            Self::Fence => ladder.revoke,
+            Self::Exhausted => ladder.fence,
+        }
+    }
+}
+
+/// Identity of one quarantine entry (one aborted or dropped exposed lease).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuarantineId(pub(crate) u64);
+
+/// Something the backend should do now for a quarantined exposure.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EscalationAction {
+    /// The entry this concerns.
+    pub quarantine: QuarantineId,
+    /// The peer the slots were exposed to.
+    pub peer: PeerId,
+    /// Tenancies still waiting for a proof.
+    pub tenancies: Vec<Tenancy>,
+    /// What to do.
+    pub step: EscalationStep,
+}

@@ -1,0 +1,85 @@
+//! # kv-transfer-core
+//!
+//! The safe-release contract for moving KV cache between prefill and decode
+//! workers over RDMA-class transports. One bug class is the target: a KV
+//! slot going back to the free list while some NIC may still write into it,
+//! so that the next request reads the previous request's late bytes.
+//!
+//! This crate is a state machine with no sockets and no threads (the way
+//! `quinn-proto` is driven by `quinn`): backends drive it.
+//!
+//! - A [`SlotPool`] carves fixed-size slots out of a registered [`Region`];
+//!   every lease bumps the slot's [`Generation`], so `(SlotId, Generation)`
+//!   names one tenancy ([`Tenancy`]).
+//! - [`SlotPool::reserve`] is all-or-nothing and refuses with a typed
+//!   [`AdmissionError`] before anything is exposed.
+//! - A [`SlotLease<S>`] moves through `Reserved → Exposed → Settled`. Only
+//!   `Reserved` and `Settled` leases can be released or read; dropping an
+//!   `Exposed` lease quarantines its slots.
+//! - A slot leaves exposure or quarantine only with a settlement proof —
+//!   [`Completed`], [`Revoked`] or [`Fenced`] — which only the pool's
+//!   [`SettlementAuthority`] (held by the backend) can mint. Timers only
+//!   escalate ([`EscalationLadder`]); they never free.
+//! - [`Transfer`] is the backend trait; its [`TransferHandle`] resolves only
+//!   at a terminal status and hands the lease back settled.
+//!
+//! ```
+//! use kv_transfer_core::*;
+//! use std::sync::Arc;
+//!
+//! // The backend registers a region and builds the pool; it keeps the authority.
+//! let region = Arc::new(HostRegion::new(16 * 4096).unwrap());
+//! let (pool, authority) = SlotPool::new(region, PoolConfig::new(4096)).unwrap();
+//!
+//! // Decode side: reserve, expose to the prefill peer, hand it the descriptor.
+//! let lease = pool.reserve(4).unwrap();
+//! let (exposed, remote) = lease.expose(PeerId(1), 0x1234, "decode-0");
+//!
+//! // The request is aborted while the peer's writes may be in flight.
+//! exposed.abort();
+//! assert_eq!(pool.metrics().quarantined, 4); // not free: a NIC may still write
+//!
+//! // Deadlines only escalate: the backend is asked to drain, revoke, fence.
+//! let actions = authority.poll_escalations(std::time::Instant::now());
+//! assert_eq!(actions[0].step, EscalationStep::RequestDrain);
+//! assert_eq!(pool.metrics().free, 12);
+//!
+//! // The peer acknowledges it drained: the proof frees the slots.
+//! authority.deliver(authority.completed(&remote.tenancies()));
+//! assert_eq!(pool.metrics().free, 16);
+//! ```
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![forbid(unsafe_op_in_unsafe_fn)]
+
+mod clock;
+mod escalation;
+mod ids;
+mod lease;
+mod metrics;
+mod pool;
+mod proof;
+mod region;
+mod remote;
+mod sync;
+mod transfer;
+
+pub use async_trait::async_trait;
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use escalation::{EscalationAction, EscalationLadder, EscalationStep, QuarantineId};
+pub use ids::{Generation, PeerId, PoolId, SlotId, Tenancy};
+pub use lease::{
+    AccessError, Exposed, LeaseState, Reserved, SettleError, SettleErrorReason, Settled, SettledFuture, SlotLease,
+};
+pub use metrics::{LatencySummary, MetricsSnapshot};
+pub use pool::{AdmissionError, DeliveryReport, PoolConfig, PoolError, SlotPool};
+pub use proof::{Completed, Fenced, Revoked, Settlement, SettlementAuthority, SettlementKind};
+pub use region::{HostRegion, MemoryKind, Region, RegionError};
+pub use remote::{RemoteSlot, RemoteSlots};
+pub use transfer::{
+    check_shapes, Abandoned, Completer, Op, PostError, PostErrorKind, RejectReason, Transfer, TransferError,
+    TransferHandle, TransferOptions, TransferOutcome,
+};
+
+#[doc(hidden)]
+pub use lease::StateKind;

@@ -1,0 +1,714 @@
+//! The slot pool: free list, generations, quarantine, admission. A state
+//! machine behind one mutex, driven by leases (the application) and by the
+//! [`SettlementAuthority`](crate::SettlementAuthority) (the backend).
+
+use crate::clock::{Clock, SystemClock};
+use crate::escalation::{EscalationAction, EscalationLadder, EscalationStep, QuarantineId};
+use crate::ids::{Generation, PeerId, PoolId, SlotId, Tenancy};
+use crate::lease::{Reserved, SlotLease, Tenancies};
+use crate::metrics::{report_counter, Counters, MetricsSnapshot};
+use crate::proof::{ProofScope, Settlement, SettlementKind};
+use crate::region::Region;
+use crate::sync::{lock, Mutex};
+use smallvec::SmallVec;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Waker;
+use std::time::Instant;
+
+/// Errors of building a pool.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// A slot must hold at least one byte.
+    #[error("slot size must be non-zero")]
+    ZeroSlotSize,
+    /// The region cannot hold a single slot.
+    #[error("region of {region_len} bytes cannot hold one slot of {slot_size} bytes")]
+    RegionTooSmall {
+        /// Region length.
+        region_len: usize,
+        /// Requested slot size.
+        slot_size: usize,
+    },
+    /// Slot ids are `u32`.
+    #[error("region holds {slots} slots; at most {max} are supported", max = u32::MAX)]
+    TooManySlots {
+        /// Slots the region would hold.
+        slots: usize,
+    },
+}
+
+/// Why `reserve` refused. A refused request never owns a slot (rule 6).
+#[derive(Debug, thiserror::Error, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AdmissionError {
+    /// Fewer slots are free right now than the request needs.
+    #[error("over capacity: {requested} slots requested, {available} free")]
+    OverCapacity {
+        /// Slots asked for.
+        requested: usize,
+        /// Slots free at the time.
+        available: usize,
+    },
+    /// The request is larger than the whole pool and can never be served.
+    #[error("request of {requested} slots exceeds the pool's capacity of {capacity}")]
+    TooLarge {
+        /// Slots asked for.
+        requested: usize,
+        /// Slots in the pool.
+        capacity: usize,
+    },
+    /// A request for zero slots is a caller bug, not a lease.
+    #[error("a lease needs at least one slot")]
+    Empty,
+}
+
+/// Configuration of a pool.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    /// Bytes per slot.
+    pub slot_size: usize,
+    /// Deadlines of the escalation ladder.
+    pub ladder: EscalationLadder,
+    /// Time source (the system clock unless a test drives it).
+    pub clock: Arc<dyn Clock>,
+}
+
+impl PoolConfig {
+    /// Slots of `slot_size` bytes, the default ladder, the system clock.
+    pub fn new(slot_size: usize) -> Self {
+        Self { slot_size, ladder: EscalationLadder::default(), clock: Arc::new(SystemClock) }
+    }
+    /// Replaces the escalation ladder.
+    pub fn with_ladder(mut self, ladder: EscalationLadder) -> Self {
+        self.ladder = ladder;
+        self
+    }
+    /// Replaces the clock.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+}
+
+// Slot states. A `u8` each, to keep per-slot metadata at 16 bytes.
+pub(crate) const FREE: u8 = 0;
+/// Leased and not exposed: a `Reserved` or `Settled` lease holds it.
+pub(crate) const HELD: u8 = 1;
+/// Exposed, no proof yet.
+pub(crate) const EXPOSED: u8 = 2;
+/// Exposed and proven settled; the lease has not picked the proof up yet.
+pub(crate) const PROVEN: u8 = 3;
+/// Its lease was aborted or dropped while exposed; waits for a proof.
+pub(crate) const QUARANTINED: u8 = 4;
+
+/// Per-slot metadata: 16 bytes (plus 4 on the free list while free).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SlotMeta {
+    pub(crate) generation: u64,
+    /// The peer while `EXPOSED`/`PROVEN`; the quarantine entry while `QUARANTINED`.
+    pub(crate) aux: u32,
+    pub(crate) state: u8,
+}
+
+pub(crate) struct QuarantineEntry {
+    pub(crate) id: u64,
+    pub(crate) peer: PeerId,
+    pub(crate) remaining: Tenancies,
+    pub(crate) since: Instant,
+    pub(crate) next_step: EscalationStep,
+    pub(crate) next_at: Instant,
+    pub(crate) stuck: bool,
+}
+
+pub(crate) struct PoolState {
+    pub(crate) slots: Vec<SlotMeta>,
+    pub(crate) free: Vec<u32>,
+    /// Quarantine entries; a slot's `aux` indexes this while quarantined.
+    pub(crate) quarantine: Vec<Option<QuarantineEntry>>,
+    pub(crate) quarantine_vacant: Vec<u32>,
+    pub(crate) next_quarantine_id: u64,
+    pub(crate) waiters: HashMap<u32, Waker>,
+    pub(crate) counters: Counters,
+    pub(crate) leased: u64,
+    pub(crate) quarantined: u64,
+    pub(crate) stuck: u64,
+    pub(crate) escalation_hook: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+pub(crate) struct PoolInner {
+    pub(crate) id: PoolId,
+    pub(crate) region: Arc<dyn Region>,
+    pub(crate) slot_size: usize,
+    pub(crate) capacity: u32,
+    pub(crate) ladder: EscalationLadder,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) state: Mutex<PoolState>,
+}
+
+/// A pool of fixed-size KV slots carved from one registered region.
+///
+/// Cheap to clone (an `Arc`). `reserve` is the only way in; a slot comes back
+/// to the free list only from a lease that was never exposed, or with a
+/// settlement proof.
+///
+/// ```
+/// use kv_transfer_core::{HostRegion, PoolConfig, SlotPool, AdmissionError};
+/// use std::sync::Arc;
+///
+/// let region = Arc::new(HostRegion::new(8 * 4096).unwrap());
+/// let (pool, _authority) = SlotPool::new(region, PoolConfig::new(4096)).unwrap();
+/// let lease = pool.reserve(3).unwrap();
+/// assert_eq!(pool.metrics().free, 5);
+/// assert!(matches!(pool.reserve(6), Err(AdmissionError::OverCapacity { requested: 6, available: 5 })));
+/// assert!(matches!(pool.reserve(9), Err(AdmissionError::TooLarge { .. })));
+/// lease.release();
+/// assert_eq!(pool.metrics().free, 8);
+/// ```
+#[derive(Clone)]
+pub struct SlotPool {
+    pub(crate) inner: Arc<PoolInner>,
+}
+
+impl fmt::Debug for SlotPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotPool")
+            .field("id", &self.inner.id)
+            .field("capacity", &self.inner.capacity)
+            .field("slot_size", &self.inner.slot_size)
+            .finish_non_exhaustive()
+    }
+}
+
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What a delivered proof did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeliveryReport {
+    /// Slots the proof settled (live exposures proven, quarantined slots freed).
+    pub settled: usize,
+    /// Of those, quarantined slots returned to the free list.
+    pub reclaimed: usize,
+    /// Tenancies the proof named that are not awaiting settlement (old
+    /// generation, never exposed, or already settled): dropped and counted.
+    pub stale: usize,
+}
+
+impl SlotPool {
+    /// Builds a pool over `region` and returns it with the pool's
+    /// [`SettlementAuthority`](crate::SettlementAuthority).
+    ///
+    /// The authority is the only thing that can mint settlement proofs for
+    /// this pool. A backend creates the pool when it registers the region,
+    /// keeps the authority, and hands the pool to the application.
+    pub fn new(
+        region: Arc<dyn Region>,
+        config: PoolConfig,
+    ) -> Result<(SlotPool, crate::SettlementAuthority), PoolError> {
+        if config.slot_size == 0 {
+            return Err(PoolError::ZeroSlotSize);
+        }
+        let slots = region.len() / config.slot_size;
+        if slots == 0 {
+            return Err(PoolError::RegionTooSmall { region_len: region.len(), slot_size: config.slot_size });
+        }
+        let capacity = u32::try_from(slots).map_err(|_| PoolError::TooManySlots { slots })?;
+        let state = PoolState {
+            slots: vec![SlotMeta { generation: 0, aux: 0, state: FREE }; slots],
+            // Popped from the back: slot 0 is handed out first.
+            free: (0..capacity).rev().collect(),
+            quarantine: Vec::new(),
+            quarantine_vacant: Vec::new(),
+            next_quarantine_id: 0,
+            waiters: HashMap::new(),
+            counters: Counters::default(),
+            leased: 0,
+            quarantined: 0,
+            stuck: 0,
+            escalation_hook: None,
+        };
+        let inner = PoolInner {
+            id: PoolId(NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed)),
+            region,
+            slot_size: config.slot_size,
+            capacity,
+            ladder: config.ladder,
+            clock: config.clock,
+            state: Mutex::new(state),
+        };
+        let pool = SlotPool { inner: Arc::new(inner) };
+        Ok((pool.clone(), crate::SettlementAuthority { pool }))
+    }
+
+    /// This pool's identity.
+    pub fn id(&self) -> PoolId {
+        self.inner.id
+    }
+    /// Number of slots.
+    pub fn capacity(&self) -> usize {
+        self.inner.capacity as usize
+    }
+    /// Bytes per slot.
+    pub fn slot_size(&self) -> usize {
+        self.inner.slot_size
+    }
+    /// The region the slots are carved from.
+    pub fn region(&self) -> &Arc<dyn Region> {
+        &self.inner.region
+    }
+    /// Address of a slot as the NIC sees it, if the slot exists.
+    pub fn slot_addr(&self, slot: SlotId) -> Option<u64> {
+        (slot.0 < self.inner.capacity).then(|| self.inner.region.addr() + slot.0 as u64 * self.inner.slot_size as u64)
+    }
+    /// The slot holding address `addr`, if any.
+    pub fn slot_at(&self, addr: u64) -> Option<SlotId> {
+        let off = addr.checked_sub(self.inner.region.addr())?;
+        let idx = off / self.inner.slot_size as u64;
+        (idx < self.inner.capacity as u64).then_some(SlotId(idx as u32))
+    }
+    /// The slot's current generation, if the slot exists.
+    pub fn generation(&self, slot: SlotId) -> Option<Generation> {
+        let st = lock(&self.inner.state);
+        st.slots.get(slot.0 as usize).map(|m| Generation(m.generation))
+    }
+
+    /// Reserves `n` slots, all or nothing (rule 6): either a lease on `n`
+    /// slots, each under a fresh generation, or a typed refusal before
+    /// anything is exposed.
+    pub fn reserve(&self, n: usize) -> Result<SlotLease<Reserved>, AdmissionError> {
+        let capacity = self.capacity();
+        let mut st = lock(&self.inner.state);
+        let refusal = if n == 0 {
+            Some(AdmissionError::Empty)
+        } else if n > capacity {
+            Some(AdmissionError::TooLarge { requested: n, capacity })
+        } else if n > st.free.len() {
+            Some(AdmissionError::OverCapacity { requested: n, available: st.free.len() })
+        } else {
+            None
+        };
+        if let Some(e) = refusal {
+            st.counters.admission_rejected += 1;
+            drop(st);
+            report_counter!("kvt_admission_rejected_total", self.inner.id, 1);
+            tracing::debug!(pool = self.inner.id.0, requested = n, error = %e, "admission refused");
+            return Err(e);
+        }
+        let mut tenancies = Tenancies::with_capacity(n);
+        for _ in 0..n {
+            // Cannot fail: n <= free.len() was checked under the same lock.
+            let Some(idx) = st.free.pop() else { break };
+            let meta = &mut st.slots[idx as usize];
+            meta.generation += 1;
+            meta.state = HELD;
+            tenancies.push(Tenancy::new(SlotId(idx), Generation(meta.generation)));
+        }
+        st.leased += n as u64;
+        st.counters.leases += 1;
+        drop(st);
+        report_counter!("kvt_leases_total", self.inner.id, 1);
+        tracing::trace!(pool = self.inner.id.0, slots = n, "reserved");
+        Ok(SlotLease::new(self.clone(), tenancies, None))
+    }
+
+    /// A snapshot of the pool's gauges and counters.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let st = lock(&self.inner.state);
+        let c = &st.counters;
+        MetricsSnapshot {
+            capacity: self.inner.capacity as u64,
+            free: st.free.len() as u64,
+            leased: st.leased,
+            quarantined: st.quarantined,
+            quarantine_stuck: st.stuck,
+            leases: c.leases,
+            admission_rejected: c.admission_rejected,
+            exposures: c.exposures,
+            settled_completed: c.settled_completed,
+            settled_revoked: c.settled_revoked,
+            settled_fenced: c.settled_fenced,
+            quarantined_total: c.quarantined_total,
+            stale_rejected: c.stale_rejected,
+            released: c.released,
+            abort_to_reclaim: c.abort_to_reclaim.summary(),
+        }
+    }
+
+    /// Bytes of pool metadata per slot (state table plus free list), for
+    /// capacity planning. Quarantine entries and waiters are extra and
+    /// proportional to what is in flight, not to capacity.
+    pub fn metadata_bytes_per_slot() -> usize {
+        std::mem::size_of::<SlotMeta>() + std::mem::size_of::<u32>()
+    }
+
+    /// Whether the slot is on the free list (for tests and debug endpoints).
+    #[doc(hidden)]
+    pub fn slot_is_free(&self, slot: SlotId) -> bool {
+        let st = lock(&self.inner.state);
+        st.slots.get(slot.0 as usize).is_some_and(|m| m.state == FREE)
+    }
+
+    /// Checks the pool's internal invariants and returns a description of the
+    /// first violation. Used by the model checks and property tests; cheap
+    /// enough for a debug endpoint (linear in capacity).
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let st = lock(&self.inner.state);
+        let mut on_free_list = vec![false; st.slots.len()];
+        for &i in &st.free {
+            let i = i as usize;
+            if i >= st.slots.len() {
+                return Err(format!("free list holds unknown slot {i}"));
+            }
+            if on_free_list[i] {
+                return Err(format!("slot {i} is on the free list twice"));
+            }
+            on_free_list[i] = true;
+        }
+        let (mut held, mut quarantined) = (0u64, 0u64);
+        for (i, m) in st.slots.iter().enumerate() {
+            match (m.state, on_free_list[i]) {
+                (FREE, true) => {}
+                (FREE, false) => return Err(format!("slot {i} is free but lost (not on the free list)")),
+                (s, true) => return Err(format!("slot {i} in state {s} is on the free list")),
+                (QUARANTINED, false) => quarantined += 1,
+                (_, false) => held += 1,
+            }
+        }
+        if held != st.leased || quarantined != st.quarantined {
+            return Err(format!(
+                "gauges disagree: leased {} vs {held} held, quarantined {} vs {quarantined}",
+                st.leased, st.quarantined
+            ));
+        }
+        if st.free.len() as u64 + held + quarantined != self.inner.capacity as u64 {
+            return Err("free + leased + quarantined != capacity".into());
+        }
+        Ok(())
+    }
+
+    // ----- transitions used by leases (crate-private) -----
+
+    /// Returns never-exposed (or settled) slots to the free list.
+    pub(crate) fn release_held(&self, tenancies: &[Tenancy]) {
+        let mut st = lock(&self.inner.state);
+        let mut n = 0u64;
+        for t in tenancies {
+            let meta = &mut st.slots[t.slot.0 as usize];
+            debug_assert_eq!(meta.generation, t.generation.0);
+            debug_assert_eq!(meta.state, HELD);
+            meta.state = FREE;
+            st.free.push(t.slot.0);
+            n += 1;
+        }
+        st.leased -= n;
+        st.counters.released += n;
+        drop(st);
+        report_counter!("kvt_released_slots_total", self.inner.id, n);
+    }
+
+    pub(crate) fn mark_exposed(&self, tenancies: &[Tenancy], peer: PeerId) {
+        let mut st = lock(&self.inner.state);
+        for t in tenancies {
+            let meta = &mut st.slots[t.slot.0 as usize];
+            debug_assert_eq!(meta.state, HELD);
+            meta.state = EXPOSED;
+            meta.aux = peer.0;
+        }
+        st.counters.exposures += 1;
+        drop(st);
+        report_counter!("kvt_exposures_total", self.inner.id, 1);
+    }
+
+    /// If every slot of an exposed lease is proven, moves them back to held
+    /// and returns true; otherwise registers `waker` (if any) and returns false.
+    pub(crate) fn try_settle(&self, tenancies: &[Tenancy], waker: Option<&Waker>) -> bool {
+        let mut st = lock(&self.inner.state);
+        if Self::settle_locked(&mut st, tenancies) {
+            return true;
+        }
+        if let Some(w) = waker {
+            for t in tenancies {
+                if st.slots[t.slot.0 as usize].state == EXPOSED {
+                    st.waiters.insert(t.slot.0, w.clone());
+                }
+            }
+        }
+        false
+    }
+
+    fn settle_locked(st: &mut PoolState, tenancies: &[Tenancy]) -> bool {
+        let all = tenancies.iter().all(|t| st.slots[t.slot.0 as usize].state == PROVEN);
+        if all {
+            for t in tenancies {
+                st.slots[t.slot.0 as usize].state = HELD;
+                if !st.waiters.is_empty() {
+                    st.waiters.remove(&t.slot.0);
+                }
+            }
+        }
+        all
+    }
+
+    /// An exposed lease was aborted or dropped: proven slots go free, the rest
+    /// into quarantine, and the backend's escalation hook is told.
+    pub(crate) fn quarantine(&self, tenancies: &[Tenancy], peer: PeerId) -> Option<QuarantineId> {
+        let now = self.inner.clock.now();
+        let mut st = lock(&self.inner.state);
+        let mut remaining = Tenancies::new();
+        let mut freed = 0u64;
+        for t in tenancies {
+            st.waiters.remove(&t.slot.0);
+            let meta = st.slots[t.slot.0 as usize];
+            if meta.state == PROVEN {
+                st.slots[t.slot.0 as usize].state = FREE;
+                st.free.push(t.slot.0);
+                freed += 1;
+            } else {
+                debug_assert_eq!(meta.state, EXPOSED);
+                remaining.push(*t);
+            }
+        }
+        st.leased -= freed + remaining.len() as u64;
+        st.counters.released += freed;
+        if remaining.is_empty() {
+            return None;
+        }
+        let id = st.next_quarantine_id;
+        st.next_quarantine_id += 1;
+        let index = match st.quarantine_vacant.pop() {
+            Some(i) => i,
+            None => {
+                st.quarantine.push(None);
+                (st.quarantine.len() - 1) as u32
+            }
+        };
+        for t in &remaining {
+            let meta = &mut st.slots[t.slot.0 as usize];
+            meta.state = QUARANTINED;
+            meta.aux = index;
+        }
+        let n = remaining.len() as u64;
+        st.quarantined += n;
+        st.counters.quarantined_total += n;
+        st.quarantine[index as usize] = Some(QuarantineEntry {
+            id,
+            peer,
+            remaining,
+            since: now,
+            next_step: EscalationStep::RequestDrain,
+            next_at: now,
+            stuck: false,
+        });
+        let hook = st.escalation_hook.clone();
+        let gauge = st.quarantined;
+        drop(st);
+        tracing::debug!(
+            pool = self.inner.id.0,
+            peer = peer.0,
+            slots = n,
+            quarantine = id,
+            "exposed lease aborted: slots quarantined until a proof arrives"
+        );
+        report_counter!("kvt_quarantined_slots_total", self.inner.id, n);
+        #[cfg(feature = "metrics")]
+        crate::metrics::facade::gauge("kvt_quarantined_slots", self.inner.id, gauge);
+        let _ = gauge;
+        if let Some(hook) = hook {
+            hook();
+        }
+        Some(QuarantineId(id))
+    }
+
+    // ----- transitions used by the authority (crate-private) -----
+
+    pub(crate) fn apply(&self, proof: &Settlement) -> DeliveryReport {
+        self.apply_then(proof, |_| ()).0
+    }
+
+    /// Applies a proof and, under the same lock, tries to settle `lease`'s
+    /// tenancies (one lock round trip for the common settle path).
+    pub(crate) fn apply_and_settle(&self, proof: &Settlement, lease: &[Tenancy]) -> bool {
+        self.apply_then(proof, |st| Self::settle_locked(st, lease)).1
+    }
+
+    fn apply_then<R>(&self, proof: &Settlement, then: impl FnOnce(&mut PoolState) -> R) -> (DeliveryReport, R) {
+        // Read the clock only if a quarantined slot is reclaimed: it is the
+        // one costly call on the settle path.
+        let mut now: Option<Instant> = None;
+        let clock = &self.inner.clock;
+        let mut now = || *now.get_or_insert_with(|| clock.now());
+        let mut st = lock(&self.inner.state);
+        let mut report = DeliveryReport::default();
+        let mut wake: SmallVec<[Waker; 2]> = SmallVec::new();
+        let mut reclaimed: SmallVec<[std::time::Duration; 1]> = SmallVec::new();
+        match &proof.scope {
+            ProofScope::Tenancies(ts) => {
+                for t in ts {
+                    let Some(meta) = st.slots.get(t.slot.0 as usize).copied() else {
+                        report.stale += 1;
+                        continue;
+                    };
+                    if meta.generation != t.generation.0 {
+                        report.stale += 1;
+                        continue;
+                    }
+                    match meta.state {
+                        EXPOSED => {
+                            st.slots[t.slot.0 as usize].state = PROVEN;
+                            if !st.waiters.is_empty() {
+                                if let Some(w) = st.waiters.remove(&t.slot.0) {
+                                    wake.push(w);
+                                }
+                            }
+                            report.settled += 1;
+                        }
+                        QUARANTINED => {
+                            reclaimed.extend(Self::reclaim(&mut st, *t, meta.aux, now()));
+                            report.settled += 1;
+                            report.reclaimed += 1;
+                        }
+                        _ => report.stale += 1,
+                    }
+                }
+            }
+            ProofScope::Peer(peer) => {
+                for i in 0..st.slots.len() {
+                    let meta = st.slots[i];
+                    if meta.state == EXPOSED && meta.aux == peer.0 {
+                        st.slots[i].state = PROVEN;
+                        if let Some(w) = st.waiters.remove(&(i as u32)) {
+                            wake.push(w);
+                        }
+                        report.settled += 1;
+                    }
+                }
+                for index in 0..st.quarantine.len() {
+                    let ts: Tenancies = match &st.quarantine[index] {
+                        Some(e) if e.peer == *peer => e.remaining.clone(),
+                        _ => continue,
+                    };
+                    for t in ts {
+                        reclaimed.extend(Self::reclaim(&mut st, t, index as u32, now()));
+                        report.settled += 1;
+                        report.reclaimed += 1;
+                    }
+                }
+            }
+        }
+        let n = report.settled as u64;
+        match proof.kind {
+            SettlementKind::Completed => st.counters.settled_completed += n,
+            SettlementKind::Revoked => st.counters.settled_revoked += n,
+            SettlementKind::Fenced => st.counters.settled_fenced += n,
+        }
+        st.counters.stale_rejected += report.stale as u64;
+        let then = then(&mut st);
+        drop(st);
+        for w in wake {
+            w.wake();
+        }
+        #[cfg(feature = "metrics")]
+        for d in &reclaimed {
+            crate::metrics::facade::latency("kvt_abort_to_reclaim_seconds", self.inner.id, *d);
+        }
+        let _ = reclaimed;
+        if report.stale > 0 {
+            tracing::debug!(pool = self.inner.id.0, stale = report.stale, kind = ?proof.kind, "stale settlement dropped");
+            report_counter!("kvt_stale_rejected_total", self.inner.id, report.stale);
+        }
+        match proof.kind {
+            SettlementKind::Completed => report_counter!("kvt_settled_completed_total", self.inner.id, n),
+            SettlementKind::Revoked => report_counter!("kvt_settled_revoked_total", self.inner.id, n),
+            SettlementKind::Fenced => report_counter!("kvt_settled_fenced_total", self.inner.id, n),
+        }
+        (report, then)
+    }
+
+    /// Frees one quarantined slot on a proof; closes its entry when it was the last.
+    /// Returns the abort-to-reclaim latency when the entry closed.
+    fn reclaim(st: &mut PoolState, t: Tenancy, index: u32, now: Instant) -> Option<std::time::Duration> {
+        let meta = &mut st.slots[t.slot.0 as usize];
+        meta.state = FREE;
+        st.free.push(t.slot.0);
+        st.quarantined -= 1;
+        st.counters.released += 1;
+        let entry = st.quarantine.get_mut(index as usize).and_then(Option::as_mut)?;
+        entry.remaining.retain(|r| *r != t);
+        if entry.stuck {
+            st.stuck -= 1;
+        }
+        if entry.remaining.is_empty() {
+            let latency = now.saturating_duration_since(entry.since);
+            st.counters.abort_to_reclaim.record(latency);
+            st.quarantine[index as usize] = None;
+            st.quarantine_vacant.push(index);
+            tracing::debug!(latency_us = latency.as_micros() as u64, "quarantine cleared by proof");
+            return Some(latency);
+        }
+        None
+    }
+
+    pub(crate) fn record_stale(&self, n: u64) {
+        lock(&self.inner.state).counters.stale_rejected += n;
+        report_counter!("kvt_stale_rejected_total", self.inner.id, n);
+    }
+
+    pub(crate) fn is_awaiting_settlement(&self, t: Tenancy) -> bool {
+        let st = lock(&self.inner.state);
+        st.slots
+            .get(t.slot.0 as usize)
+            .is_some_and(|m| m.generation == t.generation.0 && matches!(m.state, EXPOSED | PROVEN | QUARANTINED))
+    }
+
+    pub(crate) fn set_escalation_hook(&self, hook: Option<Arc<dyn Fn() + Send + Sync>>) {
+        lock(&self.inner.state).escalation_hook = hook;
+    }
+
+    pub(crate) fn poll_escalations(&self, now: Instant) -> Vec<EscalationAction> {
+        let ladder = self.inner.ladder;
+        let mut st = lock(&self.inner.state);
+        let mut actions = Vec::new();
+        let mut newly_stuck = 0u64;
+        for entry in st.quarantine.iter_mut().flatten() {
+            // Several rungs may be due at once after a long pause; emit each.
+            while !entry.stuck && entry.next_at <= now {
+                let step = entry.next_step;
+                actions.push(EscalationAction {
+                    quarantine: QuarantineId(entry.id),
+                    peer: entry.peer,
+                    tenancies: entry.remaining.to_vec(),
+                    step,
+                });
+                match step.next() {
+                    Some(next) => {
+                        entry.next_at += next.delay(&ladder);
+                        entry.next_step = next;
+                    }
+                    None => {
+                        entry.stuck = true;
+                        newly_stuck += entry.remaining.len() as u64;
+                    }
+                }
+            }
+        }
+        st.stuck += newly_stuck;
+        drop(st);
+        if newly_stuck > 0 {
+            tracing::warn!(
+                pool = self.inner.id.0,
+                slots = newly_stuck,
+                "escalation ladder exhausted: slots stay quarantined until a proof arrives"
+            );
+        }
+        actions
+    }
+
+    pub(crate) fn next_escalation_at(&self) -> Option<Instant> {
+        let st = lock(&self.inner.state);
+        st.quarantine.iter().flatten().filter(|e| !e.stuck).map(|e| e.next_at).min()
+    }
+}

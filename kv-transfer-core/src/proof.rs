@@ -1,0 +1,199 @@
+//! Settlement proofs and the authority that mints them.
+//!
+//! A proof says no NIC can touch some slots any more for some tenancy. There
+//! are exactly three (DESIGN.md): `Completed`, `Revoked`, `Fenced`. Their
+//! fields are private and they have no public constructor: only a pool's
+//! [`SettlementAuthority`], which the backend keeps, can make one, and each
+//! carries its pool's id so it cannot settle another pool's slots.
+
+use crate::escalation::EscalationAction;
+use crate::ids::{PeerId, PoolId, Tenancy};
+use crate::lease::{Exposed, SlotLease, Tenancies};
+use crate::pool::{DeliveryReport, SlotPool};
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum ProofScope {
+    Tenancies(Tenancies),
+    Peer(PeerId),
+}
+
+/// Which of the three proofs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SettlementKind {
+    /// Every operation that touched the slots reached a terminal status.
+    Completed,
+    /// The access key for the tenancy was invalidated and the backend
+    /// confirmed no later access can land.
+    Revoked,
+    /// The connection to the peer is torn down and nothing more can arrive.
+    Fenced,
+}
+
+/// Any of the three proofs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settlement {
+    pub(crate) pool: PoolId,
+    pub(crate) kind: SettlementKind,
+    pub(crate) scope: ProofScope,
+}
+
+impl Settlement {
+    /// Which proof this is.
+    pub fn kind(&self) -> SettlementKind {
+        self.kind
+    }
+    /// The pool it was minted for.
+    pub fn pool(&self) -> PoolId {
+        self.pool
+    }
+}
+
+macro_rules! proof_type {
+    ($(#[$doc:meta])* $name:ident, $kind:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug, PartialEq, Eq)]
+        pub struct $name(Settlement);
+
+        impl From<$name> for Settlement {
+            fn from(p: $name) -> Settlement {
+                p.0
+            }
+        }
+
+        impl $name {
+            /// The pool it was minted for.
+            pub fn pool(&self) -> PoolId {
+                self.0.pool
+            }
+        }
+    };
+}
+
+proof_type!(
+    /// Proof that every operation on some tenancies reached a terminal status
+    /// (observed locally, or acknowledged by the remote initiator after it
+    /// observed terminal status for all its operations on them).
+    Completed,
+    Completed
+);
+proof_type!(
+    /// Proof that the access key for some tenancies was invalidated and the
+    /// backend confirmed no later access can land.
+    Revoked,
+    Revoked
+);
+proof_type!(
+    /// Proof that the connection to one peer is torn down and nothing more
+    /// from it can arrive. Settles every exposure to that peer.
+    Fenced,
+    Fenced
+);
+
+/// The backend's capability to settle a pool's slots. Returned once by
+/// [`SlotPool::new`]; clones share it.
+///
+/// ```
+/// use kv_transfer_core::{HostRegion, PoolConfig, SlotPool, PeerId};
+/// use std::sync::Arc;
+///
+/// let (pool, authority) = SlotPool::new(Arc::new(HostRegion::new(4 * 64).unwrap()), PoolConfig::new(64)).unwrap();
+/// let lease = pool.reserve(2).unwrap();
+/// let (exposed, remote) = lease.expose(PeerId(7), 0xfeed, "127.0.0.1:9000");
+/// assert_eq!(remote.slots.len(), 2);
+/// // ... the peer writes, then acknowledges both tenancies ...
+/// authority.deliver(authority.completed(&remote.tenancies()));
+/// let settled = exposed.try_settled().expect("both slots proven");
+/// assert_eq!(settled.bytes().unwrap().len(), 128);
+/// settled.release();
+/// assert_eq!(pool.metrics().free, 4);
+/// ```
+#[derive(Clone, Debug)]
+pub struct SettlementAuthority {
+    pub(crate) pool: SlotPool,
+}
+
+impl SettlementAuthority {
+    /// The pool this authority settles.
+    pub fn pool(&self) -> &SlotPool {
+        &self.pool
+    }
+
+    fn mint(&self, kind: SettlementKind, scope: ProofScope) -> Settlement {
+        Settlement { pool: self.pool.id(), kind, scope }
+    }
+
+    /// A `Completed` proof for these tenancies. Mint it only when every
+    /// operation touching them reached a terminal status.
+    pub fn completed(&self, tenancies: &[Tenancy]) -> Completed {
+        Completed(self.mint(SettlementKind::Completed, ProofScope::Tenancies(tenancies.into())))
+    }
+    /// A `Completed` proof covering an exposed lease's slots.
+    pub fn completed_lease(&self, lease: &SlotLease<Exposed>) -> Completed {
+        self.completed(lease.tenancies())
+    }
+    /// A `Revoked` proof. Mint it only once the access key for these
+    /// tenancies is invalid and no access can land any more.
+    pub fn revoked(&self, tenancies: &[Tenancy]) -> Revoked {
+        Revoked(self.mint(SettlementKind::Revoked, ProofScope::Tenancies(tenancies.into())))
+    }
+    /// A `Fenced` proof for everything exposed to `peer`. Mint it only once
+    /// the connection is torn down and its receiving side joined or flushed.
+    pub fn fenced(&self, peer: PeerId) -> Fenced {
+        Fenced(self.mint(SettlementKind::Fenced, ProofScope::Peer(peer)))
+    }
+
+    /// Applies a proof: live exposures it covers become settleable (their
+    /// `settled()` futures wake), quarantined slots it covers return to the
+    /// free list. Tenancies it names that are not awaiting settlement (stale
+    /// generation, already settled) are dropped and counted (rule 5).
+    /// A proof minted by another pool's authority does nothing and is
+    /// reported as entirely stale.
+    pub fn deliver(&self, proof: impl Into<Settlement>) -> DeliveryReport {
+        let proof = proof.into();
+        if proof.pool != self.pool.id() {
+            let stale = match &proof.scope {
+                ProofScope::Tenancies(t) => t.len(),
+                ProofScope::Peer(_) => 1,
+            };
+            self.pool.record_stale(stale as u64);
+            return DeliveryReport { stale, ..DeliveryReport::default() };
+        }
+        self.pool.apply(&proof)
+    }
+
+    /// Whether a notification or ack naming `t` concerns a tenancy that still
+    /// waits for settlement. If not, it is counted as stale and `false` is
+    /// returned: drop the message.
+    pub fn accept(&self, t: Tenancy) -> bool {
+        let ok = self.pool.is_awaiting_settlement(t);
+        if !ok {
+            self.pool.record_stale(1);
+        }
+        ok
+    }
+
+    /// Counts stale accesses the backend rejected by itself (for example at
+    /// the NIC, where the generation bound to a key no longer matches).
+    pub fn record_stale(&self, n: u64) {
+        self.pool.record_stale(n)
+    }
+
+    /// Escalation steps that are due at `now`. Never frees anything: each
+    /// action asks the backend for a proof.
+    pub fn poll_escalations(&self, now: Instant) -> Vec<EscalationAction> {
+        self.pool.poll_escalations(now)
+    }
+
+    /// When the next escalation step falls due, if any.
+    pub fn next_escalation_at(&self) -> Option<Instant> {
+        self.pool.next_escalation_at()
+    }
+
+    /// Called (outside the pool's lock) whenever slots enter quarantine, so a
+    /// backend's driver can wake and poll escalations.
+    pub fn on_quarantine(&self, hook: impl Fn() + Send + Sync + 'static) {
+        self.pool.set_escalation_hook(Some(Arc::new(hook)))
+    }
+}

@@ -1,0 +1,178 @@
+//! Registered memory that slots are carved from.
+//!
+//! A pool does not care where its bytes live: host memory now, device memory
+//! (CUDA through `cudarc`) later. It needs the address a NIC uses, the length,
+//! and a way to copy bytes in and out for the application's own reads and
+//! writes. Everything else (registration keys, memory windows) belongs to the
+//! backend.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ptr::NonNull;
+
+/// Where a region's memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// Ordinary host memory (DRAM).
+    Host,
+    /// Device memory of the accelerator with this ordinal.
+    Device {
+        /// The device's ordinal (CUDA device index).
+        ordinal: u32,
+    },
+}
+
+/// Errors of region access.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RegionError {
+    /// The range `[offset, offset + len)` is not inside the region.
+    #[error("range {offset}+{len} lies outside the region of {region_len} bytes")]
+    OutOfBounds {
+        /// Start of the requested range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+        /// Length of the region.
+        region_len: usize,
+    },
+    /// The allocation could not be made (zero length, bad alignment, no memory).
+    #[error("cannot allocate a region of {len} bytes aligned to {align}")]
+    Allocation {
+        /// Requested length.
+        len: usize,
+        /// Requested alignment.
+        align: usize,
+    },
+    /// The memory kind cannot do this (for example a device copy without a driver).
+    #[error("memory access failed: {0}")]
+    Access(String),
+}
+
+/// Memory that a pool's slots are carved from and that a backend registers
+/// with its NIC.
+///
+/// Implementations copy with plain memory semantics. Concurrent access by a
+/// NIC is exactly what the pool's leases rule out; a backend that writes into
+/// a slot it has no exposure for (the `naive` positive control) races like a
+/// real NIC's DMA would, and the copy sees whichever bytes won.
+pub trait Region: Send + Sync + fmt::Debug + 'static {
+    /// Where the memory lives.
+    fn kind(&self) -> MemoryKind;
+    /// Base address as the NIC sees it (a virtual address for host memory, a
+    /// device pointer for device memory).
+    fn addr(&self) -> u64;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the region has no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies `dst.len()` bytes starting at `offset` into `dst`.
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), RegionError>;
+    /// Copies `src` into the region starting at `offset`.
+    fn write(&self, offset: usize, src: &[u8]) -> Result<(), RegionError>;
+    /// A host pointer to the first byte, for backends that move host memory
+    /// themselves (the TCP simulator's NIC). `None` for device memory.
+    fn host_ptr(&self) -> Option<NonNull<u8>>;
+}
+
+pub(crate) fn check_range(offset: usize, len: usize, region_len: usize) -> Result<(), RegionError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(RegionError::OutOfBounds { offset, len, region_len }),
+    }
+}
+
+/// Page-aligned, zeroed host memory owned by the region.
+pub struct HostRegion {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the region owns its allocation; every access goes through raw,
+// bounds-checked copies (never a `&`/`&mut` to the bytes that outlives a copy),
+// so sharing it between threads is as sound as sharing DMA-able memory.
+unsafe impl Send for HostRegion {}
+// SAFETY: see `Send`.
+unsafe impl Sync for HostRegion {}
+
+impl HostRegion {
+    /// Page size used for alignment when none is asked for.
+    pub const PAGE: usize = 4096;
+
+    /// Allocates `len` zeroed bytes aligned to a page.
+    ///
+    /// ```
+    /// use kv_transfer_core::{HostRegion, Region};
+    /// let r = HostRegion::new(1 << 20).unwrap();
+    /// assert_eq!(r.len(), 1 << 20);
+    /// assert_eq!(r.addr() % 4096, 0);
+    /// ```
+    pub fn new(len: usize) -> Result<Self, RegionError> {
+        Self::with_alignment(len, Self::PAGE)
+    }
+
+    /// Allocates `len` zeroed bytes aligned to `align` (a power of two).
+    pub fn with_alignment(len: usize, align: usize) -> Result<Self, RegionError> {
+        let err = RegionError::Allocation { len, align };
+        if len == 0 {
+            return Err(err);
+        }
+        let layout = Layout::from_size_align(len, align).map_err(|_| err.clone())?;
+        // SAFETY: the layout has a non-zero size (checked above).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(err)?;
+        Ok(Self { ptr, layout })
+    }
+
+    /// Raw pointer to the first byte. Writing through it is the caller's
+    /// business; the pool's leases say when that is safe.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl fmt::Debug for HostRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostRegion")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.layout.size())
+            .finish()
+    }
+}
+
+impl Drop for HostRegion {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `with_alignment` with exactly this layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl Region for HostRegion {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Host
+    }
+    fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as usize as u64
+    }
+    fn len(&self) -> usize {
+        self.layout.size()
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), RegionError> {
+        check_range(offset, dst.len(), self.len())?;
+        // SAFETY: in bounds (checked); `dst` is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) }
+        Ok(())
+    }
+    fn write(&self, offset: usize, src: &[u8]) -> Result<(), RegionError> {
+        check_range(offset, src.len(), self.len())?;
+        // SAFETY: in bounds (checked); `src` is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) }
+        Ok(())
+    }
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        Some(self.ptr)
+    }
+}

@@ -1,0 +1,63 @@
+//! What a peer needs to reach exposed slots.
+
+use crate::ids::{Generation, PoolId, SlotId, Tenancy};
+use serde::{Deserialize, Serialize};
+
+/// One exposed slot as a peer sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RemoteSlot {
+    /// The slot.
+    pub slot: SlotId,
+    /// Its generation for this tenancy: every write, notification and ack
+    /// that concerns the slot carries it back.
+    pub generation: Generation,
+    /// Its address as the exposing side's NIC sees it.
+    pub addr: u64,
+}
+
+impl RemoteSlot {
+    /// The tenancy this slot names.
+    pub fn tenancy(&self) -> Tenancy {
+        Tenancy::new(self.slot, self.generation)
+    }
+}
+
+/// Descriptor of slots exposed to a peer: address, length, key and
+/// generation of each. Serializable, to travel in whatever control message
+/// the serving engine uses.
+///
+/// ```
+/// # use kv_transfer_core::*;
+/// # use std::sync::Arc;
+/// let (pool, _a) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(1024)).unwrap();
+/// let (_exposed, remote) = pool.reserve(2).unwrap().expose(PeerId(1), 42, "decode-0");
+/// let json = serde_json::to_string(&remote).unwrap();
+/// let back: RemoteSlots = serde_json::from_str(&json).unwrap();
+/// assert_eq!(back, remote);
+/// assert_eq!(back.len_bytes(), 2048);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteSlots {
+    /// How the peer reaches the exposing side (backend-specific: an address,
+    /// an agent name, a segment name).
+    pub endpoint: String,
+    /// The exposing pool.
+    pub pool: PoolId,
+    /// Access key for the slots (an rkey, a registration key).
+    pub key: u64,
+    /// Bytes per slot.
+    pub slot_size: u64,
+    /// The slots, in the exposing lease's order.
+    pub slots: Vec<RemoteSlot>,
+}
+
+impl RemoteSlots {
+    /// The tenancies described.
+    pub fn tenancies(&self) -> Vec<Tenancy> {
+        self.slots.iter().map(RemoteSlot::tenancy).collect()
+    }
+    /// Total bytes described.
+    pub fn len_bytes(&self) -> u64 {
+        self.slot_size * self.slots.len() as u64
+    }
+}

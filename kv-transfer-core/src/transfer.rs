@@ -1,0 +1,394 @@
+//! The `Transfer` trait and the handle of an in-flight operation.
+//!
+//! Posting moves the local lease into the operation. The [`TransferHandle`]
+//! resolves only at a terminal status and gives the lease back settled. The
+//! backend keeps the other end, a [`Completer`], which owns the lease while
+//! the operation is in flight: dropping the handle parks nothing in the
+//! caller's hands (the io_uring owned-buffer pattern), and when the terminal
+//! status arrives the completer settles the lease and, with nobody waiting,
+//! returns it to the pool.
+
+use crate::lease::{Exposed, Reserved, SettleError, Settled, SlotLease};
+use crate::proof::Settlement;
+use crate::remote::RemoteSlots;
+use crate::sync::{lock, Mutex};
+use async_trait::async_trait;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+/// Direction of a one-sided operation, seen from the initiator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Pull remote bytes into the local lease.
+    Read,
+    /// Push the local lease's bytes into the remote slots.
+    Write,
+}
+
+/// Options of a posted operation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TransferOptions {
+    /// After the data, notify the target with the tenancies written, so it
+    /// can settle its exposure (`Completed`). Sent only after a successful
+    /// terminal status for every part of the operation.
+    pub notify: bool,
+}
+
+impl Default for TransferOptions {
+    fn default() -> Self {
+        Self { notify: true }
+    }
+}
+
+impl TransferOptions {
+    /// Options with notification on or off.
+    pub fn notify(notify: bool) -> Self {
+        Self { notify }
+    }
+}
+
+/// Why the remote NIC refused an access. Nothing was written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, thiserror::Error)]
+#[non_exhaustive]
+pub enum RejectReason {
+    /// The range lies outside the registered memory.
+    #[error("out of bounds")]
+    OutOfBounds,
+    /// The key is not registered.
+    #[error("unknown key")]
+    UnknownKey,
+    /// The generation is not the one bound to the key for that slot.
+    #[error("stale generation")]
+    StaleGeneration,
+    /// A zero-length access.
+    #[error("zero length")]
+    ZeroLength,
+    /// Longer than the target accepts in one operation.
+    #[error("oversize")]
+    Oversize,
+}
+
+/// Terminal failure of an operation. The operation is over (no NIC touches
+/// the local lease any more), so the lease still comes back settled.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// The remote NIC refused the access.
+    #[error("rejected by the target: {0}")]
+    Rejected(RejectReason),
+    /// The connection failed; the backend fenced it before reporting.
+    #[error("transport failed: {0}")]
+    Transport(String),
+    /// The engine reported an error.
+    #[error("{engine} error {code}: {message}")]
+    Engine {
+        /// Which engine.
+        engine: &'static str,
+        /// Its status code.
+        code: i64,
+        /// Its words, or ours where it has none.
+        message: String,
+    },
+    /// Cancelled on request before any byte moved.
+    #[error("canceled")]
+    Canceled,
+}
+
+/// Why a post failed. The lease comes back unexposed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PostErrorKind {
+    /// The local lease belongs to a pool this backend did not register.
+    #[error("local lease belongs to a pool this backend did not register")]
+    ForeignPool,
+    /// Local and remote descriptors do not match.
+    #[error("descriptor mismatch: {0}")]
+    Descriptor(String),
+    /// The peer named by the descriptor is not known or not reachable.
+    #[error("unknown or unreachable peer: {0}")]
+    Peer(String),
+    /// The backend cannot do this operation.
+    #[error("not supported by this backend: {0}")]
+    Unsupported(&'static str),
+    /// The engine refused the post.
+    #[error("engine refused the post: {0}")]
+    Engine(String),
+    /// The backend is shutting down.
+    #[error("backend is shutting down")]
+    ShuttingDown,
+}
+
+/// A failed post, with the lease handed back (rule 3).
+#[derive(thiserror::Error)]
+#[error("post failed: {kind}")]
+pub struct PostError {
+    /// The lease, unexposed.
+    pub lease: SlotLease<Reserved>,
+    /// What went wrong.
+    pub kind: PostErrorKind,
+}
+
+impl fmt::Debug for PostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostError").field("kind", &self.kind).field("lease", &self.lease).finish()
+    }
+}
+
+/// Checks that a local lease and a remote descriptor describe the same shape
+/// (slot count and slot size). Backends call this before exposing anything.
+pub fn check_shapes(local: &SlotLease<Reserved>, remote: &RemoteSlots) -> Result<(), PostErrorKind> {
+    if local.len() != remote.slots.len() {
+        return Err(PostErrorKind::Descriptor(format!(
+            "local lease has {} slots, remote descriptor {}",
+            local.len(),
+            remote.slots.len()
+        )));
+    }
+    if local.pool().slot_size() as u64 != remote.slot_size {
+        return Err(PostErrorKind::Descriptor(format!(
+            "local slots are {} bytes, remote slots {}",
+            local.pool().slot_size(),
+            remote.slot_size
+        )));
+    }
+    Ok(())
+}
+
+/// A transport that moves KV slots between pools. Object-safe, so a serving
+/// engine can hold `Arc<dyn Transfer>` and choose the backend by feature
+/// flag and configuration.
+#[async_trait]
+pub trait Transfer: Send + Sync {
+    /// The backend's name (`"tcp-sim"`, `"nixl"`, …).
+    fn backend(&self) -> &'static str;
+
+    /// Posts `op` between the local lease and the remote slots. On success
+    /// the lease is inside the returned handle; on failure it comes back in
+    /// the error, unexposed.
+    async fn post(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError>;
+
+    /// Posts a WRITE of the local lease into the remote slots.
+    async fn write(
+        &self,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        self.post(Op::Write, local, remote, opts).await
+    }
+
+    /// Posts a READ of the remote slots into the local lease.
+    async fn read(
+        &self,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        self.post(Op::Read, local, remote, opts).await
+    }
+}
+
+/// What a finished operation hands back.
+#[derive(Debug)]
+pub struct TransferOutcome {
+    /// The local lease, settled: no NIC touches it any more.
+    pub lease: SlotLease<Settled>,
+    /// The terminal status.
+    pub result: Result<(), TransferError>,
+}
+
+/// The backend dropped an operation without a terminal status (shutdown, a
+/// bug). Its lease went to quarantine and returns to the pool only with a
+/// proof.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the backend abandoned the operation; its lease is quarantined")]
+pub struct Abandoned;
+
+enum OpState {
+    Pending { waker: Option<Waker> },
+    Done(Result<TransferOutcome, Abandoned>),
+    Taken,
+}
+
+struct OpShared {
+    state: Mutex<OpState>,
+    /// Handle still alive (someone may wait for the outcome).
+    handle_alive: Mutex<bool>,
+    cancel: std::sync::atomic::AtomicBool,
+}
+
+/// An in-flight operation: a future that resolves only at a terminal status.
+///
+/// Dropping it does not release anything: the lease stays with the backend's
+/// [`Completer`] until the terminal status, then returns to the pool.
+#[must_use = "dropping the handle does not cancel the operation; its lease returns to the pool when it completes"]
+pub struct TransferHandle {
+    shared: Arc<OpShared>,
+}
+
+impl fmt::Debug for TransferHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransferHandle").field("cancel_requested", &self.cancel_requested()).finish()
+    }
+}
+
+/// The backend's end of an in-flight operation. Owns the local lease until
+/// the terminal status.
+pub struct Completer {
+    shared: Arc<OpShared>,
+    lease: Option<SlotLease<Exposed>>,
+}
+
+impl fmt::Debug for Completer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Completer").field("lease", &self.lease).finish()
+    }
+}
+
+impl TransferHandle {
+    /// Creates the two ends of an operation around its exposed local lease.
+    /// Backends call this when they post.
+    pub fn pair(lease: SlotLease<Exposed>) -> (TransferHandle, Completer) {
+        let shared = Arc::new(OpShared {
+            state: Mutex::new(OpState::Pending { waker: None }),
+            handle_alive: Mutex::new(true),
+            cancel: std::sync::atomic::AtomicBool::new(false),
+        });
+        (TransferHandle { shared: shared.clone() }, Completer { shared, lease: Some(lease) })
+    }
+
+    /// Asks the backend to stop the operation. A request only: the handle
+    /// still resolves at a terminal status (possibly success, possibly
+    /// `Canceled`), never earlier.
+    pub fn cancel(&self) {
+        self.shared.cancel.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether `cancel` was called.
+    pub fn cancel_requested(&self) -> bool {
+        self.shared.cancel.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl Future for TransferHandle {
+    type Output = Result<TransferOutcome, Abandoned>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut st = lock(&self.shared.state);
+        match std::mem::replace(&mut *st, OpState::Taken) {
+            OpState::Done(out) => Poll::Ready(out),
+            OpState::Pending { .. } => {
+                *st = OpState::Pending { waker: Some(cx.waker().clone()) };
+                Poll::Pending
+            }
+            OpState::Taken => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for TransferHandle {
+    fn drop(&mut self) {
+        *lock(&self.shared.handle_alive) = false;
+        // An outcome already delivered but never taken: release its lease.
+        let leftover = {
+            let mut st = lock(&self.shared.state);
+            match std::mem::replace(&mut *st, OpState::Taken) {
+                OpState::Done(out) => Some(out),
+                other => {
+                    *st = other;
+                    None
+                }
+            }
+        };
+        drop(leftover);
+    }
+}
+
+impl Completer {
+    /// The local lease of the operation.
+    pub fn lease(&self) -> &SlotLease<Exposed> {
+        match &self.lease {
+            Some(l) => l,
+            None => unreachable!("completer used after completion"),
+        }
+    }
+
+    /// Whether the caller asked to cancel.
+    pub fn cancel_requested(&self) -> bool {
+        self.shared.cancel.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether the handle was dropped (nobody waits for the outcome).
+    pub fn is_detached(&self) -> bool {
+        !*lock(&self.shared.handle_alive)
+    }
+
+    /// Finishes the operation at a terminal status with the proof that
+    /// settles its local lease. The lease goes to the waiting handle, or back
+    /// to the pool if the handle was dropped. If the proof does not settle
+    /// the lease, the lease is quarantined, the handle resolves `Abandoned`,
+    /// and the error says why.
+    pub fn complete(
+        mut self,
+        proof: impl Into<Settlement>,
+        result: Result<(), TransferError>,
+    ) -> Result<(), crate::lease::SettleErrorReason> {
+        let Some(lease) = self.lease.take() else { return Ok(()) };
+        match lease.settle(proof) {
+            Ok(settled) => {
+                self.finish(Ok(TransferOutcome { lease: settled, result }));
+                Ok(())
+            }
+            Err(SettleError { lease, reason }) => {
+                drop(lease);
+                self.finish(Err(Abandoned));
+                Err(reason)
+            }
+        }
+    }
+
+    fn finish(&self, out: Result<TransferOutcome, Abandoned>) {
+        let alive = *lock(&self.shared.handle_alive);
+        if !alive {
+            // Nobody waits: dropping the outcome releases the settled lease.
+            drop(out);
+            return;
+        }
+        let waker = {
+            let mut st = lock(&self.shared.state);
+            match std::mem::replace(&mut *st, OpState::Done(out)) {
+                OpState::Pending { waker } => waker,
+                _ => None,
+            }
+        };
+        // The handle may have gone between the two checks; its `Drop` takes
+        // `Done` and releases it, so nothing leaks either way.
+        if !*lock(&self.shared.handle_alive) {
+            let leftover = std::mem::replace(&mut *lock(&self.shared.state), OpState::Taken);
+            drop(leftover);
+        }
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+impl Drop for Completer {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            // No terminal status: the lease must not come back unsettled.
+            drop(lease);
+            tracing::warn!("operation dropped by its backend before a terminal status; lease quarantined");
+            self.finish(Err(Abandoned));
+        }
+    }
+}

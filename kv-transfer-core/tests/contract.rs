@@ -1,0 +1,340 @@
+//! The contract's rules, one test each where a test can state them.
+
+use futures::executor::block_on;
+use futures::FutureExt;
+use kv_transfer_core::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+const SLOT: usize = 256;
+
+fn pool_with(capacity: usize, clock: Arc<ManualClock>) -> (SlotPool, SettlementAuthority) {
+    let region = Arc::new(HostRegion::new(capacity * SLOT).unwrap());
+    let ladder = EscalationLadder {
+        drain: Duration::from_millis(10),
+        revoke: Duration::from_millis(10),
+        fence: Duration::from_millis(10),
+    };
+    SlotPool::new(region, PoolConfig::new(SLOT).with_ladder(ladder).with_clock(clock)).unwrap()
+}
+
+fn pool(capacity: usize) -> (SlotPool, SettlementAuthority) {
+    pool_with(capacity, Arc::new(ManualClock::new()))
+}
+
+#[test]
+fn generations_grow_on_every_lease() {
+    let (pool, _a) = pool(1);
+    let mut last = 0;
+    for _ in 0..5 {
+        let lease = pool.reserve(1).unwrap();
+        let g = lease.tenancies()[0].generation.0;
+        assert!(g > last, "generation {g} did not grow past {last}");
+        last = g;
+        lease.release();
+    }
+}
+
+#[test]
+fn admission_is_all_or_nothing_and_typed() {
+    let (pool, _a) = pool(4);
+    let held = pool.reserve(3).unwrap();
+    assert_eq!(pool.reserve(2).unwrap_err(), AdmissionError::OverCapacity { requested: 2, available: 1 });
+    assert_eq!(pool.reserve(5).unwrap_err(), AdmissionError::TooLarge { requested: 5, capacity: 4 });
+    assert_eq!(pool.reserve(0).unwrap_err(), AdmissionError::Empty);
+    // The refusals took nothing.
+    assert_eq!(pool.metrics().free, 1);
+    assert_eq!(pool.metrics().admission_rejected, 3);
+    drop(held);
+    assert_eq!(pool.metrics().free, 4);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn aborted_exposure_stays_quarantined_until_a_proof() {
+    let (pool, authority) = pool(2);
+    let (exposed, remote) = pool.reserve(2).unwrap().expose(PeerId(9), 1, "t");
+    exposed.abort();
+    let m = pool.metrics();
+    assert_eq!((m.free, m.quarantined, m.quarantined_total), (0, 2, 2));
+    assert!(matches!(pool.reserve(1), Err(AdmissionError::OverCapacity { .. })));
+    // Half a proof frees half.
+    let ts = remote.tenancies();
+    let r = authority.deliver(authority.completed(&ts[..1]));
+    assert_eq!((r.settled, r.reclaimed, r.stale), (1, 1, 0));
+    assert_eq!(pool.metrics().free, 1);
+    authority.deliver(authority.revoked(&ts[1..]));
+    let m = pool.metrics();
+    assert_eq!((m.free, m.quarantined, m.settled_completed, m.settled_revoked), (2, 0, 1, 1));
+    assert_eq!(m.abort_to_reclaim.count, 1);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn dropping_an_exposed_lease_is_an_abort_not_a_release() {
+    let (pool, authority) = pool(1);
+    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    drop(exposed);
+    assert_eq!(pool.metrics().free, 0);
+    assert_eq!(pool.metrics().quarantined, 1);
+    authority.deliver(authority.completed(&remote.tenancies()));
+    assert_eq!(pool.metrics().free, 1);
+}
+
+#[test]
+fn forgetting_an_exposed_lease_leaks_but_never_frees() {
+    let (pool, authority) = pool(1);
+    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    std::mem::forget(exposed);
+    assert_eq!(pool.metrics().free, 0);
+    // A proof for a forgotten live exposure marks it proven; the slot stays
+    // with the (leaked) lease, so it is still not free: a leak, not a reuse.
+    authority.deliver(authority.completed(&remote.tenancies()));
+    assert_eq!(pool.metrics().free, 0);
+    assert!(pool.reserve(1).is_err());
+}
+
+#[test]
+fn a_timer_never_frees_it_only_escalates() {
+    let clock = Arc::new(ManualClock::new());
+    let (pool, authority) = pool_with(1, clock.clone());
+    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(3), 1, "t");
+    exposed.abort();
+    let mut steps = Vec::new();
+    for _ in 0..10 {
+        for a in authority.poll_escalations(clock.now()) {
+            assert_eq!(a.peer, PeerId(3));
+            assert_eq!(a.tenancies, remote.tenancies());
+            steps.push(a.step);
+        }
+        clock.advance(Duration::from_millis(7));
+        assert_eq!(pool.metrics().free, 0, "a deadline freed a quarantined slot");
+    }
+    assert_eq!(
+        steps,
+        [EscalationStep::RequestDrain, EscalationStep::Revoke, EscalationStep::Fence, EscalationStep::Exhausted]
+    );
+    let m = pool.metrics();
+    assert_eq!((m.quarantined, m.quarantine_stuck), (1, 1));
+    assert_eq!(authority.next_escalation_at(), None);
+    clock.advance(Duration::from_secs(3600));
+    assert!(authority.poll_escalations(clock.now()).is_empty());
+    assert_eq!(pool.metrics().free, 0);
+    // Only a proof ends it, even after the ladder is exhausted.
+    authority.deliver(authority.fenced(PeerId(3)));
+    let m = pool.metrics();
+    assert_eq!((m.free, m.quarantined, m.quarantine_stuck, m.settled_fenced), (1, 0, 0, 1));
+}
+
+#[test]
+fn escalation_hook_fires_on_quarantine() {
+    let (pool, authority) = pool(1);
+    let fired = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let f = fired.clone();
+    authority.on_quarantine(move || {
+        f.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    });
+    let (exposed, _r) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    exposed.abort();
+    assert_eq!(fired.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[test]
+fn stale_proofs_are_dropped_and_counted() {
+    let (pool, authority) = pool(1);
+    let (exposed, old) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    authority.deliver(authority.completed(&old.tenancies()));
+    exposed.try_settled().unwrap().release();
+    // Next tenancy of the same slot.
+    let (exposed, new) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    assert_eq!(new.slots[0].slot, old.slots[0].slot);
+    assert!(new.slots[0].generation > old.slots[0].generation);
+    // A late ack for the old tenancy must not settle the new one.
+    assert!(!authority.accept(old.tenancies()[0]));
+    let r = authority.deliver(authority.completed(&old.tenancies()));
+    assert_eq!((r.settled, r.stale), (0, 1));
+    let exposed = exposed.try_settled().expect_err("stale ack settled a new tenancy");
+    assert!(authority.accept(new.tenancies()[0]));
+    assert_eq!(pool.metrics().stale_rejected, 2);
+    drop(exposed);
+}
+
+#[test]
+fn a_proof_from_another_pool_settles_nothing() {
+    let (pool, _authority) = pool(1);
+    let (_other_pool, other) = self::pool(1);
+    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let forged = other.completed(&remote.tenancies());
+    let err = exposed.settle(forged).unwrap_err();
+    assert_eq!(err.reason, SettleErrorReason::ForeignProof);
+    err.lease.abort();
+    let r = other.deliver(other.fenced(PeerId(1)));
+    assert_eq!(r.settled, 0);
+    assert_eq!(pool.metrics().quarantined, 1);
+}
+
+#[test]
+fn settle_needs_a_proof_covering_every_slot() {
+    let (pool, authority) = pool(2);
+    let (exposed, remote) = pool.reserve(2).unwrap().expose(PeerId(1), 1, "t");
+    let ts = remote.tenancies();
+    let err = exposed.settle(authority.completed(&ts[..1])).unwrap_err();
+    assert_eq!(err.reason, SettleErrorReason::Incomplete);
+    let settled = err.lease.settle(authority.completed(&ts[1..])).unwrap();
+    assert_eq!(settled.len(), 2);
+}
+
+#[test]
+fn fence_settles_every_exposure_to_that_peer_only() {
+    let (pool, authority) = pool(4);
+    let (a, _) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (b, _) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (c, _) = pool.reserve(1).unwrap().expose(PeerId(2), 1, "t");
+    let (d, _) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    d.abort();
+    let r = authority.deliver(authority.fenced(PeerId(1)));
+    assert_eq!((r.settled, r.reclaimed), (3, 1));
+    a.try_settled().unwrap().release();
+    b.try_settled().unwrap().release();
+    let c = c.try_settled().expect_err("a fence of peer 1 settled peer 2's exposure");
+    assert_eq!(pool.metrics().free, 3);
+    drop(c);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn settled_future_waits_for_the_proof() {
+    let (pool, authority) = pool(1);
+    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let mut fut = exposed.settled();
+    assert!((&mut fut).now_or_never().is_none());
+    let a2 = authority.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        a2.deliver(a2.completed(&remote.tenancies()));
+    });
+    let settled = block_on(fut);
+    t.join().unwrap();
+    assert_eq!(settled.tenancies().len(), 1);
+}
+
+#[test]
+fn local_reads_and_writes_are_bounded_to_the_lease() {
+    let (pool, authority) = pool(2);
+    let mut lease = pool.reserve(1).unwrap();
+    lease.write_at(0, 0, b"hello").unwrap();
+    assert!(matches!(lease.write_at(1, 0, b"x"), Err(AccessError::NoSuchSlot { .. })));
+    assert!(matches!(lease.write_at(0, SLOT - 1, b"xy"), Err(AccessError::OutOfSlot { .. })));
+    assert!(matches!(lease.write_at(0, usize::MAX, b"xy"), Err(AccessError::OutOfSlot { .. })));
+    let exposed = lease.expose_local(PeerId(1));
+    let settled = exposed.settle(authority.completed(&pool_tenancies(&pool, 0))).unwrap();
+    assert_eq!(&settled.bytes().unwrap()[..5], b"hello");
+}
+
+fn pool_tenancies(pool: &SlotPool, slot: u32) -> Vec<Tenancy> {
+    vec![Tenancy::new(SlotId(slot), pool.generation(SlotId(slot)).unwrap())]
+}
+
+#[test]
+fn slot_addresses_map_both_ways() {
+    let (pool, _a) = pool(4);
+    let base = pool.region().addr();
+    assert_eq!(pool.slot_addr(SlotId(2)), Some(base + 2 * SLOT as u64));
+    assert_eq!(pool.slot_addr(SlotId(4)), None);
+    assert_eq!(pool.slot_at(base + 2 * SLOT as u64 + 5), Some(SlotId(2)));
+    assert_eq!(pool.slot_at(base + 4 * SLOT as u64), None);
+    assert_eq!(pool.slot_at(base.wrapping_sub(1)), None);
+}
+
+#[test]
+fn bad_pool_configs_are_typed_errors() {
+    let r: Arc<dyn Region> = Arc::new(HostRegion::new(100).unwrap());
+    assert_eq!(SlotPool::new(r.clone(), PoolConfig::new(0)).unwrap_err(), PoolError::ZeroSlotSize);
+    assert!(matches!(SlotPool::new(r, PoolConfig::new(101)).unwrap_err(), PoolError::RegionTooSmall { .. }));
+    assert!(HostRegion::new(0).is_err());
+}
+
+#[test]
+fn metadata_is_at_most_32_bytes_per_slot() {
+    assert!(SlotPool::metadata_bytes_per_slot() <= 32, "{} bytes", SlotPool::metadata_bytes_per_slot());
+}
+
+// ----- TransferHandle: the owned-lease pattern -----
+
+#[test]
+fn dropped_handle_returns_the_lease_only_after_completion() {
+    let (pool, authority) = pool(1);
+    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(1));
+    let (handle, completer) = TransferHandle::pair(exposed);
+    drop(handle);
+    assert!(completer.is_detached());
+    // Sentinel: the slot is neither free nor reservable while in flight.
+    assert_eq!(pool.metrics().free, 0);
+    assert!(pool.reserve(1).is_err());
+    let proof = authority.completed_lease(completer.lease());
+    completer.complete(proof, Ok(())).unwrap();
+    assert_eq!(pool.metrics().free, 1);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn handle_resolves_only_at_terminal_status_and_returns_the_lease() {
+    let (pool, authority) = pool(1);
+    let mut lease = pool.reserve(1).unwrap();
+    lease.write_at(0, 0, &[7; 4]).unwrap();
+    let (handle, completer) = TransferHandle::pair(lease.expose_local(PeerId(1)));
+    handle.cancel();
+    assert!(completer.cancel_requested());
+    let mut handle = handle;
+    assert!((&mut handle).now_or_never().is_none(), "cancel must not resolve the handle");
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(10));
+        let proof = authority.completed_lease(completer.lease());
+        completer.complete(proof, Err(TransferError::Canceled)).unwrap();
+    });
+    let outcome = block_on(handle).unwrap();
+    t.join().unwrap();
+    assert_eq!(outcome.result, Err(TransferError::Canceled));
+    assert_eq!(&outcome.lease.bytes().unwrap()[..4], &[7; 4]);
+    outcome.lease.release();
+    assert_eq!(pool.metrics().free, 1);
+}
+
+#[test]
+fn a_completer_dropped_without_status_quarantines_and_reports_abandoned() {
+    let (pool, authority) = pool(1);
+    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(5));
+    let (handle, completer) = TransferHandle::pair(exposed);
+    drop(completer);
+    assert_eq!(block_on(handle).unwrap_err(), Abandoned);
+    assert_eq!(pool.metrics().quarantined, 1);
+    authority.deliver(authority.fenced(PeerId(5)));
+    assert_eq!(pool.metrics().free, 1);
+}
+
+#[test]
+fn completing_with_a_wrong_proof_does_not_free() {
+    let (pool, _authority) = pool(1);
+    let (_p2, other) = self::pool(1);
+    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(5));
+    let ts = exposed.tenancies().to_vec();
+    let (handle, completer) = TransferHandle::pair(exposed);
+    assert_eq!(completer.complete(other.completed(&ts), Ok(())), Err(SettleErrorReason::ForeignProof));
+    assert_eq!(block_on(handle).unwrap_err(), Abandoned);
+    assert_eq!(pool.metrics().quarantined, 1);
+}
+
+#[test]
+fn a_failed_post_hands_the_lease_back() {
+    let (pool, _authority) = pool(2);
+    let (pool2, _a2) = self::pool(2);
+    let lease = pool.reserve(1).unwrap();
+    let (_e, remote) = pool2.reserve(2).unwrap().expose(PeerId(1), 1, "t");
+    let kind = check_shapes(&lease, &remote).unwrap_err();
+    let err = PostError { lease, kind };
+    assert!(err.to_string().contains("descriptor mismatch"));
+    let lease = err.lease;
+    assert_eq!(pool.metrics().free, 1);
+    lease.release();
+    assert_eq!(pool.metrics().free, 2);
+}
