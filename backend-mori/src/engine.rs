@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -13,8 +13,8 @@ use crate::error::{EngineError, TransportError};
 use crate::status::{StatusCode, StatusUpdater, TransferStatus};
 use crate::transport::{MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
 use crate::types::{
-    BatchRequest, EngineDesc, EngineKey, InboundStatus, MemoryDesc, MemoryId, MemoryRegion, Segment, Tag,
-    TransferUniqueId,
+    BatchRequest, EngineDesc, EngineKey, InboundStatus, MemoryDesc, MemoryId, MemoryLocation, MemoryRegion, Segment,
+    Tag, TransferUniqueId,
 };
 use crate::util::lock;
 use crate::window::{Admit, NotifWindow, UidAllocator};
@@ -105,7 +105,26 @@ pub trait IoEngine: Send + Sync {
     /// engine's memory, if its notification arrived. Several notifications
     /// under one key are returned oldest first.
     fn pop_inbound_status(&self, remote: &EngineKey, uid: TransferUniqueId) -> Option<InboundStatus>;
+
+    /// Like [`IoEngine::pop_inbound_status`], waiting at most `timeout` for
+    /// the notification. `None` on timeout: the transfer may still be going on
+    /// (or have failed without a word, as MORI does), nothing is implied.
+    fn wait_inbound_status(
+        &self,
+        remote: &EngineKey,
+        uid: TransferUniqueId,
+        timeout: Duration,
+    ) -> Option<InboundStatus>;
+
+    /// Installs (or with `None` removes) a hook called with `(remote, uid, tag)`
+    /// each time an inbound status is filed, so an async adapter can wake the
+    /// task that will pop it. It runs on the progress thread with no engine
+    /// lock held; keep it short and do not block in it.
+    fn set_inbound_hook(&self, hook: Option<InboundHook>);
 }
+
+/// The hook of [`IoEngine::set_inbound_hook`]: `(remote engine, uid, tag)`.
+pub type InboundHook = Arc<dyn Fn(EngineKey, TransferUniqueId, Tag) + Send + Sync>;
 
 /// A session between one local and one remote region (MORI's `IOEngineSession`).
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
@@ -286,6 +305,9 @@ struct Inner {
     transport_info: Vec<u8>,
     uids: UidAllocator,
     state: std::sync::Mutex<State>,
+    /// Signalled whenever an inbound status is filed.
+    inbound_cv: Condvar,
+    inbound_hook: std::sync::Mutex<Option<InboundHook>>,
     shutdown: AtomicBool,
 }
 
@@ -330,6 +352,8 @@ impl MoriEngine {
             transport,
             transport_info,
             state: std::sync::Mutex::new(State::default()),
+            inbound_cv: Condvar::new(),
+            inbound_hook: std::sync::Mutex::new(None),
             shutdown: AtomicBool::new(false),
         });
         let worker = Arc::clone(&inner);
@@ -456,15 +480,42 @@ impl IoEngine for MoriEngine {
     }
 
     fn pop_inbound_status(&self, remote: &EngineKey, uid: TransferUniqueId) -> Option<InboundStatus> {
-        let mut state = lock(&self.inner.state);
-        let key = (remote.clone(), uid);
-        let queue = state.inbound.get_mut(&key)?;
-        let status = queue.pop_front();
-        if queue.is_empty() {
-            state.inbound.remove(&key);
-        }
-        status
+        pop_inbound(&mut lock(&self.inner.state), remote, uid)
     }
+
+    fn wait_inbound_status(
+        &self,
+        remote: &EngineKey,
+        uid: TransferUniqueId,
+        timeout: Duration,
+    ) -> Option<InboundStatus> {
+        let deadline = Instant::now().checked_add(timeout);
+        let mut state = lock(&self.inner.state);
+        loop {
+            if let Some(status) = pop_inbound(&mut state, remote, uid) {
+                return Some(status);
+            }
+            let left = match deadline {
+                Some(deadline) => deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())?,
+                None => Duration::from_secs(3600),
+            };
+            state = self.inner.inbound_cv.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    fn set_inbound_hook(&self, hook: Option<InboundHook>) {
+        *lock(&self.inner.inbound_hook) = hook;
+    }
+}
+
+fn pop_inbound(state: &mut State, remote: &EngineKey, uid: TransferUniqueId) -> Option<InboundStatus> {
+    let key = (remote.clone(), uid);
+    let queue = state.inbound.get_mut(&key)?;
+    let status = queue.pop_front();
+    if queue.is_empty() {
+        state.inbound.remove(&key);
+    }
+    status
 }
 
 fn to_engine_error(code: StatusCode, message: String) -> EngineError {
@@ -494,7 +545,7 @@ impl Inner {
             return Err(EngineError::InvalidArgs("empty engine key".to_owned()));
         }
         let mut state = lock(&self.state);
-        let mut next_seq = self.config.notif_seq_start;
+        let next_seq = self.config.notif_seq_start;
         if let Some(peer) = state.peers.get_mut(&desc.key) {
             if peer.desc == *desc {
                 if peer.fenced {
@@ -555,7 +606,7 @@ impl Inner {
         }
         state.next_mem_id = id.wrapping_add(1);
         let rkey = self.transport.register_memory(id, &region).map_err(|e| match e {
-            TransportError::Unsupported(msg) => EngineError::Gpu(msg),
+            TransportError::Unsupported(msg) if region.location() == MemoryLocation::Gpu => EngineError::Gpu(msg),
             other => EngineError::Transport(other),
         })?;
         let desc = MemoryDesc {
@@ -808,7 +859,8 @@ impl Inner {
         Some(Finished { updater: transfer.updater, code, message })
     }
 
-    fn on_inbound(&self, state: &mut State, from: EngineKey, n: Notification) {
+    /// Files an inbound notification; returns what the hook is to be told.
+    fn on_inbound(&self, state: &mut State, from: EngineKey, n: Notification) -> Option<(EngineKey, u64, Tag)> {
         let window_size = self.config.notif_window;
         let window = state.windows.entry(from.clone()).or_insert_with(|| NotifWindow::new(n.seq, window_size));
         let before = window.skipped();
@@ -818,7 +870,7 @@ impl Inner {
         if admit == Admit::Duplicate {
             state.stats.notifications_duplicate += 1;
             tracing::debug!(engine = %self.key, peer = %from, seq = n.seq, uid = n.uid, "duplicate notification dropped");
-            return;
+            return None;
         }
         state.stats.notifications_received += 1;
         let inbound = InboundStatus {
@@ -829,7 +881,9 @@ impl Inner {
             tag: n.tag,
             seq: n.seq,
         };
+        let filed = (from.clone(), n.uid, n.tag);
         state.inbound.entry((from, n.uid)).or_default().push_back(inbound);
+        Some(filed)
     }
 
     fn progress_loop(self: Arc<Self>) {
@@ -842,6 +896,7 @@ impl Inner {
                 continue;
             }
             let mut finished = Vec::new();
+            let mut filed = Vec::new();
             let mut state = lock(&self.state);
             for event in events {
                 match event {
@@ -863,11 +918,22 @@ impl Inner {
                         }
                     }
                     TransportEvent::Notification { from, notification } => {
-                        self.on_inbound(&mut state, from, notification)
+                        if let Some(entry) = self.on_inbound(&mut state, from, notification) {
+                            filed.push(entry);
+                        }
                     }
                 }
             }
             drop(state);
+            if !filed.is_empty() {
+                self.inbound_cv.notify_all();
+                let hook = lock(&self.inbound_hook).clone();
+                if let Some(hook) = hook {
+                    for (from, uid, tag) in filed {
+                        hook(from, uid, tag);
+                    }
+                }
+            }
             for f in finished {
                 f.apply();
             }

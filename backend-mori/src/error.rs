@@ -25,7 +25,7 @@ pub enum TransportError {
     /// The region still has posted operations; it cannot be deregistered.
     #[error("memory {0} still has posted operations")]
     Busy(MemoryId),
-    /// The transport cannot use this kind of memory (GPU memory on a host-only transport).
+    /// The transport cannot do this (GPU memory on a host-only transport, a fence, ...).
     #[error("memory not supported by this transport: {0}")]
     Unsupported(String),
     /// The transport is not attached to an engine, or was attached twice.
@@ -46,7 +46,7 @@ impl TransportError {
             Self::OutOfBounds => StatusCode::InvalidArgs,
             Self::UnknownMemory { .. } | Self::UnknownPeer(_) => StatusCode::NotFound,
             Self::Busy(_) | Self::State(_) | Self::Closed => StatusCode::BadState,
-            Self::Unsupported(_) => StatusCode::GpuOp,
+            Self::Unsupported(_) => StatusCode::InvalidArgs,
             Self::Remote(_) => StatusCode::RdmaOp,
         }
     }

@@ -39,6 +39,31 @@
 //!   the transfer that was accepted by the transport has completed; failure
 //!   wins, but only then.
 //!
+//! Added beyond MORI, for the adapter's settlement proofs:
+//! [`IoEngine::fence_remote_engine`] (a transport-level fence; the loopback
+//! implements it, a transport that cannot refuses with a typed error),
+//! [`IoEngine::wait_inbound_status`] and [`IoEngine::set_inbound_hook`] (so the
+//! target need not spin on `pop_inbound_status`), and
+//! [`TransferStatus::on_complete`] (so an initiator can wake a future).
+//!
+//! # For the adapter
+//!
+//! - Initiator: `uid = engine.allocate_transfer_unique_id()`, then
+//!   `engine.write(local_desc, local_off, remote_desc, remote_off, len, uid,
+//!   Tag::new(slot_or_lease, generation))` (or `batch_write` with one
+//!   [`BatchRequest`] per lease). The lease may come back as settled only when
+//!   `status.is_terminal()`; `SUCCESS` is the only success, every other
+//!   terminal code is a failure, and [`StatusCode::Unknown`] is a failure that
+//!   proves nothing (escalate). `wait_for` returning `IN_PROGRESS` proves
+//!   nothing either.
+//! - Target: `pop_inbound_status(initiator_key, uid)` /
+//!   `wait_inbound_status(..)` yields the initiator's terminal code and tag
+//!   once the initiator observed all its operations terminal: the "Completed"
+//!   proof of DESIGN.md when the tag's generation is current. A missing
+//!   notification proves nothing.
+//! - Memory: `deregister_memory` refusing with [`EngineError::MemoryBusy`] is
+//!   the signal that something is still in flight; never work around it.
+//!
 //! # Testing with mocks
 //!
 //! With the `mock` feature, `MockIoEngine`, `MockIoSession` and
@@ -61,7 +86,7 @@ mod window;
 #[cfg(test)]
 mod mock_tests;
 
-pub use engine::{wait_all, EngineConfig, EngineStats, IoEngine, IoSession, MoriEngine};
+pub use engine::{wait_all, EngineConfig, EngineStats, InboundHook, IoEngine, IoSession, MoriEngine};
 #[cfg(any(test, feature = "mock"))]
 pub use engine::{MockIoEngine, MockIoSession};
 pub use error::{EngineError, TransportError};

@@ -361,6 +361,9 @@ impl MoriTransport for LoopbackTransport {
 
     fn notify(&self, to: &EngineKey, notification: Notification) -> Result<(), TransportError> {
         let from = self.local_key()?.clone();
+        if !lock(&self.connected).contains(to) {
+            return Err(TransportError::UnknownPeer(to.clone()));
+        }
         self.send(Job::Notify { from, to: to.clone(), notification })
     }
 
@@ -418,7 +421,7 @@ impl Worker {
                     local.push_event(TransportEvent::Completion(Completion { wr_id: wr.wr_id, result }));
                 }
                 Job::Notify { from, to, notification } => match self.hub.endpoint(&to) {
-                    Some(ep) if !drop_notifications => {
+                    Some(ep) if !drop_notifications && !lock(&self.hub.fences).contains(&pair(&from, &to)) => {
                         ep.push_event(TransportEvent::Notification { from, notification });
                     }
                     _ => lock(&self.faults.state).notifications_dropped += 1,

@@ -196,3 +196,58 @@ fn mock_engine_behaves_as_mori_at_its_worst() {
     let code = session.write(0, 0, 8, 1, Tag::default()).wait_for(SHORT);
     assert!(code.is_error() && !code.is_terminal());
 }
+
+#[test]
+fn failed_transfer_is_notified_with_code_and_tag() {
+    // The transport fails every operation and loses every notification (it
+    // returns Ok from notify and delivers nothing), as MORI does with failures.
+    let posted = Arc::new(Mutex::new(Vec::new()));
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let mut t = MockMoriTransport::new();
+    t.expect_name().returning(|| "mock".to_owned());
+    t.expect_attach().returning(|_| Ok(Vec::new()));
+    t.expect_connect().returning(|_| Ok(()));
+    t.expect_register_memory().returning(|_, _| Ok(1));
+    t.expect_deregister_memory().returning(|_| Ok(()));
+    let p = Arc::clone(&posted);
+    t.expect_post().returning(move |wr| {
+        lock(&p).push(wr.wr_id);
+        Ok(())
+    });
+    let s = Arc::clone(&sent);
+    t.expect_notify().returning(move |to, n| {
+        lock(&s).push((to.clone(), n));
+        Ok(())
+    });
+    let p = Arc::clone(&posted);
+    t.expect_poll().returning(move |_, timeout| {
+        let ids: Vec<u64> = lock(&p).drain(..).collect();
+        if ids.is_empty() {
+            thread::sleep(timeout.min(Duration::from_millis(2)));
+        }
+        ids.into_iter()
+            .map(|wr_id| {
+                TransportEvent::Completion(crate::Completion {
+                    wr_id,
+                    result: Err(crate::TransportError::Remote("retry exceeded".to_owned())),
+                })
+            })
+            .collect()
+    });
+    let engine = MoriEngine::new("me", EngineConfig::default(), Arc::new(t)).expect("engine");
+    engine.register_remote_engine(&peer_desc("peer", 0)).expect("peer");
+    let local = engine.register_memory(MemoryRegion::host(HostBuffer::zeroed(64))).expect("local");
+    let mut remote = local.clone();
+    remote.engine_key = EngineKey::new("peer");
+    let uid = engine.allocate_transfer_unique_id();
+    let segs = [crate::Segment::new(0, 0, 32), crate::Segment::new(32, 32, 32)];
+    let req = crate::BatchRequest { local: local.clone(), remote, segments: segs.to_vec(), uid, tag: Tag::new(17, 3) };
+    let status = engine.batch_write(&[req]).remove(0);
+    assert_eq!(status.wait_for(Duration::from_secs(10)), StatusCode::RdmaOp);
+    let sent = lock(&sent).clone();
+    assert_eq!(sent.len(), 1, "one notification per transfer, after both operations");
+    let (to, n) = &sent[0];
+    assert_eq!(to, &EngineKey::new("peer"));
+    assert_eq!((n.uid, n.tag, n.status_code()), (uid, Tag::new(17, 3), StatusCode::RdmaOp));
+    engine.deregister_memory(&local).expect("terminal: the memory can go");
+}

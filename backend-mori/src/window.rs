@@ -1,8 +1,8 @@
 //! Wrap-around safe counters: the transfer id allocator and the target's
 //! notification window.
 //!
-//! MORI allocates transfer ids from a 32-bit counter into a 64-bit id type and
-//! its notification index comparison breaks when the index wraps. Here:
+//! MORI allocates transfer ids from a 32-bit counter into a 64-bit id type,
+//! and its source admits a bug when its notification index wraps around. Here:
 //!
 //! - transfer ids are full `u64` and allocated with wrapping arithmetic; they
 //!   are only compared for equality (the key is `(remote engine, uid)`), and the

@@ -289,9 +289,16 @@ fn lost_notification_means_target_never_learns() {
     p.ta.fail_next_ops(1);
     let uid = p.a.allocate_transfer_unique_id();
     assert_eq!(p.a.write(&s, 0, &d, 0, 64, uid, Tag::default()).wait_for(LONG), StatusCode::RdmaOp);
-    thread::sleep(Duration::from_millis(50));
-    assert_eq!(p.b.pop_inbound_status(&p.a.key(), uid), None);
+    let deadline = Instant::now() + LONG;
+    for _ in 0..10_000 {
+        if p.ta.notifications_dropped() > 0 || Instant::now() > deadline {
+            break;
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(p.ta.notifications_dropped(), 1);
+    assert_eq!(p.b.pop_inbound_status(&p.a.key(), uid), None);
+    assert_eq!(p.b.wait_inbound_status(&p.a.key(), uid, Duration::from_millis(20)), None);
 }
 
 #[test]
@@ -471,4 +478,155 @@ fn three_engines_and_concurrent_writers() {
             assert_eq!(&got[off..off + 1024], &pattern(1024, w)[..]);
         }
     }
+}
+
+#[test]
+fn initiator_fence_flushes_pending_transfer() {
+    let p = pair();
+    let src = HostBuffer::from_vec(pattern(256, 4));
+    let dst = HostBuffer::zeroed(256);
+    let s = reg(&p.a, &src);
+    let d = reg(&p.b, &dst);
+    p.ta.hold();
+    let uid = p.a.allocate_transfer_unique_id();
+    let status = p.a.write(&s, 0, &d, 0, 256, uid, Tag::new(1, 1));
+    p.a.fence_remote_engine(&p.b.key()).expect("loopback can fence");
+    let uid2 = p.a.allocate_transfer_unique_id();
+    assert_eq!(p.a.write(&s, 0, &d, 0, 256, uid2, Tag::default()).code(), StatusCode::BadState, "fenced peer");
+    p.ta.release();
+    assert_eq!(status.wait_for(LONG), StatusCode::RdmaOp, "flushed, not success");
+    assert!(dst.to_vec().iter().all(|&b| b == 0), "no byte landed after the fence");
+    p.a.deregister_memory(&s).expect("terminal after flush");
+
+    // Registering the peer again reconnects.
+    p.a.register_remote_engine(&p.b.engine_desc()).expect("reconnect");
+    p.b.register_remote_engine(&p.a.engine_desc()).expect("reconnect");
+    let s = reg(&p.a, &src);
+    let uid3 = p.a.allocate_transfer_unique_id();
+    assert_eq!(p.a.write(&s, 0, &d, 0, 256, uid3, Tag::new(2, 2)).wait_for(LONG), StatusCode::Success);
+    assert_eq!(dst.to_vec(), pattern(256, 4));
+    assert_eq!(pop_within(&p.b, &p.a.key(), uid3).map(|i| i.tag), Some(Tag::new(2, 2)));
+}
+
+#[test]
+fn target_fence_stops_inbound_writes() {
+    let p = pair();
+    let src = HostBuffer::from_vec(pattern(256, 8));
+    let dst = HostBuffer::zeroed(256);
+    let s = reg(&p.a, &src);
+    let d = reg(&p.b, &dst);
+    p.ta.hold();
+    let uid = p.a.allocate_transfer_unique_id();
+    let status = p.a.write(&s, 0, &d, 0, 256, uid, Tag::new(1, 1));
+    // The target fences the initiator: from now on nothing of it can land.
+    p.b.fence_remote_engine(&p.a.key()).expect("loopback can fence");
+    p.ta.release();
+    assert_eq!(status.wait_for(LONG), StatusCode::RdmaOp);
+    assert!(dst.to_vec().iter().all(|&b| b == 0));
+}
+
+#[test]
+fn target_waits_for_inbound_and_hook_fires() {
+    let p = pair();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    p.b.set_inbound_hook(Some(Arc::new(move |from: EngineKey, uid: u64, tag: Tag| {
+        let _ = tx.lock().map(|tx| tx.send((from, uid, tag)));
+    })));
+    let src = HostBuffer::from_vec(pattern(128, 3));
+    let dst = HostBuffer::zeroed(128);
+    let s = reg(&p.a, &src);
+    let d = reg(&p.b, &dst);
+    let uid = p.a.allocate_transfer_unique_id();
+    assert_eq!(p.b.wait_inbound_status(&p.a.key(), uid, Duration::from_millis(20)), None, "nothing yet");
+    p.ta.set_delay(Duration::from_millis(20));
+    let status = p.a.write(&s, 0, &d, 0, 128, uid, Tag::new(4, 5));
+    let inbound = p.b.wait_inbound_status(&p.a.key(), uid, LONG).expect("arrives");
+    assert_eq!((inbound.code, inbound.tag), (StatusCode::Success, Tag::new(4, 5)));
+    assert_eq!(dst.to_vec(), pattern(128, 3), "data landed before the notification");
+    assert_eq!(status.wait_for(LONG), StatusCode::Success);
+    assert_eq!(rx.recv_timeout(LONG).expect("hook"), (p.a.key(), uid, Tag::new(4, 5)));
+    p.b.set_inbound_hook(None);
+
+    // External host memory: the loopback cannot reach it; a typed error, not GPU_OP.
+    // SAFETY: never dereferenced; the loopback refuses external regions.
+    let ext = unsafe { MemoryRegion::external(0x2000, 64, MemoryLocation::Cpu, -1) };
+    assert_eq!(p.a.register_memory(ext).expect_err("refused").code(), StatusCode::InvalidArgs);
+}
+
+#[test]
+fn wait_all_failure_wins_only_after_all_terminal() {
+    let (failed, f) = backend_mori::TransferStatus::pending(1, Tag::default());
+    let (pending, u) = backend_mori::TransferStatus::pending(2, Tag::default());
+    f.set(StatusCode::RdmaOp, "x");
+    u.set(StatusCode::InProgress, "");
+    let both = [failed, pending];
+    assert_eq!(wait_all(&both, Duration::from_millis(20)), StatusCode::InProgress);
+    u.set(StatusCode::Success, "");
+    assert_eq!(wait_all(&both, LONG), StatusCode::RdmaOp);
+    assert_eq!(wait_all(&[], LONG), StatusCode::Success);
+}
+
+#[test]
+fn dropping_the_engine_does_not_abandon_pending_transfers() {
+    let p = pair();
+    let src = HostBuffer::from_vec(pattern(256, 1));
+    let dst = HostBuffer::zeroed(256);
+    let s = reg(&p.a, &src);
+    let d = reg(&p.b, &dst);
+    let session = p.a.create_session(&s, &d).expect("session");
+    p.ta.hold();
+    let uid = p.a.allocate_transfer_unique_id();
+    let status = p.a.write(&s, 0, &d, 0, 256, uid, Tag::new(6, 6));
+    let a_key = p.a.key();
+    drop(p.a);
+    assert!(!session.alive());
+    assert_eq!(session.write(0, 0, 8, uid.wrapping_add(1), Tag::default()).code(), StatusCode::BadState);
+    assert_eq!(status.wait_for(Duration::from_millis(20)), StatusCode::InProgress);
+    p.ta.release();
+    assert_eq!(status.wait_for(LONG), StatusCode::Success, "the progress thread drains before it exits");
+    assert_eq!(dst.to_vec(), pattern(256, 1));
+    assert_eq!(pop_within(&p.b, &a_key, uid).map(|i| i.tag), Some(Tag::new(6, 6)));
+}
+
+#[test]
+fn many_concurrent_transfers_all_complete_and_notify() {
+    const THREADS: u64 = 4;
+    const PER_THREAD: u64 = 50;
+    const SLOT: u64 = 64;
+    let p = Arc::new(pair());
+    p.ta.set_delay(Duration::from_micros(200));
+    let src = HostBuffer::from_vec(pattern((THREADS * PER_THREAD * SLOT) as usize, 13));
+    let dst = HostBuffer::zeroed((THREADS * PER_THREAD * SLOT) as usize);
+    let s = reg(&p.a, &src);
+    let d = reg(&p.b, &dst);
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (p, s, d) = (Arc::clone(&p), s.clone(), d.clone());
+            thread::spawn(move || {
+                let mut out = Vec::new();
+                for i in 0..PER_THREAD {
+                    let slot = t * PER_THREAD + i;
+                    let uid = p.a.allocate_transfer_unique_id();
+                    let off = slot * SLOT;
+                    out.push((uid, slot, p.a.write(&s, off, &d, off, SLOT, uid, Tag::new(slot, 1))));
+                }
+                out
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.join().expect("worker"));
+    }
+    let statuses: Vec<_> = all.iter().map(|(_, _, st)| st.clone()).collect();
+    assert_eq!(wait_all(&statuses, LONG), StatusCode::Success);
+    assert_eq!(dst.to_vec(), src.to_vec());
+    for (uid, slot, _) in &all {
+        let inbound = p.b.wait_inbound_status(&p.a.key(), *uid, LONG).expect("notified");
+        assert_eq!(inbound.tag, Tag::new(*slot, 1));
+    }
+    assert_eq!(p.b.inbound_len(), 0);
+    assert_eq!(p.a.stats().transfers_succeeded, THREADS * PER_THREAD);
+    assert_eq!(p.b.stats().notifications_duplicate, 0);
 }

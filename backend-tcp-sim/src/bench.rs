@@ -105,9 +105,11 @@ pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
     let slots = cfg.threads * cfg.batch;
     let bytes = slots.checked_mul(cfg.block_size).ok_or_else(|| other("too large"))?;
     let target = SimNic::start(NicConfig::new("bench-target"))?;
-    let tpool = target.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
+    let tpool =
+        target.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
     let init = SimNic::start(NicConfig::new("bench-initiator"))?;
-    let ipool = init.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
+    let ipool =
+        init.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
     init.connect(target.endpoint())?;
     let peer =
         target.wait_for_peer("bench-initiator", Duration::from_secs(5)).ok_or_else(|| other("peer did not connect"))?;
@@ -117,11 +119,7 @@ pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
     for _ in 0..cfg.threads {
         let lease = tpool.reserve(cfg.batch).map_err(other)?;
         let (exposed, remote) = target.expose(lease, peer).map_err(|e| other(e.kind))?;
-        let singles = remote
-            .slots
-            .iter()
-            .map(|s| RemoteSlots { slots: vec![*s], ..remote.clone() })
-            .collect();
+        let singles = remote.slots.iter().map(|s| RemoteSlots { slots: vec![*s], ..remote.clone() }).collect();
         per_thread.push(singles);
         exposures.push(exposed);
     }

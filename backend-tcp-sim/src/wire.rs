@@ -561,7 +561,10 @@ mod tests {
     use super::*;
 
     fn list() -> TenancyList {
-        TenancyList { key: 9, tenancies: vec![Tenancy::new(SlotId(1), Generation(2)), Tenancy::new(SlotId(3), Generation(4))] }
+        TenancyList {
+            key: 9,
+            tenancies: vec![Tenancy::new(SlotId(1), Generation(2)), Tenancy::new(SlotId(3), Generation(4))],
+        }
     }
 
     #[test]

@@ -457,6 +457,7 @@ impl SlotPool {
     /// into quarantine, and the backend's escalation hook is told.
     pub(crate) fn quarantine(&self, tenancies: &[Tenancy], peer: PeerId) -> Option<QuarantineId> {
         let now = self.inner.clock.now();
+        let _span = tracing::debug_span!("kvt.quarantine", pool = self.inner.id.0, peer = peer.0).entered();
         let mut st = lock(&self.inner.state);
         let mut remaining = Tenancies::new();
         let mut freed = 0u64;
@@ -607,15 +608,20 @@ impl SlotPool {
         }
         st.counters.stale_rejected += report.stale as u64;
         let then = then(&mut st);
+        let gauges = (st.quarantined, st.stuck);
         drop(st);
         for w in wake {
             w.wake();
         }
         #[cfg(feature = "metrics")]
-        for d in &reclaimed {
-            crate::metrics::facade::latency("kvt_abort_to_reclaim_seconds", self.inner.id, *d);
+        if !reclaimed.is_empty() || report.reclaimed > 0 {
+            for d in &reclaimed {
+                crate::metrics::facade::latency("kvt_abort_to_reclaim_seconds", self.inner.id, *d);
+            }
+            crate::metrics::facade::gauge("kvt_quarantined_slots", self.inner.id, gauges.0);
+            crate::metrics::facade::gauge("kvt_quarantine_stuck_slots", self.inner.id, gauges.1);
         }
-        let _ = reclaimed;
+        let _ = (reclaimed, gauges);
         if report.stale > 0 {
             tracing::debug!(pool = self.inner.id.0, stale = report.stale, kind = ?proof.kind, "stale settlement dropped");
             report_counter!("kvt_stale_rejected_total", self.inner.id, report.stale);
@@ -670,6 +676,7 @@ impl SlotPool {
 
     pub(crate) fn poll_escalations(&self, now: Instant) -> Vec<EscalationAction> {
         let ladder = self.inner.ladder;
+        let _span = tracing::trace_span!("kvt.escalate", pool = self.inner.id.0).entered();
         let mut st = lock(&self.inner.state);
         let mut actions = Vec::new();
         let mut newly_stuck = 0u64;
@@ -696,7 +703,11 @@ impl SlotPool {
             }
         }
         st.stuck += newly_stuck;
+        let stuck = st.stuck;
         drop(st);
+        #[cfg(feature = "metrics")]
+        crate::metrics::facade::gauge("kvt_quarantine_stuck_slots", self.inner.id, stuck);
+        let _ = stuck;
         if newly_stuck > 0 {
             tracing::warn!(
                 pool = self.inner.id.0,

@@ -127,7 +127,7 @@ impl SettlementAuthority {
     /// A `Completed` proof for these tenancies. Mint it only when every
     /// operation touching them reached a terminal status.
     pub fn completed(&self, tenancies: &[Tenancy]) -> Completed {
-        Completed(self.mint(SettlementKind::Completed, ProofScope::Tenancies(tenancies.into())))
+        Completed(self.mint(SettlementKind::Completed, ProofScope::Tenancies(Tenancies::from_slice(tenancies))))
     }
     /// A `Completed` proof covering an exposed lease's slots.
     pub fn completed_lease(&self, lease: &SlotLease<Exposed>) -> Completed {
@@ -136,7 +136,7 @@ impl SettlementAuthority {
     /// A `Revoked` proof. Mint it only once the access key for these
     /// tenancies is invalid and no access can land any more.
     pub fn revoked(&self, tenancies: &[Tenancy]) -> Revoked {
-        Revoked(self.mint(SettlementKind::Revoked, ProofScope::Tenancies(tenancies.into())))
+        Revoked(self.mint(SettlementKind::Revoked, ProofScope::Tenancies(Tenancies::from_slice(tenancies))))
     }
     /// A `Fenced` proof for everything exposed to `peer`. Mint it only once
     /// the connection is torn down and its receiving side joined or flushed.
@@ -193,6 +193,11 @@ impl SettlementAuthority {
 
     /// Called (outside the pool's lock) whenever slots enter quarantine, so a
     /// backend's driver can wake and poll escalations.
+    ///
+    /// The hook runs on whichever thread dropped or aborted the lease, which
+    /// may be inside the backend's own code (a `Completer` dropped while the
+    /// backend holds a lock). It must not block or take locks the backend
+    /// may hold: set a flag, notify a condvar, unpark a thread.
     pub fn on_quarantine(&self, hook: impl Fn() + Send + Sync + 'static) {
         self.pool.set_escalation_hook(Some(Arc::new(hook)))
     }

@@ -1,0 +1,568 @@
+//! Behaviour of the simulated fabric over loopback. Every wait is bounded.
+
+use backend_tcp_sim::wire::{self, AccessHeader, Body, DecodeError, WireStatus};
+use backend_tcp_sim::{
+    block_on, DelayDist, DropSpec, FaultPlan, Gate, InboundEvent, NicConfig, RawAccess, ReleasePolicy, SimNic,
+};
+use bytes::Bytes;
+use kv_transfer_core::{
+    EscalationLadder, Exposed, Generation, HostRegion, PeerId, PoolConfig, RejectReason, RemoteSlots, SlotLease,
+    SlotPool, Transfer, TransferError, TransferOptions,
+};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SLOT: usize = 4096;
+const SLOTS: usize = 8;
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Pair {
+    target: SimNic,
+    tpool: SlotPool,
+    init: SimNic,
+    ipool: SlotPool,
+    /// The initiator as the target numbers it.
+    peer: PeerId,
+}
+
+fn ladder() -> EscalationLadder {
+    EscalationLadder {
+        drain: Duration::from_millis(150),
+        revoke: Duration::from_millis(150),
+        fence: Duration::from_millis(500),
+    }
+}
+
+fn pair_with(target_cfg: NicConfig, init_cfg: NicConfig) -> Pair {
+    let target = SimNic::start(target_cfg).unwrap();
+    let tpool = target
+        .register_pool(Arc::new(HostRegion::new(SLOTS * SLOT).unwrap()), PoolConfig::new(SLOT).with_ladder(ladder()))
+        .unwrap();
+    let init = SimNic::start(init_cfg).unwrap();
+    let ipool = init
+        .register_pool(Arc::new(HostRegion::new(SLOTS * SLOT).unwrap()), PoolConfig::new(SLOT).with_ladder(ladder()))
+        .unwrap();
+    init.connect(target.endpoint()).unwrap();
+    let peer = target.wait_for_peer(init.name(), WAIT).unwrap();
+    Pair { target, tpool, init, ipool, peer }
+}
+
+fn pair() -> Pair {
+    pair_with(NicConfig::new("decode"), NicConfig::new("prefill"))
+}
+
+fn region_bytes(pool: &SlotPool) -> Vec<u8> {
+    let mut v = vec![0u8; pool.region().len()];
+    pool.region().read(0, &mut v).unwrap();
+    v
+}
+
+fn checksum(pool: &SlotPool) -> u64 {
+    // FNV-1a over the whole region.
+    region_bytes(pool).iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+fn slot_bytes(pool: &SlotPool, slot: u32) -> Vec<u8> {
+    let mut v = vec![0u8; pool.slot_size()];
+    pool.region().read(slot as usize * pool.slot_size(), &mut v).unwrap();
+    v
+}
+
+fn filled(pool: &SlotPool, n: usize, byte: u8) -> SlotLease<kv_transfer_core::Reserved> {
+    let mut l = pool.reserve(n).unwrap();
+    for i in 0..n {
+        l.write_at(i, 0, &vec![byte.wrapping_add(i as u8); pool.slot_size()]).unwrap();
+    }
+    l
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn settle_within(lease: SlotLease<Exposed>) -> SlotLease<kv_transfer_core::Settled> {
+    let deadline = Instant::now() + WAIT;
+    let mut l = lease;
+    loop {
+        match l.try_settled() {
+            Ok(s) => return s,
+            Err(back) => l = back,
+        }
+        assert!(Instant::now() < deadline, "exposure never settled");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn write_multi_slot_then_read_back() {
+    let p = pair();
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(3).unwrap(), p.peer).unwrap();
+    let src = filled(&p.ipool, 3, 0x10);
+    let out = block_on(async { p.init.write(src, &remote, TransferOptions::default()).await.unwrap().await }).unwrap();
+    assert_eq!(out.result, Ok(()));
+    out.lease.release();
+    // The NOTIFY settled the exposure with Completed.
+    let settled = block_on(exposed.settled());
+    let bytes = settled.bytes().unwrap();
+    for i in 0..3 {
+        assert!(bytes[i * SLOT..(i + 1) * SLOT].iter().all(|&b| b == 0x10 + i as u8));
+    }
+    assert_eq!(p.tpool.metrics().settled_completed, 3);
+    assert!(matches!(p.target.next_event(WAIT), Some(InboundEvent::PeerConnected { .. })));
+    assert!(
+        matches!(p.target.next_event(WAIT), Some(InboundEvent::Notified { tenancies, .. }) if tenancies.len() == 3)
+    );
+
+    // READ: the target exposes those bytes again (same tenancy is gone: a new lease).
+    drop(settled);
+    let mut l = p.tpool.reserve(2).unwrap();
+    l.write_at(0, 0, &[0xA1; SLOT]).unwrap();
+    l.write_at(1, 0, &[0xA2; SLOT]).unwrap();
+    let (exposed, remote) = p.target.expose(l, p.peer).unwrap();
+    let dst = p.ipool.reserve(2).unwrap();
+    let out = block_on(async { p.init.read(dst, &remote, TransferOptions::default()).await.unwrap().await }).unwrap();
+    assert_eq!(out.result, Ok(()));
+    let got = out.lease.bytes().unwrap();
+    assert!(got[..SLOT].iter().all(|&b| b == 0xA1) && got[SLOT..].iter().all(|&b| b == 0xA2));
+    settle_within(exposed).release();
+    let s = p.target.stats();
+    assert_eq!((s.writes_applied, s.reads_served, s.notifications_received), (3, 2, 2));
+    assert_eq!(p.ipool.check_invariants(), Ok(()));
+    assert_eq!(p.tpool.check_invariants(), Ok(()));
+}
+
+#[test]
+fn bad_accesses_are_typed_and_write_nothing() {
+    let p = pair_with(NicConfig::new("decode").with_max_wr_bytes(SLOT as u32), NicConfig::new("prefill"));
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(2).unwrap(), p.peer).unwrap();
+    let init_peer = p.init.connect(p.target.endpoint()).unwrap();
+    let before = checksum(&p.tpool);
+    let good = RawAccess::of(&remote, 0).unwrap();
+    let other = RawAccess::of(&remote, 1).unwrap();
+    let region_end = p.tpool.region().addr() + p.tpool.region().len() as u64;
+    let cases: Vec<(&str, RawAccess, Bytes, RejectReason)> = vec![
+        (
+            "unknown key",
+            RawAccess { key: good.key ^ 0xdead, ..good },
+            Bytes::from(vec![1; 64]),
+            RejectReason::UnknownKey,
+        ),
+        ("zero length", good, Bytes::new(), RejectReason::ZeroLength),
+        ("oversize", good, Bytes::from(vec![1; SLOT + 1]), RejectReason::Oversize),
+        (
+            "out of region",
+            RawAccess { addr: region_end - 8, ..good },
+            Bytes::from(vec![1; 64]),
+            RejectReason::OutOfBounds,
+        ),
+        ("below region", RawAccess { addr: 0, ..good }, Bytes::from(vec![1; 64]), RejectReason::OutOfBounds),
+        (
+            "other slot's range",
+            RawAccess { addr: other.addr, ..good },
+            Bytes::from(vec![1; 64]),
+            RejectReason::OutOfBounds,
+        ),
+        (
+            "straddles slots",
+            RawAccess { addr: good.addr + SLOT as u64 - 8, ..good },
+            Bytes::from(vec![1; 64]),
+            RejectReason::OutOfBounds,
+        ),
+        (
+            "stale generation",
+            RawAccess { generation: Generation(good.generation.0 + 1), ..good },
+            Bytes::from(vec![1; 64]),
+            RejectReason::StaleGeneration,
+        ),
+        (
+            "never exposed slot",
+            RawAccess { addr: good.addr + 4 * SLOT as u64, slot: kv_transfer_core::SlotId(good.slot.0 + 4), ..good },
+            Bytes::from(vec![1; 64]),
+            RejectReason::StaleGeneration,
+        ),
+    ];
+    for (what, access, data, reason) in cases {
+        let h = p.init.write_raw(init_peer, access, data).unwrap();
+        assert_eq!(h.wait(WAIT), Some(Err(TransferError::Rejected(reason))), "{what}");
+        assert_eq!(checksum(&p.tpool), before, "{what}: region changed");
+        // Reads are checked the same way.
+        let h = p.init.read_raw(init_peer, access, 64).unwrap();
+        let want = if reason == RejectReason::ZeroLength || reason == RejectReason::Oversize {
+            // A 64-byte read is neither zero-length nor oversize: it is fine
+            // at a good address.
+            Ok(Some(Bytes::from(vec![0u8; 64])))
+        } else {
+            Err(TransferError::Rejected(reason))
+        };
+        assert_eq!(h.wait(WAIT), Some(want), "{what} (read)");
+    }
+    let s = p.target.stats();
+    assert_eq!(s.rejected_unknown_key, 2);
+    assert_eq!(s.rejected_zero_length, 1);
+    assert_eq!(s.rejected_oversize, 1);
+    assert_eq!(s.rejected_out_of_bounds, 8);
+    assert_eq!(s.rejected_stale_generation, 4);
+    assert_eq!(s.writes_applied, 0);
+    // The good access still works and the connection survived every rejection.
+    let h = p.init.write_raw(init_peer, good, Bytes::from(vec![7; 64])).unwrap();
+    assert_eq!(h.wait(WAIT), Some(Ok(None)));
+    assert_eq!(&slot_bytes(&p.tpool, good.slot.0)[..64], &[7; 64]);
+    p.target.revoke(&exposed);
+    settle_within(exposed).release();
+}
+
+/// Opens a raw socket to `nic` and completes the handshake.
+fn raw_conn(nic: &SimNic) -> TcpStream {
+    let mut s = TcpStream::connect(nic.endpoint()).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let hello = wire::encode_head(&Body::Hello { name: "raw".into(), endpoint: "127.0.0.1:1".into() }, 0).unwrap();
+    s.write_all(&hello).unwrap();
+    let mut pre = [0u8; wire::PREFIX_LEN];
+    s.read_exact(&mut pre).unwrap();
+    let pf = wire::decode_prefix(&pre).unwrap();
+    let mut f = vec![0u8; pf.fields_len()];
+    s.read_exact(&mut f).unwrap();
+    assert!(matches!(wire::decode_fields(&pf, &f), Ok(Body::Hello { .. })));
+    s
+}
+
+#[test]
+fn malformed_frames_on_the_socket_are_typed_errors() {
+    let p = pair();
+    let (_exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let before = checksum(&p.tpool);
+    let good = RawAccess::of(&remote, 0).unwrap();
+    let hdr = AccessHeader {
+        wr_id: 1,
+        key: good.key,
+        addr: good.addr,
+        slot: good.slot,
+        generation: good.generation,
+        len: 16,
+    };
+    let mut write16 = wire::encode_head(&Body::Write(hdr), 16).unwrap();
+    write16.extend_from_slice(&[0xEE; 16]);
+
+    let mut bad_magic = write16.clone();
+    bad_magic[0] = 0;
+    let mut unknown_kind = write16.clone();
+    unknown_kind[2] = 0x7f;
+    let mut oversize = write16.clone();
+    oversize[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    let mut short_len = write16.clone();
+    short_len[4..8].copy_from_slice(&3u32.to_le_bytes());
+    let mut flags = write16.clone();
+    flags[3] = 1;
+    type Check = fn(&DecodeError) -> bool;
+    let cases: Vec<(&str, Vec<u8>, Check)> = vec![
+        ("bad magic", bad_magic, |e| matches!(e, DecodeError::BadMagic(_))),
+        ("unknown kind", unknown_kind, |e| matches!(e, DecodeError::UnknownKind(0x7f))),
+        ("oversize", oversize, |e| matches!(e, DecodeError::Oversize { .. })),
+        ("short length", short_len, |e| matches!(e, DecodeError::BadLength { .. })),
+        ("flags", flags, |e| matches!(e, DecodeError::BadFlags(1))),
+    ];
+    for (i, (what, bytes, check)) in cases.into_iter().enumerate() {
+        let mut s = raw_conn(&p.target);
+        s.write_all(&bytes).unwrap();
+        // The NIC tears the connection down: EOF.
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+        wait_until(what, || p.target.stats().malformed_frames == i as u64 + 1);
+        let e = p.target.last_decode_error().unwrap();
+        assert!(check(&e), "{what}: got {e:?}");
+        assert_eq!(checksum(&p.tpool), before, "{what}: region changed");
+    }
+    // Truncated mid-payload: the connection ends, nothing counts as applied.
+    let mut s = raw_conn(&p.target);
+    s.write_all(&write16[..write16.len() - 5]).unwrap();
+    drop(s);
+    // A well-formed WRITE on a raw connection is still refused: the slot is
+    // exposed to another connection.
+    let mut s = raw_conn(&p.target);
+    s.write_all(&write16).unwrap();
+    let mut pre = [0u8; wire::PREFIX_LEN];
+    s.read_exact(&mut pre).unwrap();
+    let pf = wire::decode_prefix(&pre).unwrap();
+    let mut f = vec![0u8; pf.fields_len()];
+    s.read_exact(&mut f).unwrap();
+    assert_eq!(
+        wire::decode_fields(&pf, &f).unwrap(),
+        Body::Completion { wr_id: 1, status: WireStatus::Rejected(RejectReason::UnknownKey) }
+    );
+    // (The truncated frame was refused for the same reason before its payload ran out.)
+    wait_until("both raw writes refused", || p.target.stats().rejected_wrong_peer == 2);
+    assert_eq!(p.target.stats().writes_applied, 0);
+    assert_eq!(checksum(&p.tpool), before);
+}
+
+#[test]
+fn revoke_then_held_write_is_rejected_and_not_applied() {
+    let gate = Gate::closed();
+    let faults = FaultPlan { gate: Some(gate.clone()), ..FaultPlan::default() };
+    let p = pair_with(NicConfig::new("decode").with_faults(faults), NicConfig::new("prefill"));
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let slot = remote.slots[0].slot.0;
+    let h = block_on(p.init.write(filled(&p.ipool, 1, 0xAA), &remote, TransferOptions::default())).unwrap();
+    assert!(gate.wait_for_waiting(1, WAIT));
+    assert_eq!(p.target.revoke(&exposed), 1);
+    settle_within(exposed).release();
+    assert_eq!(p.tpool.metrics().settled_revoked, 1);
+    // The slot is reused by a new tenant, exposed to the same peer.
+    let mut l = p.tpool.reserve(1).unwrap();
+    assert_eq!(l.tenancies()[0].slot.0, slot);
+    l.write_at(0, 0, &[0x55; SLOT]).unwrap();
+    let (exposed2, _remote2) = p.target.expose(l, p.peer).unwrap();
+    gate.open();
+    let out = block_on(h).unwrap();
+    assert_eq!(out.result, Err(TransferError::Rejected(RejectReason::StaleGeneration)));
+    assert!(slot_bytes(&p.tpool, slot).iter().all(|&b| b == 0x55), "late write landed in the new tenancy");
+    assert_eq!(p.target.stats().rejected_stale_generation, 1);
+    assert_eq!(p.target.stats().writes_applied, 0);
+    p.target.revoke(&exposed2);
+    settle_within(exposed2).release();
+}
+
+#[test]
+fn fence_settles_every_exposure_to_the_peer() {
+    let gate = Gate::closed();
+    let faults = FaultPlan { gate: Some(gate.clone()), ..FaultPlan::default() };
+    let p = pair_with(NicConfig::new("decode").with_faults(faults), NicConfig::new("prefill"));
+    let (e1, r1) = p.target.expose(p.tpool.reserve(2).unwrap(), p.peer).unwrap();
+    let (e2, _r2) = p.target.expose(p.tpool.reserve(3).unwrap(), p.peer).unwrap();
+    let h = block_on(p.init.write(filled(&p.ipool, 2, 1), &r1, TransferOptions::default())).unwrap();
+    assert!(gate.wait_for_waiting(1, WAIT));
+    assert!(p.target.fence(p.peer));
+    // Every exposure to that peer is proven at once.
+    settle_within(e1).release();
+    settle_within(e2).release();
+    assert_eq!(p.tpool.metrics().settled_fenced, 5);
+    assert_eq!(p.tpool.metrics().free, SLOTS as u64);
+    // The held write was dropped with the connection; the initiator fails and fences too.
+    let out = block_on(h).unwrap();
+    assert!(matches!(out.result, Err(TransferError::Transport(_))), "{:?}", out.result);
+    out.lease.release();
+    assert_eq!(p.target.stats().writes_applied, 0);
+    assert!(region_bytes(&p.tpool).iter().all(|&b| b == 0));
+    wait_until("initiator fenced", || p.init.stats().fences == 1);
+    gate.open();
+}
+
+/// Abort while the peer's write is held at the target's gate.
+/// Returns whether the late write corrupted the slot's next tenant.
+fn abort_with_held_write(policy: ReleasePolicy) -> bool {
+    let gate = Gate::closed();
+    let faults = FaultPlan { gate: Some(gate.clone()), ..FaultPlan::default() };
+    let p = pair_with(NicConfig::new("decode").with_faults(faults).with_policy(policy), NicConfig::new("prefill"));
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let slot = remote.slots[0].slot.0;
+    let h = block_on(p.init.write(filled(&p.ipool, 1, 0xAA), &remote, TransferOptions::default())).unwrap();
+    assert!(gate.wait_for_waiting(1, WAIT));
+    exposed.abort();
+    if policy == ReleasePolicy::Safe {
+        // Not free: a NIC may still write.
+        assert_eq!(p.tpool.metrics().quarantined, 1);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(p.tpool.metrics().quarantined, 1, "released before any proof");
+    }
+    // The slot comes back (safe: by revocation after the drain deadline; naive: at once, by a lie).
+    wait_until("slot reclaimed", || p.tpool.metrics().free == SLOTS as u64);
+    if policy == ReleasePolicy::Safe {
+        assert_eq!(p.tpool.metrics().settled_revoked, 1);
+        assert_eq!(p.target.stats().aborts_sent, 1);
+    } else {
+        assert_eq!(p.target.stats().naive_releases, 1);
+    }
+    // A new tenant gets the same slot and fills it.
+    let mut l = p.tpool.reserve(1).unwrap();
+    assert_eq!(l.tenancies()[0].slot.0, slot);
+    l.write_at(0, 0, &[0x55; SLOT]).unwrap();
+    let (exposed2, _r) = p.target.expose(l, p.peer).unwrap();
+    gate.open();
+    let out = block_on(h).unwrap();
+    let corrupted = slot_bytes(&p.tpool, slot).contains(&0xAA);
+    if policy == ReleasePolicy::Safe {
+        assert_eq!(out.result, Err(TransferError::Rejected(RejectReason::StaleGeneration)));
+    }
+    p.target.revoke(&exposed2);
+    settle_within(exposed2).release();
+    corrupted
+}
+
+#[test]
+fn abort_with_held_write_safe_policy_protects_the_next_tenant() {
+    assert!(!abort_with_held_write(ReleasePolicy::Safe));
+}
+
+#[test]
+fn abort_with_held_write_naive_policy_corrupts_the_next_tenant() {
+    // Positive control: the race suite can see the bug the contract prevents.
+    assert!(abort_with_held_write(ReleasePolicy::Naive));
+}
+
+#[test]
+fn abort_without_writes_settles_by_abort_ack() {
+    let p = pair();
+    let (exposed, _remote) = p.target.expose(p.tpool.reserve(2).unwrap(), p.peer).unwrap();
+    exposed.abort();
+    wait_until("reclaimed by ABORT_ACK", || p.tpool.metrics().free == SLOTS as u64);
+    let m = p.tpool.metrics();
+    assert_eq!((m.settled_completed, m.settled_revoked), (2, 0));
+    assert_eq!(p.init.stats().abort_acks_sent, 1);
+    assert_eq!(p.target.stats().abort_acks_received, 1);
+}
+
+#[test]
+fn dropped_handle_returns_the_lease_only_after_completion() {
+    let gate = Gate::closed();
+    let faults = FaultPlan { gate: Some(gate.clone()), ..FaultPlan::default() };
+    let p = pair_with(NicConfig::new("decode").with_faults(faults), NicConfig::new("prefill"));
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let h = block_on(p.init.write(filled(&p.ipool, 1, 3), &remote, TransferOptions::default())).unwrap();
+    drop(h);
+    assert!(gate.wait_for_waiting(1, WAIT));
+    std::thread::sleep(Duration::from_millis(30));
+    assert_eq!(p.ipool.metrics().free, SLOTS as u64 - 1, "lease came back while the write was in flight");
+    gate.open();
+    wait_until("local lease back", || p.ipool.metrics().free == SLOTS as u64);
+    settle_within(exposed).release();
+    assert!(slot_bytes(&p.tpool, 0).iter().all(|&b| b == 3));
+}
+
+#[test]
+fn cancel_before_send_completes_canceled() {
+    let faults = FaultPlan { delay: DelayDist::Fixed { us: 150_000 }, ..FaultPlan::default() };
+    let p = pair_with(NicConfig::new("decode"), NicConfig::new("prefill").with_faults(faults));
+    let (e1, r1) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let (e2, r2) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let h1 = block_on(p.init.write(filled(&p.ipool, 1, 1), &r1, TransferOptions::default())).unwrap();
+    std::thread::sleep(Duration::from_millis(40)); // the sender sleeps on h1's delay
+    let h2 = block_on(p.init.write(filled(&p.ipool, 1, 2), &r2, TransferOptions::default())).unwrap();
+    h2.cancel();
+    let o2 = block_on(h2).unwrap();
+    assert_eq!(o2.result, Err(TransferError::Canceled));
+    let o1 = block_on(h1).unwrap();
+    assert_eq!(o1.result, Ok(()));
+    settle_within(e1).release();
+    p.target.revoke(&e2);
+    settle_within(e2).release();
+    assert_eq!(p.init.stats().wrs_canceled, 1);
+}
+
+fn delays_of_run(seed: u64) -> Vec<u64> {
+    let faults = FaultPlan {
+        seed,
+        delay: DelayDist::Uniform { min_us: 0, max_us: 300 },
+        reorder_jitter_us: 200,
+        ..FaultPlan::default()
+    };
+    let p = pair_with(NicConfig::new("decode"), NicConfig::new("prefill").with_faults(faults));
+    let (e, remote) = p.target.expose(p.tpool.reserve(4).unwrap(), p.peer).unwrap();
+    for _ in 0..5 {
+        let out = block_on(async {
+            p.init.write(filled(&p.ipool, 4, 9), &remote, TransferOptions::notify(false)).await.unwrap().await
+        })
+        .unwrap();
+        assert_eq!(out.result, Ok(()));
+    }
+    p.target.revoke(&e);
+    settle_within(e).release();
+    p.init.fault_log().iter().map(|r| r.delay_us).collect()
+}
+
+#[test]
+fn same_seed_same_fault_schedule() {
+    let a = delays_of_run(7);
+    let b = delays_of_run(7);
+    assert_eq!(a.len(), 20);
+    assert_eq!(a, b);
+    let plan = FaultPlan {
+        seed: 7,
+        delay: DelayDist::Uniform { min_us: 0, max_us: 300 },
+        reorder_jitter_us: 200,
+        ..FaultPlan::default()
+    };
+    let expected: Vec<u64> = plan.schedule(0, 20).iter().map(|d| d.as_micros() as u64).collect();
+    assert_eq!(a, expected);
+    assert_ne!(a, delays_of_run(8));
+}
+
+#[test]
+fn connection_dropped_mid_payload_fails_and_fences() {
+    let faults =
+        FaultPlan { drop_connection: Some(DropSpec { conn_index: 0, after_bytes: 1000 }), ..FaultPlan::default() };
+    let p = pair_with(NicConfig::new("decode"), NicConfig::new("prefill").with_faults(faults));
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let slot = remote.slots[0].slot.0;
+    let out = block_on(async {
+        p.init.write(filled(&p.ipool, 1, 0x42), &remote, TransferOptions::default()).await.unwrap().await
+    })
+    .unwrap();
+    assert!(matches!(out.result, Err(TransferError::Transport(_))), "{:?}", out.result);
+    // The target fences the lost connection: its exposure settles (Fenced).
+    settle_within(exposed).release();
+    assert_eq!(p.tpool.metrics().settled_fenced, 1);
+    assert_eq!(p.target.stats().writes_applied, 0);
+    // Bytes outside the slot are untouched.
+    let all = region_bytes(&p.tpool);
+    let (s, e) = (slot as usize * SLOT, (slot as usize + 1) * SLOT);
+    assert!(all[..s].iter().chain(&all[e..]).all(|&b| b == 0));
+}
+
+#[test]
+fn peer_crash_mid_transfer_is_fenced() {
+    let gate = Gate::closed();
+    let faults = FaultPlan { gate: Some(gate.clone()), ..FaultPlan::default() };
+    let p = pair_with(NicConfig::new("decode").with_faults(faults), NicConfig::new("prefill"));
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let h = block_on(p.init.write(filled(&p.ipool, 1, 0x42), &remote, TransferOptions::default())).unwrap();
+    assert!(gate.wait_for_waiting(1, WAIT));
+    p.init.crash();
+    settle_within(exposed).release();
+    assert_eq!(p.tpool.metrics().settled_fenced, 1);
+    gate.open();
+    assert_eq!(p.target.stats().writes_applied, 0);
+    assert!(region_bytes(&p.tpool).iter().all(|&b| b == 0));
+    drop(h);
+}
+
+#[test]
+fn slow_target_throttles_applies() {
+    let faults = FaultPlan { slow_target_bytes_per_sec: Some(100 * SLOT as u64), ..FaultPlan::default() };
+    let p = pair_with(NicConfig::new("decode").with_faults(faults), NicConfig::new("prefill"));
+    let (e, remote) = p.target.expose(p.tpool.reserve(4).unwrap(), p.peer).unwrap();
+    let t0 = Instant::now();
+    let out = block_on(async {
+        p.init.write(filled(&p.ipool, 4, 1), &remote, TransferOptions::default()).await.unwrap().await
+    })
+    .unwrap();
+    assert_eq!(out.result, Ok(()));
+    assert!(t0.elapsed() >= Duration::from_millis(35), "{:?}", t0.elapsed());
+    settle_within(e).release();
+}
+
+#[test]
+fn foreign_pool_and_bad_shapes_return_the_lease() {
+    let p = pair();
+    let (e, remote) = p.target.expose(p.tpool.reserve(2).unwrap(), p.peer).unwrap();
+    let (other, _a) =
+        kv_transfer_core::SlotPool::new(Arc::new(HostRegion::new(4 * SLOT).unwrap()), PoolConfig::new(SLOT)).unwrap();
+    let err = block_on(p.init.write(other.reserve(2).unwrap(), &remote, TransferOptions::default())).unwrap_err();
+    assert_eq!(err.kind, kv_transfer_core::PostErrorKind::ForeignPool);
+    err.lease.release();
+    let err = block_on(p.init.write(p.ipool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap_err();
+    assert!(matches!(err.kind, kv_transfer_core::PostErrorKind::Descriptor(_)));
+    err.lease.release();
+    let bad = RemoteSlots { endpoint: "127.0.0.1:1".into(), ..remote.clone() };
+    let err = block_on(p.init.write(p.ipool.reserve(2).unwrap(), &bad, TransferOptions::default())).unwrap_err();
+    assert!(matches!(err.kind, kv_transfer_core::PostErrorKind::Peer(_)));
+    err.lease.release();
+    assert_eq!(p.ipool.metrics().free, SLOTS as u64);
+    p.target.revoke(&e);
+    settle_within(e).release();
+}
