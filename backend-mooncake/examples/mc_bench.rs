@@ -9,6 +9,9 @@
 //! real `transfer_engine_bench --mode=target`), writing into its first buffer.
 //! `mc_bench --serve SECS [--buffer BYTES]` only runs our target for SECS
 //! seconds and prints `listening on HOST:PORT` (for a real initiator).
+//! With `--adapter` it drives the kv-transfer adapter instead of the raw
+//! engine ([`backend_mooncake::bench::run`]): leases, settlement, and (against
+//! our own target) the full expose → write+notify → settle cycle per batch.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -47,6 +50,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::thread::sleep(Duration::from_secs_f64(serve));
         drop(t);
         drop(buf);
+        return Ok(());
+    }
+
+    if args.iter().any(|a| a == "--adapter") {
+        let cfg = backend_mooncake::bench::BenchConfig {
+            target: (!segment.is_empty()).then(|| segment.clone()),
+            op: if op == TcpOpcode::Read { kv_transfer_core::Op::Read } else { kv_transfer_core::Op::Write },
+            duration,
+            threads: threads as usize,
+            batch: batch as usize,
+            block: block as usize,
+            workers,
+            drivers: arg(&args, "--drivers", "4").parse()?,
+        };
+        let r = backend_mooncake::bench::run(&cfg)?;
+        println!("mc_bench adapter: op={op:?} threads={threads} batch={batch} block={block} workers={workers}: {r}");
         return Ok(());
     }
 

@@ -15,6 +15,11 @@
 //! - [`transport`]: the [`DataTransport`] trait and the TCP transport.
 //! - [`client`]: handshake round trips.
 //! - the engine ([`MooncakeEngine`]) with its target-side servers.
+//! - [`adapter`]: kv-transfer-core's `Transfer` over the engine
+//!   ([`MooncakeTransfer`]): slot leases, settlement by notification,
+//!   ABORT / ABORT_ACK, and what Mooncake TCP cannot prove (revoke, fence, v1).
+//! - [`bench`](mod@bench): a throughput bench driving the adapter (for `kvt bench` and
+//!   `scripts/measure.sh`).
 //!
 //! What a status means for memory safety:
 //! - only [`TransferStatus::Completed`] and [`TransferStatus::Failed`] are
@@ -59,7 +64,9 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod adapter;
 mod batch;
+pub mod bench;
 pub mod client;
 mod engine;
 mod error;
@@ -68,6 +75,7 @@ pub mod proto;
 mod server;
 pub mod transport;
 
+pub use adapter::{AdapterConfig, AdapterError, AdapterMetrics, MooncakeTransfer, ReleasePolicy};
 pub use batch::{TaskStatus, TransferStatus};
 #[cfg(any(test, feature = "mock"))]
 pub use engine::MockTransferEngine;

@@ -356,3 +356,186 @@ fn real_bench_initiator_against_our_target() {
     // The bench's (unfilled, zeroed) source buffer landed in ours.
     assert!(ours.iter().any(|&b| b != 0x5C), "the real bench wrote into our buffer");
 }
+
+// ------------------------------------------------------------------ adapter
+
+use backend_mooncake::adapter::block_on;
+use backend_mooncake::{AdapterConfig, MooncakeTransfer, ReleasePolicy};
+use kv_transfer_core::{AdmissionError, HostRegion, PoolConfig, Region, Transfer, TransferOptions};
+use std::sync::Arc;
+
+fn adapter(policy: ReleasePolicy) -> MooncakeTransfer {
+    let e = MooncakeEngine::new(EngineConfig::default()).unwrap();
+    MooncakeTransfer::new(Arc::new(e), AdapterConfig { release_policy: policy, ..Default::default() }).unwrap()
+}
+
+fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn count_not(region: &HostRegion, len: usize, byte: u8) -> usize {
+    let mut got = vec![0u8; len];
+    region.read(0, &mut got).unwrap();
+    got.iter().filter(|&&b| b != byte).count()
+}
+
+/// Size of the hazard's in-flight WRITE (the issue asks for 256 MiB).
+const HAZARD: usize = 256 << 20;
+const OLD: u8 = 0x5A;
+const NEW: u8 = 0xC3;
+
+/// A real Mooncake initiator WRITEs 256 MiB into one slot of our target; the
+/// decode side aborts the exposure mid-flight; a new tenant takes the slot
+/// as soon as the pool lets it and fills it. Returns the old bytes found in
+/// the new tenant's slot after the real write finished.
+fn hazard_run(eng: &Engines, policy: ReleasePolicy) -> usize {
+    let decode = adapter(policy);
+    let region = Arc::new(HostRegion::new(HAZARD).unwrap());
+    let pool = decode.register_pool(region.clone(), PoolConfig::new(HAZARD)).unwrap();
+    let mut peer = Peer::start(eng, HAZARD as u64, false);
+    assert_eq!(peer.cmd(&format!("fill 0 {HAZARD} {OLD}")), "OK");
+    let pid = decode.add_peer(&peer.segment()).unwrap();
+    let (exposed, remote) = decode.expose(pool.reserve(1).unwrap(), pid).unwrap();
+    let seg = decode.segment_name().to_string();
+    // The next tenant's bytes, faulted in before the race starts.
+    let fill = vec![NEW; HAZARD];
+    // Start the real WRITE; its "RC" reply comes when the real engine saw it finish.
+    writeln!(peer.stdin, "write {seg} 0 {} {HAZARD}", remote.slots[0].addr).unwrap();
+    peer.stdin.flush().unwrap();
+    // The old tenant's bytes are arriving.
+    let mut first = [0u8; 1];
+    wait_for("the real write to start landing", LINE_TIMEOUT, || {
+        region.read(0, &mut first).unwrap();
+        first[0] == OLD
+    });
+    exposed.abort();
+    let foreign = match policy {
+        ReleasePolicy::NaivePositiveControl => {
+            wait_for("naive release", Duration::from_secs(5), || pool.metrics().free == 1);
+            let mut next = pool.reserve(1).unwrap();
+            next.write_at(0, 0, &fill).unwrap();
+            let (rc, early) = match peer.lines.try_recv() {
+                Ok(l) => (l, true),
+                Err(_) => (peer.line(), false),
+            };
+            assert_eq!(rc, "RC 0", "the real write completed");
+            let n = count_not(&region, HAZARD, NEW);
+            if early {
+                eprintln!("the real write finished before the new tenant's fill did: hazard not exercised");
+            }
+            next.release();
+            n
+        }
+        ReleasePolicy::Safe => {
+            assert!(matches!(pool.reserve(1), Err(AdmissionError::OverCapacity { .. })), "slot quarantined");
+            let (rc, early) = match peer.lines.try_recv() {
+                Ok(l) => (l, true),
+                Err(_) => (peer.line(), false),
+            };
+            assert_eq!(rc, "RC 0", "the real write completed");
+            if early {
+                eprintln!("the real write finished before the abort was checked: race not exercised");
+            }
+            assert!(matches!(pool.reserve(1), Err(AdmissionError::OverCapacity { .. })), "still quarantined");
+            // Our ABORT reached the real engine's notify queue.
+            let n = peer.cmd("notifies");
+            let n: Vec<(String, String)> = serde_json::from_str(n.strip_prefix("OK ").unwrap()).unwrap();
+            let abort = n.iter().find(|(_, m)| m.starts_with("kvt1 A ")).expect("ABORT delivered to the real peer");
+            assert_eq!(abort.0, seg);
+            // The real initiator (v2) saw COMPLETED: its application acks,
+            // through Mooncake's own notify-after-completion.
+            let ack = abort.1.replacen("kvt1 A ", "kvt1 K ", 1);
+            assert_eq!(peer.cmd(&format!("notify {seg} {} {ack}", remote.slots[0].addr)), "RC 0");
+            wait_for("the ack to reclaim the slot", Duration::from_secs(10), || pool.metrics().free == 1);
+            assert_eq!(decode.metrics().settled_by_peer, 1);
+            let mut next = pool.reserve(1).unwrap();
+            next.write_at(0, 0, &fill).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            let n = count_not(&region, HAZARD, NEW);
+            next.release();
+            n
+        }
+    };
+    drop(peer);
+    drop(decode);
+    foreign
+}
+
+/// The positive control: under a naive release the real engine's late bytes
+/// land in the next tenant's slot.
+#[test]
+fn hazard_real_initiator_naive_release_leaks() {
+    let Some(eng) = engines() else { return };
+    let foreign = hazard_run(&eng, ReleasePolicy::NaivePositiveControl);
+    eprintln!("naive release: {foreign} foreign bytes in the new tenant's {HAZARD}-byte slot");
+    assert!(foreign > 0, "positive control did not reproduce the hazard");
+}
+
+/// The same through the safe adapter: zero foreign bytes.
+#[test]
+fn hazard_real_initiator_safe_adapter_zero() {
+    let Some(eng) = engines() else { return };
+    let foreign = hazard_run(&eng, ReleasePolicy::Safe);
+    eprintln!("safe adapter: {foreign} foreign bytes in the new tenant's {HAZARD}-byte slot");
+    assert_eq!(foreign, 0);
+}
+
+/// Our adapter as initiator against the real target: WRITE and READ,
+/// byte-checked; a write outside the real target's buffers is a typed error
+/// and changes nothing there.
+#[test]
+fn adapter_initiator_to_real_target() {
+    let Some(eng) = engines() else { return };
+    const SLOT: usize = 64 << 10;
+    let mut peer = Peer::start(&eng, 1 << 20, false);
+    let theirs = pattern(SLOT, 42);
+    peer.put(2 * SLOT as u64, &theirs);
+    let prefill = adapter(ReleasePolicy::Safe);
+    let pool = prefill.register_pool(Arc::new(HostRegion::new(4 * SLOT).unwrap()), PoolConfig::new(SLOT)).unwrap();
+    let pid = prefill.add_peer(&peer.segment()).unwrap();
+    assert_eq!(prefill.peer_proto(pid), Some(ProtoVersion::V2));
+    let (pseg, paddr) = (peer.segment(), peer.addr);
+    let remote = |slots: &[u64]| kv_transfer_core::RemoteSlots {
+        endpoint: pseg.clone(),
+        pool: kv_transfer_core::PoolId(0),
+        key: 0,
+        slot_size: SLOT as u64,
+        slots: slots
+            .iter()
+            .map(|&i| kv_transfer_core::RemoteSlot {
+                slot: kv_transfer_core::SlotId(i as u32),
+                generation: kv_transfer_core::Generation(0),
+                addr: paddr + i * SLOT as u64,
+            })
+            .collect(),
+    };
+    let mut src = pool.reserve(2).unwrap();
+    src.write_at(0, 0, &pattern(SLOT, 1)).unwrap();
+    src.write_at(1, 0, &pattern(SLOT, 2)).unwrap();
+    let out =
+        block_on(block_on(prefill.write(src, &remote(&[0, 1]), TransferOptions::notify(false))).unwrap()).unwrap();
+    out.result.unwrap();
+    out.lease.release();
+    let out = block_on(
+        block_on(prefill.read(pool.reserve(1).unwrap(), &remote(&[2]), TransferOptions::notify(false))).unwrap(),
+    )
+    .unwrap();
+    out.result.unwrap();
+    assert!(out.lease.bytes().unwrap() == theirs, "read the real target's bytes");
+    out.lease.release();
+    let tail = peer.get((1 << 20) - SLOT as u64, SLOT as u64);
+    let e =
+        block_on(prefill.write(pool.reserve(1).unwrap(), &remote(&[16]), TransferOptions::notify(false))).unwrap_err();
+    assert!(matches!(e.kind, kv_transfer_core::PostErrorKind::Engine(_)), "{:?}", e.kind);
+    drop(e);
+    assert!(
+        peer.get(0, 2 * SLOT as u64) == [pattern(SLOT, 1), pattern(SLOT, 2)].concat(),
+        "real target holds our bytes"
+    );
+    assert!(peer.get((1 << 20) - SLOT as u64, SLOT as u64) == tail, "nothing else changed");
+    assert_eq!(pool.metrics().free, 4);
+}

@@ -121,10 +121,36 @@ pub trait IoEngine: Send + Sync {
     /// task that will pop it. It runs on the progress thread with no engine
     /// lock held; keep it short and do not block in it.
     fn set_inbound_hook(&self, hook: Option<InboundHook>);
+
+    /// Sends a control message to a registered peer (not in MORI; the
+    /// kv-transfer adapter carries ABORT / ABORT_ACK with it). Needs a
+    /// transport that implements [`MoriTransport::send_message`].
+    fn send_message(&self, to: &EngineKey, bytes: Vec<u8>) -> Result<(), EngineError>;
+
+    /// Installs (or with `None` removes) the hook called with `(remote,
+    /// bytes)` for each control message received. It runs on the progress
+    /// thread with no engine lock held; keep it short and do not block in it.
+    fn set_message_hook(&self, hook: Option<MessageHook>);
+
+    /// Grants a registered peer access to one slot of local memory under
+    /// `generation` (see [`MoriTransport::grant`]; a no-op on transports
+    /// without per-slot checks, as on MORI).
+    fn grant_access(&self, mem: &MemoryDesc, remote: &EngineKey, slot: u32, generation: u64)
+        -> Result<(), EngineError>;
+
+    /// Withdraws a grant whose tenancy was settled (see [`MoriTransport::withdraw`]).
+    fn withdraw_access(&self, mem: &MemoryDesc, slot: u32, generation: u64) -> Result<(), EngineError>;
+
+    /// Revokes a grant; `Ok(true)` only when the transport confirmed that no
+    /// access under it can land any more (see [`MoriTransport::revoke`]).
+    fn revoke_access(&self, mem: &MemoryDesc, slot: u32, generation: u64) -> Result<bool, EngineError>;
 }
 
 /// The hook of [`IoEngine::set_inbound_hook`]: `(remote engine, uid, tag)`.
 pub type InboundHook = Arc<dyn Fn(EngineKey, TransferUniqueId, Tag) + Send + Sync>;
+
+/// The hook of [`IoEngine::set_message_hook`]: `(remote engine, bytes)`.
+pub type MessageHook = Arc<dyn Fn(EngineKey, Vec<u8>) + Send + Sync>;
 
 /// A session between one local and one remote region (MORI's `IOEngineSession`).
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
@@ -308,6 +334,7 @@ struct Inner {
     /// Signalled whenever an inbound status is filed.
     inbound_cv: Condvar,
     inbound_hook: std::sync::Mutex<Option<InboundHook>>,
+    message_hook: std::sync::Mutex<Option<MessageHook>>,
     shutdown: AtomicBool,
 }
 
@@ -354,6 +381,7 @@ impl MoriEngine {
             state: std::sync::Mutex::new(State::default()),
             inbound_cv: Condvar::new(),
             inbound_hook: std::sync::Mutex::new(None),
+            message_hook: std::sync::Mutex::new(None),
             shutdown: AtomicBool::new(false),
         });
         let worker = Arc::clone(&inner);
@@ -505,6 +533,45 @@ impl IoEngine for MoriEngine {
 
     fn set_inbound_hook(&self, hook: Option<InboundHook>) {
         *lock(&self.inner.inbound_hook) = hook;
+    }
+
+    fn send_message(&self, to: &EngineKey, bytes: Vec<u8>) -> Result<(), EngineError> {
+        if !lock(&self.inner.state).peers.contains_key(to) {
+            return Err(EngineError::NotFound(format!("remote engine {to} is not registered")));
+        }
+        self.inner.transport.send_message(to, bytes)?;
+        Ok(())
+    }
+
+    fn set_message_hook(&self, hook: Option<MessageHook>) {
+        *lock(&self.inner.message_hook) = hook;
+    }
+
+    fn grant_access(
+        &self,
+        mem: &MemoryDesc,
+        remote: &EngineKey,
+        slot: u32,
+        generation: u64,
+    ) -> Result<(), EngineError> {
+        {
+            let state = lock(&self.inner.state);
+            self.inner.check_local(&state, mem).map_err(|(code, msg)| to_engine_error(code, msg))?;
+            if !state.peers.contains_key(remote) {
+                return Err(EngineError::NotFound(format!("remote engine {remote} is not registered")));
+            }
+        }
+        self.inner.transport.grant(mem.id, remote, slot, generation)?;
+        Ok(())
+    }
+
+    fn withdraw_access(&self, mem: &MemoryDesc, slot: u32, generation: u64) -> Result<(), EngineError> {
+        self.inner.transport.withdraw(mem.id, slot, generation)?;
+        Ok(())
+    }
+
+    fn revoke_access(&self, mem: &MemoryDesc, slot: u32, generation: u64) -> Result<bool, EngineError> {
+        Ok(self.inner.transport.revoke(mem.id, slot, generation)?)
     }
 }
 
@@ -778,6 +845,7 @@ impl Inner {
                 remote: remote.clone(),
                 remote_offset: seg.remote_offset,
                 len: seg.size,
+                tag,
             });
         }
         updater.set(StatusCode::InProgress, "");
@@ -897,6 +965,7 @@ impl Inner {
             }
             let mut finished = Vec::new();
             let mut filed = Vec::new();
+            let mut messages = Vec::new();
             let mut state = lock(&self.state);
             for event in events {
                 match event {
@@ -922,9 +991,21 @@ impl Inner {
                             filed.push(entry);
                         }
                     }
+                    TransportEvent::Message { from, bytes } => messages.push((from, bytes)),
                 }
             }
             drop(state);
+            if !messages.is_empty() {
+                let hook = lock(&self.message_hook).clone();
+                match hook {
+                    Some(hook) => {
+                        for (from, bytes) in messages {
+                            hook(from, bytes);
+                        }
+                    }
+                    None => tracing::debug!(engine = %self.key, n = messages.len(), "control messages dropped: no hook"),
+                }
+            }
             if !filed.is_empty() {
                 self.inbound_cv.notify_all();
                 let hook = lock(&self.inbound_hook).clone();

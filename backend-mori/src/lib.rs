@@ -74,9 +74,13 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod adapter;
+pub mod bench;
 mod engine;
 mod error;
+pub mod harness;
 pub mod loopback;
+pub mod sim;
 mod status;
 pub mod transport;
 mod types;
@@ -84,12 +88,16 @@ mod util;
 mod window;
 
 #[cfg(test)]
+mod adapter_mock_tests;
+#[cfg(test)]
 mod mock_tests;
 
-pub use engine::{wait_all, EngineConfig, EngineStats, InboundHook, IoEngine, IoSession, MoriEngine};
+pub use engine::{wait_all, EngineConfig, EngineStats, InboundHook, IoEngine, IoSession, MessageHook, MoriEngine};
 #[cfg(any(test, feature = "mock"))]
 pub use engine::{MockIoEngine, MockIoSession};
+pub use adapter::{AdapterError, AdapterStats, ExposeError, ExposeErrorKind, MoriTransfer};
 pub use error::{EngineError, TransportError};
+pub use sim::{SimTransport, SimTransportConfig};
 pub use status::{StatusCode, StatusUpdater, TransferStatus, ERR_BEGIN};
 #[cfg(any(test, feature = "mock"))]
 pub use transport::MockMoriTransport;

@@ -139,6 +139,7 @@ struct Faults {
 enum Job {
     Op { wr: WorkRequest, local: Arc<Endpoint>, local_buf: HostBuffer, remote: Option<(Arc<Endpoint>, HostBuffer)> },
     Notify { from: EngineKey, to: EngineKey, notification: Notification },
+    Message { from: EngineKey, to: EngineKey, bytes: Vec<u8> },
 }
 
 impl LoopbackFabric {
@@ -367,6 +368,14 @@ impl MoriTransport for LoopbackTransport {
         self.send(Job::Notify { from, to: to.clone(), notification })
     }
 
+    fn send_message(&self, to: &EngineKey, bytes: Vec<u8>) -> Result<(), TransportError> {
+        let from = self.local_key()?.clone();
+        if !lock(&self.connected).contains(to) {
+            return Err(TransportError::UnknownPeer(to.clone()));
+        }
+        self.send(Job::Message { from, to: to.clone(), bytes })
+    }
+
     fn poll(&self, max: usize, timeout: Duration) -> Vec<TransportEvent> {
         let mut events = lock(&self.endpoint.events);
         if events.is_empty() {
@@ -423,6 +432,12 @@ impl Worker {
                 Job::Notify { from, to, notification } => match self.hub.endpoint(&to) {
                     Some(ep) if !drop_notifications && !lock(&self.hub.fences).contains(&pair(&from, &to)) => {
                         ep.push_event(TransportEvent::Notification { from, notification });
+                    }
+                    _ => lock(&self.faults.state).notifications_dropped += 1,
+                },
+                Job::Message { from, to, bytes } => match self.hub.endpoint(&to) {
+                    Some(ep) if !drop_notifications && !lock(&self.hub.fences).contains(&pair(&from, &to)) => {
+                        ep.push_event(TransportEvent::Message { from, bytes });
                     }
                     _ => lock(&self.faults.state).notifications_dropped += 1,
                 },

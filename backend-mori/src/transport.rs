@@ -79,6 +79,9 @@ pub struct WorkRequest {
     pub remote_offset: u64,
     /// Bytes.
     pub len: u64,
+    /// The transfer's tag (see [`Tag`]): a transport that checks access per
+    /// slot and generation names the remote slot with it.
+    pub tag: Tag,
 }
 
 /// The terminal completion of one posted operation.
@@ -126,6 +129,14 @@ pub enum TransportEvent {
         /// The message.
         notification: Notification,
     },
+    /// A control message from a remote engine arrived (not in MORI; see
+    /// [`MoriTransport::send_message`]).
+    Message {
+        /// The sending engine.
+        from: EngineKey,
+        /// The bytes, uninterpreted.
+        bytes: Vec<u8>,
+    },
 }
 
 /// The transport under an engine; see the [module docs](self) for the contract.
@@ -167,5 +178,40 @@ pub trait MoriTransport: Send + Sync {
     /// default refuses: the transport cannot fence.
     fn fence(&self, remote: &EngineKey) -> Result<(), TransportError> {
         Err(TransportError::Unsupported(format!("transport cannot fence {remote}")))
+    }
+
+    /// Sends a small control message to `to` (delivered at most once, in
+    /// order per peer, as [`TransportEvent::Message`]). Not in MORI; the
+    /// kv-transfer adapter carries ABORT / ABORT_ACK with it. The default
+    /// refuses.
+    fn send_message(&self, to: &EngineKey, bytes: Vec<u8>) -> Result<(), TransportError> {
+        let _ = bytes;
+        Err(TransportError::Unsupported(format!("transport cannot send messages to {to}")))
+    }
+
+    /// Grants `remote` access to one slot of region `id` under `generation`
+    /// (region registered with a slot size). A transport that checks access
+    /// per slot and generation binds it; from then on an access naming another
+    /// generation is rejected. The default does nothing (MORI: one key for the
+    /// whole region, no per-slot check).
+    fn grant(&self, id: MemoryId, remote: &EngineKey, slot: u32, generation: u64) -> Result<(), TransportError> {
+        let _ = (id, remote, slot, generation);
+        Ok(())
+    }
+
+    /// Withdraws a grant after its tenancy was settled (no confirmation
+    /// needed: the proof came from elsewhere). The default does nothing.
+    fn withdraw(&self, id: MemoryId, slot: u32, generation: u64) -> Result<(), TransportError> {
+        let _ = (id, slot, generation);
+        Ok(())
+    }
+
+    /// Revokes a grant and confirms: `Ok(true)` only once no access under it
+    /// can land any more (in-flight ones drained, later ones rejected).
+    /// `Ok(false)`: not bound (or the drain timed out), nothing is proven. The
+    /// default refuses: MORI cannot revoke per slot.
+    fn revoke(&self, id: MemoryId, slot: u32, generation: u64) -> Result<bool, TransportError> {
+        let _ = (id, slot, generation);
+        Err(TransportError::Unsupported("transport cannot revoke per slot".to_owned()))
     }
 }

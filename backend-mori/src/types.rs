@@ -209,12 +209,13 @@ enum RegionKind {
 #[derive(Clone, Debug)]
 pub struct MemoryRegion {
     kind: RegionKind,
+    slot_size: Option<u64>,
 }
 
 impl MemoryRegion {
     /// Host memory owned by a [`HostBuffer`]. Every transport in this crate can use it.
     pub fn host(buffer: HostBuffer) -> Self {
-        Self { kind: RegionKind::Host(buffer) }
+        Self { kind: RegionKind::Host(buffer), slot_size: None }
     }
 
     /// External memory by address: `len` bytes at `addr`, on the host or on GPU
@@ -231,7 +232,20 @@ impl MemoryRegion {
     /// caller must not access bytes an operation may touch while that
     /// operation's status is not terminal.
     pub unsafe fn external(addr: u64, len: u64, loc: MemoryLocation, device_id: i32) -> Self {
-        Self { kind: RegionKind::External { addr, len, loc, device_id } }
+        Self { kind: RegionKind::External { addr, len, loc, device_id }, slot_size: None }
+    }
+
+    /// Declares that the region is carved into slots of `slot_size` bytes
+    /// (the kv-transfer pool's slots). The engine ignores it; a transport that
+    /// can bind access per slot and generation (the TCP simulator's) uses it.
+    pub fn with_slot_size(mut self, slot_size: u64) -> Self {
+        self.slot_size = Some(slot_size);
+        self
+    }
+
+    /// The slot size declared with [`MemoryRegion::with_slot_size`].
+    pub fn slot_size(&self) -> Option<u64> {
+        self.slot_size
     }
 
     /// The owned host buffer, if this is one.
@@ -282,7 +296,12 @@ impl MemoryRegion {
 
 /// An opaque pair of `u64` the caller attaches to a transfer; it comes back in
 /// the target's [`InboundStatus`]. The engine never interprets it. The
-/// kv-transfer adapter puts a slot (or lease) id and its generation there.
+/// kv-transfer adapter puts a slot id and its generation there.
+///
+/// The tag also travels with every [`crate::WorkRequest`], so a transport
+/// that checks access per slot and generation (the TCP simulator's) can name
+/// them: by convention the low 32 bits of `slot` are the remote slot index and
+/// `generation` is its generation; the high bits of `slot` are the caller's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Tag {
     /// First word (the adapter: slot or lease id).

@@ -31,11 +31,13 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod adapter;
 pub mod engine;
 
 #[cfg(any(test, feature = "mock"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub use engine::MockNixlEngine;
+pub use adapter::{AdapterConfig, AdapterError, AdapterMetrics, NixlEvent, NixlTransfer, Progress, ShutdownReport};
 pub use engine::{
     EngineConfig, EngineError, LoadError, MemRegion, NixlEngine, Notification, RealNixlEngine, RegId, ReqId, Status,
     XferOp, XferSpec, XferState,

@@ -1,9 +1,15 @@
-//! WRITE throughput on loopback: `cargo run --release --example sim_bench -p backend-tcp-sim [secs]`.
+//! WRITE throughput on loopback:
+//! `cargo run --release --example sim_bench -p backend-tcp-sim [secs] [socket-buffer-bytes|auto]`.
 use backend_tcp_sim::bench::{run_write_bench, BenchConfig};
 use std::time::Duration;
 
 fn main() {
     let secs: f64 = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(3.0);
+    let socket_buffer = match std::env::args().nth(2) {
+        Some(s) if s == "auto" => None,
+        Some(s) => s.parse().ok(),
+        None => BenchConfig::default().socket_buffer,
+    };
     for block in [64usize << 10, 1 << 20] {
         let cfg = BenchConfig {
             block_size: block,
@@ -11,6 +17,7 @@ fn main() {
             threads: 4,
             duration: Duration::from_secs_f64(secs),
             warmup: Duration::from_millis(300),
+            socket_buffer,
         };
         match run_write_bench(&cfg) {
             Ok(r) => println!(

@@ -15,6 +15,7 @@
 //!     threads: 1,
 //!     duration: Duration::from_millis(50),
 //!     warmup: Duration::ZERO,
+//!     ..BenchConfig::default()
 //! })
 //! .unwrap();
 //! assert!(r.bytes > 0 && r.gb_per_s > 0.0);
@@ -38,6 +39,8 @@ pub struct BenchConfig {
     pub duration: Duration,
     /// Unmeasured time before it.
     pub warmup: Duration,
+    /// Socket buffer size of the NICs' connections ([`NicConfig::socket_buffer`]).
+    pub socket_buffer: Option<usize>,
 }
 
 impl Default for BenchConfig {
@@ -49,6 +52,7 @@ impl Default for BenchConfig {
             threads: 4,
             duration: Duration::from_secs(2),
             warmup: Duration::from_millis(200),
+            socket_buffer: NicConfig::new("").socket_buffer,
         }
     }
 }
@@ -104,10 +108,11 @@ pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
     }
     let slots = cfg.threads * cfg.batch;
     let bytes = slots.checked_mul(cfg.block_size).ok_or_else(|| other("too large"))?;
-    let target = SimNic::start(NicConfig::new("bench-target"))?;
+    let nic_cfg = |name: &str| NicConfig { socket_buffer: cfg.socket_buffer, ..NicConfig::new(name) };
+    let target = SimNic::start(nic_cfg("bench-target"))?;
     let tpool =
         target.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
-    let init = SimNic::start(NicConfig::new("bench-initiator"))?;
+    let init = SimNic::start(nic_cfg("bench-initiator"))?;
     let ipool =
         init.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
     init.connect(target.endpoint())?;

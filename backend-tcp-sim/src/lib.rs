@@ -22,9 +22,23 @@
 //! - Faults are seeded and reproducible ([`FaultPlan`], [`Gate`]).
 //! - [`ReleasePolicy::Naive`] exists **only** as the race tests' positive
 //!   control: it frees aborted slots at once without a proof.
-//! - [`wire`] is the pure frame codec, [`bench`] the reusable throughput loop.
+//! - [`wire`] is the pure frame codec, [`bench`](mod@bench) the reusable throughput loop.
 //!
 //! See [`SimNic`] for a runnable end-to-end example.
+//!
+//! ## Which proof comes from where
+//!
+//! | event at the NIC | proof delivered |
+//! | --- | --- |
+//! | initiator: every WR of an operation reached a terminal completion (target applied or rejected it) | `Completed` for the local lease (via the operation's `Completer`) |
+//! | target: NOTIFY from the peer the slots are exposed to (sent only after all its WRs succeeded) | binding cleared, then `Completed` |
+//! | target: ABORT_ACK after the escalation's ABORT (the peer waited for its WRs on those tenancies to be terminal) | binding cleared, then `Completed` |
+//! | target: escalation `Revoke`, or [`SimNic::revoke`] | binding cleared and in-flight applies drained (bounded by `revoke_wait`), then `Revoked` |
+//! | connection lost, malformed frame, escalation `Fence`, or [`SimNic::fence`] | socket shut, both threads joined, then `Fenced(peer)` to every pool; in-flight operations fail with `Transport` |
+//!
+//! A [`PeerId`](kv_transfer_core::PeerId) names one connection and is never
+//! reused; a slot's binding names the connection it is exposed to, so a fence
+//! of that connection really ends every access to it.
 #![deny(missing_docs)]
 
 pub mod bench;

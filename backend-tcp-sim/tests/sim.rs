@@ -566,3 +566,93 @@ fn foreign_pool_and_bad_shapes_return_the_lease() {
     p.target.revoke(&e);
     settle_within(e).release();
 }
+
+#[test]
+fn peer_process_killed_mid_transfer_is_fenced() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let gate = Gate::closed();
+    let faults = FaultPlan { gate: Some(gate.clone()), ..FaultPlan::default() };
+    let target = SimNic::start(NicConfig::new("decode").with_faults(faults)).unwrap();
+    let tpool = target.register_pool(Arc::new(HostRegion::new(SLOTS * SLOT).unwrap()), PoolConfig::new(SLOT)).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sim-peer"))
+        .args([target.endpoint(), "killed-peer"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "connected");
+    let peer = target.wait_for_peer("killed-peer", WAIT).unwrap();
+    let (exposed, remote) = target.expose(tpool.reserve(2).unwrap(), peer).unwrap();
+    let mut desc = format!("{} {}", remote.key, remote.slot_size);
+    for s in &remote.slots {
+        desc += &format!(" {}:{}:{}", s.slot.0, s.generation.0, s.addr);
+    }
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{desc}").unwrap();
+    assert_eq!(lines.next().unwrap().unwrap(), "posted");
+    assert!(gate.wait_for_waiting(1, WAIT));
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    // The NIC notices the dead peer even while its write waits at the gate.
+    settle_within(exposed).release();
+    assert_eq!(tpool.metrics().settled_fenced, 2);
+    gate.open();
+    assert_eq!(target.stats().writes_applied, 0);
+    assert!(region_bytes(&tpool).iter().all(|&b| b == 0));
+}
+
+#[test]
+fn slow_apply_outlasts_drain_and_revoke_so_the_fence_settles() {
+    // One 4 KiB apply takes ~800 ms; the ladder drains for 150 ms, revokes
+    // for 150 ms (each revocation waits at most 50 ms), then fences.
+    let faults = FaultPlan { slow_target_bytes_per_sec: Some(5 * 1024), ..FaultPlan::default() };
+    let cfg = NicConfig { revoke_wait: Duration::from_millis(50), ..NicConfig::new("decode").with_faults(faults) };
+    let p = pair_with(cfg, NicConfig::new("prefill"));
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let h = block_on(p.init.write(filled(&p.ipool, 1, 0x77), &remote, TransferOptions::default())).unwrap();
+    wait_until("apply started", || p.init.stats().wrs_posted == 1);
+    std::thread::sleep(Duration::from_millis(30));
+    exposed.abort();
+    assert_eq!(p.tpool.metrics().quarantined, 1);
+    wait_until("reclaimed", || p.tpool.metrics().free == SLOTS as u64);
+    let m = p.tpool.metrics();
+    let s = p.target.stats();
+    assert_eq!(m.settled_fenced, 1, "{m:?} {s:?}");
+    assert!(s.revocations_timed_out >= 1, "{s:?}");
+    assert_eq!((s.aborts_sent, s.fences), (1, 1));
+    let out = block_on(h).unwrap();
+    assert!(out.result.is_err(), "{:?}", out.result);
+}
+
+#[test]
+fn reorder_across_connections_follows_the_seed() {
+    // Find a seed whose connection 0 is much slower than connection 1.
+    let base = FaultPlan { reorder_jitter_us: 300_000, ..FaultPlan::default() };
+    let seed = (0..1000u64)
+        .find(|&s| {
+            let p = FaultPlan { seed: s, ..base.clone() };
+            p.conn_delay(0) > p.conn_delay(1) + Duration::from_millis(150)
+        })
+        .unwrap();
+    let faults = FaultPlan { seed, ..base };
+    let target = SimNic::start(NicConfig::new("decode")).unwrap();
+    let tpool = target.register_pool(Arc::new(HostRegion::new(SLOTS * SLOT).unwrap()), PoolConfig::new(SLOT)).unwrap();
+    let init = SimNic::start(NicConfig::new("prefill").with_faults(faults)).unwrap();
+    let c0 = init.connect_new(target.endpoint()).unwrap();
+    let c1 = init.connect_new(target.endpoint()).unwrap();
+    wait_until("both accepted", || target.peers().len() == 2);
+    let peers = target.peers();
+    let (e0, r0) = target.expose(tpool.reserve(1).unwrap(), peers[0].peer).unwrap();
+    let (e1, r1) = target.expose(tpool.reserve(1).unwrap(), peers[1].peer).unwrap();
+    let h0 = init.write_raw(c0, RawAccess::of(&r0, 0).unwrap(), Bytes::from(vec![1; 64])).unwrap();
+    let h1 = init.write_raw(c1, RawAccess::of(&r1, 0).unwrap(), Bytes::from(vec![2; 64])).unwrap();
+    assert_eq!(h1.wait(WAIT), Some(Ok(None)));
+    assert_eq!(h0.wait(Duration::ZERO), None, "the later post on the faster connection should land first");
+    assert_eq!(h0.wait(WAIT), Some(Ok(None)));
+    for e in [e0, e1] {
+        target.revoke(&e);
+        settle_within(e).release();
+    }
+}

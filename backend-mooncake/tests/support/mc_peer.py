@@ -2,7 +2,7 @@
 # line commands on stdin, for the interop tests. Replies go to stdout, one line each.
 import json
 import sys
-from mooncake.engine import TransferEngine
+from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
 SIZE = int(sys.argv[1]) if len(sys.argv) > 1 else (4 << 20)
 te = TransferEngine()
@@ -32,6 +32,17 @@ for line in sys.stdin:
             seg, loff, raddr, n = p[1], int(p[2]), int(p[3]), int(p[4])
             f = te.transfer_sync_write if cmd == "write" else te.transfer_sync_read
             print("RC %d" % f(seg, buf + loff, raddr, n), flush=True)
+        elif cmd == "fill":
+            off, n, b = int(p[1]), int(p[2]), int(p[3])
+            te.write_bytes_to_buffer(buf + off, bytes([b]) * n, n)
+            print("OK", flush=True)
+        elif cmd == "notify":
+            # A 1-byte READ with a notification: Mooncake sends the message only
+            # after the transfer COMPLETED. `name` is our own segment name.
+            seg, raddr, msg = p[1], int(p[2]), " ".join(p[3:])
+            me = "127.0.0.1:%d" % te.get_rpc_port()
+            n = TransferNotify(me, msg)
+            print("RC %d" % te.transfer_sync(seg, buf, raddr, 1, TransferOpcode.Read, n), flush=True)
         elif cmd == "notifies":
             ns = [[n.name, n.msg] for n in te.get_notifies()]
             print("OK " + json.dumps(ns, separators=(",", ":")), flush=True)

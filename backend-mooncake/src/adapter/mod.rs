@@ -1,0 +1,1173 @@
+//! The adapter: kv-transfer-core's [`Transfer`] over Mooncake's batch model.
+//!
+//! [`MooncakeTransfer`] wraps any [`TransferEngine`] (the real
+//! [`MooncakeEngine`](crate::MooncakeEngine), or `MockTransferEngine` in
+//! tests). It registers pools ([`MooncakeTransfer::register_pool`]) and keeps
+//! their [`SettlementAuthority`] to itself: no caller can mint a proof.
+//!
+//! # Initiator side ([`Transfer::post`])
+//!
+//! The classic Mooncake engine has no cancel: [`TransferHandle::cancel`] is
+//! recorded but the operation still runs to its terminal status. `post` runs
+//! on the caller's thread and may block briefly: the first post to an
+//! endpoint fetches its descriptor (a handshake round trip).
+//!
+//! One batch per operation, one task per slot. A driver thread waits on each
+//! task with bounded [`TransferEngine::wait_transfer`] slices until **every**
+//! task is COMPLETED or FAILED; TIMEOUT and the other non-terminal states keep
+//! it waiting (no timer ends an operation: escalation is the target's ladder's
+//! job). Only then is the batch freed and the local lease settled
+//! (`Completed`: our own engine no longer touches it). The lease lives in the
+//! core's [`Completer`] meanwhile, so a dropped
+//! [`TransferHandle`] parks it until then. If every task COMPLETED under
+//! protocol v2 and the caller asked for it, a `W` notification naming the
+//! remote tenancies follows (see [`wire`]); never on failure, never to a v1
+//! target.
+//!
+//! # Target side ([`MooncakeTransfer::expose`])
+//!
+//! Exposures settle from `W` or `K` notifications, accepted only from the peer
+//! the tenancies were exposed to, only for tenancies still awaiting
+//! settlement (stale ones are counted by core), and only from a peer that
+//! speaks protocol v2.
+//!
+//! # Abort and the escalation ladder
+//!
+//! An aborted (or dropped) exposure is quarantined by core. The adapter's
+//! control thread then follows the ladder:
+//!
+//! - `RequestDrain`: send `A` (ABORT) to the peer. An initiator running this
+//!   adapter records the tenancies as aborted (later posts to them fail),
+//!   waits until every task touching them is finished, then answers `K`
+//!   (ABORT_ACK), which settles them `Completed`. It withholds the ack when a
+//!   finished task proves nothing about the target's memory: the target
+//!   speaks v1, or a task FAILED mid-connection (bytes already in the
+//!   target's socket may still be applied there), or the engine lost a task.
+//!   A plain Mooncake application can ack too: Mooncake sends a transfer's
+//!   notification only after it saw the transfer COMPLETED (the interop
+//!   hazard test does exactly that).
+//! - `Revoke`: **not available**. Mooncake's TCP transport has no access key
+//!   per tenancy (the address is the key) and the pool is registered as one
+//!   region; unregistering a slot's range and registering it again later
+//!   would let a late request of the old tenancy land in the new one. Counted
+//!   in [`AdapterMetrics::revoke_unavailable`]; nothing is minted.
+//! - `Fence`: **not available** per peer: a data connection carries no peer
+//!   identity and a peer can always reconnect. Counted in
+//!   [`AdapterMetrics::fence_unavailable`]; nothing is minted.
+//! - `Exhausted`: the slots stay quarantined (core counts them as stuck).
+//!
+//! So a peer that never acks (a plain Mooncake application, a v1 peer, a
+//! dead peer) leaves its aborted slots quarantined and visible in the pool's
+//! metrics: a capacity bug, never a data leak (DESIGN rule 2).
+//!
+//! # Protocol v1 peers
+//!
+//! A v1 peer's completions prove nothing (a WRITE's COMPLETED only means the
+//! bytes left its socket). Exposures to a v1 peer are never settled from its
+//! notifications (they would settle only by a fence, which this transport
+//! cannot give), our initiator never sends `W` or `K` for tasks that ran
+//! under v1, and the adapter warns once per peer and counts it
+//! ([`AdapterMetrics::v1_peers`], [`AdapterMetrics::v1_exposures`],
+//! [`AdapterMetrics::v1_completions_ignored`]).
+//!
+//! # The positive control
+//!
+//! [`ReleasePolicy::NaivePositiveControl`] reproduces the bug class on
+//! purpose (a proof minted on abort, without evidence) so tests can show the
+//! hazard is real. Never use it outside such a test.
+
+pub mod wire;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::ops::Range;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kv_transfer_core::{
+    check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Op, PeerId, PoolConfig, PoolId, PostError,
+    PostErrorKind, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool, Tenancy,
+    Transfer, TransferError, TransferHandle, TransferOptions,
+};
+
+use crate::engine::{BatchId, SegmentId, TransferEngine, TransferRequest};
+use crate::error::{EngineError, TaskError};
+use crate::memory::MemoryRegion;
+use crate::proto::{ProtoVersion, TcpOpcode};
+use crate::TransferStatus;
+use wire::{Kind, Message, ParseError};
+
+/// What the adapter does when core asks it to drain an aborted exposure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReleasePolicy {
+    /// The contract: ABORT / ABORT_ACK, slots stay quarantined until the ack.
+    #[default]
+    Safe,
+    /// **Positive control only.** Mints `Completed` for aborted tenancies at
+    /// once, with no evidence: exactly the bug class this workspace exists to
+    /// rule out (a slot freed while a peer may still write into it). Tests use
+    /// it to show that the hazard reproduces; never use it in a server.
+    NaivePositiveControl,
+}
+
+/// Adapter options.
+#[derive(Debug, Clone)]
+pub struct AdapterConfig {
+    /// Threads that wait for posted operations to finish (round robin).
+    pub drivers: usize,
+    /// Longest single wait on one task before the driver checks for shutdown.
+    pub wait_slice: Duration,
+    /// How often the control thread polls notifications when nothing wakes it.
+    pub poll_interval: Duration,
+    /// Most aborted remote tenancies remembered (oldest forgotten beyond);
+    /// posts to a remembered one fail.
+    pub max_aborted: usize,
+    /// What draining an aborted exposure means.
+    pub release_policy: ReleasePolicy,
+}
+
+impl Default for AdapterConfig {
+    fn default() -> Self {
+        Self {
+            drivers: 2,
+            wait_slice: Duration::from_millis(100),
+            poll_interval: Duration::from_millis(2),
+            max_aborted: 1 << 20,
+            release_policy: ReleasePolicy::Safe,
+        }
+    }
+}
+
+/// Errors of the adapter's own calls (posting returns core's [`PostError`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdapterError {
+    /// The engine refused.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The pool could not be built.
+    #[error(transparent)]
+    Pool(#[from] kv_transfer_core::PoolError),
+    /// Only host memory can be moved by the TCP transport.
+    #[error("region is not host memory; the TCP transport moves host memory only")]
+    NotHostMemory,
+    /// The adapter cannot start a thread.
+    #[error("cannot start adapter thread: {0}")]
+    Thread(String),
+}
+
+macro_rules! counters {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        #[derive(Debug, Default)]
+        struct Counters { $($name: AtomicU64,)* }
+
+        /// A snapshot of the adapter's own counters (the pools keep theirs).
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        pub struct AdapterMetrics { $($(#[$doc])* pub $name: u64,)* }
+
+        impl Counters {
+            fn snapshot(&self) -> AdapterMetrics {
+                AdapterMetrics { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+        }
+    };
+}
+
+counters! {
+    /// Operations posted (one batch each).
+    posts,
+    /// Operations whose every task COMPLETED.
+    ops_completed,
+    /// Operations finished with at least one FAILED task.
+    ops_failed,
+    /// Operations abandoned because the engine lost their batch (lease quarantined).
+    ops_abandoned,
+    /// Times a task was seen in TIMEOUT (kept waiting: not terminal).
+    timeouts_seen,
+    /// `free_batch_id` refused (BatchBusy) and retried after more waiting.
+    free_refused,
+    /// `W` notifications sent after a completed operation.
+    done_sent,
+    /// Notifications (`W`, `A`, `K`) whose sending failed.
+    notify_failed,
+    /// Adapter notifications received.
+    notifies_received,
+    /// Notifications with the `kvt1` prefix that do not parse; dropped.
+    notifies_malformed,
+    /// Notifications without the prefix (an application's); dropped.
+    notifies_foreign,
+    /// Tenancies in a `W`/`K` from a peer they were not exposed to (or for an
+    /// unknown pool, or from an unknown sender); dropped.
+    wrong_peer,
+    /// Tenancies settled `Completed` from a peer's `W`/`K`.
+    settled_by_peer,
+    /// Tenancies in a `W`/`K` from a v1 peer; proves nothing, dropped.
+    v1_completions_ignored,
+    /// Peers added that speak protocol v1 (ourselves included, if we advertise v1).
+    v1_peers,
+    /// Exposures to v1 peers (they settle only by a fence).
+    v1_exposures,
+    /// Operations that ran (partly) under v1: no `W`/`K` sent for them.
+    v1_ops,
+    /// ABORTs sent (RequestDrain).
+    aborts_sent,
+    /// ABORTs received (as initiator).
+    aborts_received,
+    /// ABORT_ACKs sent.
+    abort_acks_sent,
+    /// ABORT_ACKs withheld because a task on those tenancies ran under v1,
+    /// failed mid-connection, or was lost by the engine (its end proves
+    /// nothing about the target's memory). The target's slots stay quarantined.
+    abort_acks_withheld,
+    /// Posts refused because the target had aborted the tenancies.
+    posts_to_aborted,
+    /// Revoke steps that could not be carried out (no per-tenancy key).
+    revoke_unavailable,
+    /// Fence steps that could not be carried out (no per-peer fence).
+    fence_unavailable,
+    /// Escalations that reached the end of the ladder.
+    exhausted,
+    /// Tenancies released by the naive positive control, without evidence.
+    naive_releases,
+}
+
+#[derive(Debug)]
+struct PeerInfo {
+    name: String,
+    segment: SegmentId,
+    proto: ProtoVersion,
+}
+
+#[derive(Debug, Default)]
+struct Peers {
+    by_id: HashMap<PeerId, PeerInfo>,
+    by_name: HashMap<String, PeerId>,
+    next: u32,
+}
+
+struct PoolEntry {
+    authority: SettlementAuthority,
+    region: Arc<dyn Region>,
+    /// Tenancies handed to peers, and to whom; removed when settled here.
+    exposed: HashMap<Tenancy, PeerId>,
+}
+
+#[derive(Debug)]
+struct InflightOp {
+    endpoint: String,
+    remote_pool: PoolId,
+    tenancies: Vec<Tenancy>,
+}
+
+/// Remote tenancies by target segment name (pool ids are only unique within
+/// one process), bounded: the oldest are forgotten beyond `max`.
+#[derive(Debug, Default)]
+struct TenancySet {
+    map: HashMap<String, HashSet<(PoolId, Tenancy)>>,
+    order: VecDeque<(String, PoolId, Tenancy)>,
+}
+
+impl TenancySet {
+    fn insert(&mut self, max: usize, endpoint: &str, pool: PoolId, ts: &[Tenancy]) {
+        let set = self.map.entry(endpoint.to_string()).or_default();
+        let mut added = Vec::new();
+        for t in ts {
+            if set.insert((pool, *t)) {
+                added.push((endpoint.to_string(), pool, *t));
+            }
+        }
+        self.order.extend(added);
+        while self.order.len() > max.max(1) {
+            let Some((name, pool, t)) = self.order.pop_front() else { break };
+            if let Some(set) = self.map.get_mut(&name) {
+                set.remove(&(pool, t));
+                if set.is_empty() {
+                    self.map.remove(&name);
+                }
+            }
+        }
+    }
+
+    fn any(&self, endpoint: &str, pool: PoolId, ts: &[Tenancy]) -> bool {
+        self.map.get(endpoint).is_some_and(|set| ts.iter().any(|t| set.contains(&(pool, *t))))
+    }
+}
+
+#[derive(Debug)]
+struct PendingAbort {
+    reply_to: SegmentId,
+    pool: PoolId,
+    tenancies: Vec<Tenancy>,
+    waiting: HashSet<u64>,
+    /// A task on these tenancies ran under v1 or failed mid-connection: its
+    /// end proves nothing about the target's memory, so no ack.
+    tainted: bool,
+    attempts: u32,
+}
+
+#[derive(Debug, Default)]
+struct Inflight {
+    ops: HashMap<u64, InflightOp>,
+    /// Remote tenancies their target aborted: no more posts to them.
+    aborted: TenancySet,
+    /// Remote tenancies an operation ended on without proving anything about
+    /// the target's memory (v1, connection failed mid-request, engine lost it).
+    tainted: TenancySet,
+    pending: Vec<PendingAbort>,
+    next: u64,
+}
+
+struct Job {
+    id: u64,
+    batch: BatchId,
+    tasks: Range<usize>,
+    completer: Completer,
+    notify: Option<(SegmentId, Message)>,
+}
+
+struct Inner {
+    engine: Arc<dyn TransferEngine>,
+    /// The framing our own descriptor advertises: what every initiator uses
+    /// towards us. With V1 no initiator's completion proves anything.
+    self_proto: ProtoVersion,
+    cfg: AdapterConfig,
+    segment_name: String,
+    pools: Mutex<HashMap<PoolId, PoolEntry>>,
+    peers: Mutex<Peers>,
+    inflight: Mutex<Inflight>,
+    counters: Counters,
+    wake: (Mutex<bool>, Condvar),
+    stop: AtomicBool,
+    jobs: Vec<Mutex<Sender<Job>>>,
+    next_driver: AtomicUsize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// kv-transfer-core's [`Transfer`] over a Mooncake [`TransferEngine`]. See the
+/// [module documentation](self) for what each side proves and what it cannot.
+pub struct MooncakeTransfer {
+    inner: Arc<Inner>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for MooncakeTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MooncakeTransfer").field("segment", &self.inner.segment_name).finish_non_exhaustive()
+    }
+}
+
+impl MooncakeTransfer {
+    /// Starts the adapter's driver and control threads over `engine`.
+    ///
+    /// Reads our own descriptor once (`open_segment` of our own name) to learn
+    /// the framing initiators use towards us; if that fails, or it is v1, no
+    /// initiator's notification settles anything here.
+    pub fn new(engine: Arc<dyn TransferEngine>, cfg: AdapterConfig) -> Result<Self, AdapterError> {
+        let drivers = cfg.drivers.max(1);
+        let mut receivers = Vec::with_capacity(drivers);
+        let mut senders = Vec::with_capacity(drivers);
+        for _ in 0..drivers {
+            let (tx, rx) = mpsc::channel::<Job>();
+            senders.push(Mutex::new(tx));
+            receivers.push(rx);
+        }
+        let segment_name = engine.local_segment_name();
+        // Our own descriptor, as peers see it (one handshake to ourselves).
+        let self_proto = match engine.open_segment(&segment_name).and_then(|s| engine.segment_info(s)) {
+            Ok(info) => info.proto,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read our own descriptor; assuming protocol v1 (nothing settles by notification)");
+                ProtoVersion::V1
+            }
+        };
+        if self_proto == ProtoVersion::V1 {
+            tracing::warn!(
+                "this engine advertises TCP protocol v1: initiators' completions prove nothing; \
+                 exposures settle only by a fence, which this transport cannot give"
+            );
+        }
+        let inner = Arc::new(Inner {
+            self_proto,
+            segment_name,
+            engine,
+            cfg,
+            pools: Mutex::default(),
+            peers: Mutex::default(),
+            inflight: Mutex::default(),
+            counters: Counters::default(),
+            wake: (Mutex::new(false), Condvar::new()),
+            stop: AtomicBool::new(false),
+            jobs: senders,
+            next_driver: AtomicUsize::new(0),
+        });
+        let mut threads = Vec::new();
+        let mut this = MooncakeTransfer { inner: inner.clone(), threads: Vec::new() };
+        for (i, rx) in receivers.into_iter().enumerate() {
+            let inn = inner.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("kvt-mc-driver-{i}"))
+                .spawn(move || driver_loop(&inn, rx))
+                .map_err(|e| AdapterError::Thread(e.to_string()));
+            match t {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    this.threads = threads;
+                    return Err(e);
+                }
+            }
+        }
+        let inn = inner.clone();
+        let t = std::thread::Builder::new()
+            .name("kvt-mc-control".into())
+            .spawn(move || control_loop(&inn))
+            .map_err(|e| AdapterError::Thread(e.to_string()));
+        match t {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                this.threads = threads;
+                return Err(e);
+            }
+        }
+        this.threads = threads;
+        Ok(this)
+    }
+
+    /// The engine underneath.
+    pub fn engine(&self) -> &Arc<dyn TransferEngine> {
+        &self.inner.engine
+    }
+
+    /// Our segment name (`ip:port`): the endpoint of every exposure.
+    pub fn segment_name(&self) -> &str {
+        &self.inner.segment_name
+    }
+
+    /// The adapter's counters.
+    pub fn metrics(&self) -> AdapterMetrics {
+        self.inner.counters.snapshot()
+    }
+
+    /// Registers `region` with the engine and builds a pool over it. The
+    /// pool's settlement authority stays inside the adapter.
+    ///
+    /// The adapter keeps the region alive until the engine can no longer
+    /// touch it (see [`Drop`](MooncakeTransfer#impl-Drop-for-MooncakeTransfer)).
+    pub fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, AdapterError> {
+        if region.host_ptr().is_none() {
+            return Err(AdapterError::NotHostMemory);
+        }
+        let (pool, authority) = SlotPool::new(region.clone(), config)?;
+        // SAFETY: the region is owned by the `Arc` the adapter keeps in
+        // `pools` until the engine unregistered it (or forever, leaked, if it
+        // never can: see `Drop`); every byte the engine touches lies in a
+        // slot that is exposed, so no lease reads or writes it meanwhile.
+        let mr = unsafe { MemoryRegion::new(region.addr(), region.len() as u64) };
+        self.inner.engine.register_memory(mr)?;
+        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
+        authority.on_quarantine(move || {
+            if let Some(i) = weak.upgrade() {
+                i.wake();
+            }
+        });
+        lock(&self.inner.pools).insert(pool.id(), PoolEntry { authority, region, exposed: HashMap::new() });
+        Ok(pool)
+    }
+
+    /// Opens (or refreshes) the peer with this segment name and returns its
+    /// id. A v1 peer is warned about once and counted.
+    pub fn add_peer(&self, segment_name: &str) -> Result<PeerId, AdapterError> {
+        self.inner.add_peer(segment_name)
+    }
+
+    /// The protocol version a peer speaks, if known.
+    pub fn peer_proto(&self, peer: PeerId) -> Option<ProtoVersion> {
+        lock(&self.inner.peers).by_id.get(&peer).map(|p| p.proto)
+    }
+
+    /// Target side: exposes a reserved lease to `peer` and describes it (the
+    /// endpoint is our segment name; addresses are the slots' virtual
+    /// addresses, as Mooncake's host segments use them). The exposure settles
+    /// when that peer sends `W` or `K` for it; if aborted, see the ladder in
+    /// the module docs. On error the lease comes back unexposed.
+    pub fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), Box<PostError>> {
+        let v1 = match lock(&self.inner.peers).by_id.get(&peer) {
+            Some(p) => p.proto == ProtoVersion::V1 || self.inner.self_proto == ProtoVersion::V1,
+            None => {
+                return Err(Box::new(PostError {
+                    lease,
+                    kind: PostErrorKind::Peer(format!("unknown peer {}", peer.0)),
+                }))
+            }
+        };
+        let mut pools = lock(&self.inner.pools);
+        let Some(entry) = pools.get_mut(&lease.pool().id()) else {
+            return Err(Box::new(PostError { lease, kind: PostErrorKind::ForeignPool }));
+        };
+        for t in lease.tenancies() {
+            entry.exposed.insert(*t, peer);
+        }
+        let (exposed, remote) = lease.expose(peer, 0, self.inner.segment_name.clone());
+        drop(pools);
+        if v1 {
+            bump(&self.inner.counters.v1_exposures, 1);
+            // Warned once per peer in `add_peer`; counted per exposure.
+            tracing::debug!(
+                peer = peer.0,
+                slots = exposed.len(),
+                "exposure to a protocol-v1 peer: its completions prove nothing; it settles only by a fence"
+            );
+        }
+        Ok((exposed, remote))
+    }
+}
+
+impl Inner {
+    fn wake(&self) {
+        let (m, cv) = &self.wake;
+        *lock(m) = true;
+        cv.notify_one();
+    }
+
+    fn add_peer(&self, name: &str) -> Result<PeerId, AdapterError> {
+        let segment = self.engine.open_segment(name)?;
+        let proto = self.engine.segment_info(segment)?.proto;
+        let mut peers = lock(&self.peers);
+        if let Some(id) = peers.by_name.get(name).copied() {
+            if let Some(p) = peers.by_id.get_mut(&id) {
+                p.segment = segment;
+                p.proto = proto;
+            }
+            return Ok(id);
+        }
+        let id = PeerId(peers.next);
+        peers.next += 1;
+        peers.by_name.insert(name.to_string(), id);
+        peers.by_id.insert(id, PeerInfo { name: name.to_string(), segment, proto });
+        drop(peers);
+        if proto == ProtoVersion::V1 {
+            bump(&self.counters.v1_peers, 1);
+            tracing::warn!(
+                peer = name,
+                "peer speaks Mooncake TCP protocol v1: its completions prove nothing about remote memory; \
+                 exposures to it settle only by a fence, which this transport cannot give"
+            );
+        }
+        Ok(id)
+    }
+
+    fn peer_by_name(&self, name: &str) -> Option<(PeerId, SegmentId, ProtoVersion)> {
+        let peers = lock(&self.peers);
+        let id = *peers.by_name.get(name)?;
+        peers.by_id.get(&id).map(|p| (id, p.segment, p.proto))
+    }
+
+    fn peer_for(&self, name: &str) -> Result<(PeerId, SegmentId), EngineError> {
+        if let Some((id, seg, _)) = self.peer_by_name(name) {
+            return Ok((id, seg));
+        }
+        match self.add_peer(name) {
+            Ok(id) => self.peer_by_name(name).map(|(_, s, _)| (id, s)).ok_or(EngineError::BadSegmentName(name.into())),
+            Err(AdapterError::Engine(e)) => Err(e),
+            Err(e) => Err(EngineError::NotifyRejected(e.to_string())),
+        }
+    }
+
+    fn send(&self, seg: SegmentId, msg: &Message) -> bool {
+        match self.engine.send_notify(seg, &msg.encode()) {
+            Ok(()) => true,
+            Err(e) => {
+                bump(&self.counters.notify_failed, 1);
+                tracing::warn!(error = %e, kind = ?msg.kind, "adapter notification failed");
+                false
+            }
+        }
+    }
+}
+
+fn engine_err(e: &EngineError) -> PostErrorKind {
+    PostErrorKind::Engine(e.to_string())
+}
+
+#[kv_transfer_core::async_trait]
+impl Transfer for MooncakeTransfer {
+    fn backend(&self) -> &'static str {
+        "mooncake"
+    }
+
+    async fn post(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        let inner = &self.inner;
+        if let Err(kind) = check_shapes(&local, remote) {
+            return Err(PostError { lease: local, kind });
+        }
+        let authority = match lock(&inner.pools).get(&local.pool().id()) {
+            Some(e) => e.authority.clone(),
+            None => return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool }),
+        };
+        if inner.stop.load(Ordering::Acquire) {
+            return Err(PostError { lease: local, kind: PostErrorKind::ShuttingDown });
+        }
+        let (peer, seg) = match inner.peer_for(&remote.endpoint) {
+            Ok(p) => p,
+            Err(e) => return Err(PostError { lease: local, kind: PostErrorKind::Peer(e.to_string()) }),
+        };
+        let slot = remote.slot_size;
+        let mut reqs = Vec::with_capacity(local.len());
+        for (i, r) in remote.slots.iter().enumerate() {
+            let Some(source) = local.slot_addr(i) else {
+                return Err(PostError { lease: local, kind: PostErrorKind::Descriptor("local slot missing".into()) });
+            };
+            let opcode = match op {
+                Op::Read => TcpOpcode::Read,
+                Op::Write => TcpOpcode::Write,
+            };
+            reqs.push(TransferRequest { opcode, source, target_id: seg, target_offset: r.addr, length: slot });
+        }
+        let batch = match inner.engine.allocate_batch_id(reqs.len()) {
+            Ok(b) => b,
+            Err(e) => return Err(PostError { lease: local, kind: engine_err(&e) }),
+        };
+        let remote_ts = remote.tenancies();
+        // Register the operation before anything is submitted, under the same
+        // lock that records aborts: an ABORT either sees this op (and waits
+        // for it) or this post sees the abort (and refuses).
+        let id = {
+            let mut fl = lock(&inner.inflight);
+            if fl.aborted.any(&remote.endpoint, remote.pool, &remote_ts) {
+                drop(fl);
+                bump(&inner.counters.posts_to_aborted, 1);
+                let _ = inner.engine.free_batch_id(batch);
+                return Err(PostError {
+                    lease: local,
+                    kind: PostErrorKind::Descriptor("the target aborted these tenancies".into()),
+                });
+            }
+            fl.next += 1;
+            let id = fl.next;
+            fl.ops.insert(
+                id,
+                InflightOp {
+                    endpoint: remote.endpoint.clone(),
+                    remote_pool: remote.pool,
+                    tenancies: remote_ts.clone(),
+                },
+            );
+            id
+        };
+        let exposed = local.expose_local(peer);
+        let mut submitted = inner.engine.submit_transfer(batch, &reqs);
+        if let Err(EngineError::TargetOutOfRange { .. }) = submitted {
+            // The target may have registered memory since we fetched its
+            // descriptor: refresh once (submit is all or nothing, so a retry
+            // cannot double-post).
+            if inner.engine.open_segment(&remote.endpoint).is_ok() {
+                submitted = inner.engine.submit_transfer(batch, &reqs);
+            }
+        }
+        let tasks = match submitted {
+            Ok(r) => r,
+            Err(e) => {
+                // Nothing was queued (submit is all or nothing): no operation
+                // touches the slots, so `Completed` is vacuously true.
+                lock(&inner.inflight).ops.remove(&id);
+                let _ = inner.engine.free_batch_id(batch);
+                inner.wake();
+                let proof = authority.completed_lease(&exposed);
+                let lease = match exposed.settle(proof) {
+                    Ok(s) => s.into_reserved(),
+                    Err(err) => {
+                        // Cannot happen (own pool, full cover). If it did, the
+                        // lease must not come back unsettled: it is handed to a
+                        // completer that is dropped, so it is quarantined and
+                        // the handle resolves `Abandoned`.
+                        let (h, c) = TransferHandle::pair(err.lease);
+                        drop(c);
+                        return Ok(h);
+                    }
+                };
+                return Err(PostError { lease, kind: engine_err(&e) });
+            }
+        };
+        bump(&inner.counters.posts, 1);
+        let (handle, completer) = TransferHandle::pair(exposed);
+        let notify =
+            opts.notify.then_some((seg, Message { kind: Kind::Done, pool: remote.pool, tenancies: remote_ts }));
+        let job = Job { id, batch, tasks, completer, notify };
+        let n = inner.jobs.len().max(1);
+        let k = inner.next_driver.fetch_add(1, Ordering::Relaxed) % n;
+        if let Some(tx) = inner.jobs.get(k) {
+            if let Err(mpsc::SendError(job)) = lock(tx).send(job) {
+                // Driver gone (shutdown): the operation is in the engine, so
+                // it is abandoned (quarantined), never released.
+                drop(job.completer);
+            }
+        }
+        Ok(handle)
+    }
+}
+
+// ---------------------------------------------------------------- drivers
+
+fn driver_loop(inner: &Arc<Inner>, rx: Receiver<Job>) {
+    loop {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(job) => run_job(inner, job),
+            Err(RecvTimeoutError::Timeout) => {
+                if inner.stop.load(Ordering::Acquire) {
+                    return;
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+fn map_task_error(e: &Option<TaskError>) -> TransferError {
+    match e {
+        Some(TaskError::AddrRejected) => TransferError::Rejected(RejectReason::OutOfBounds),
+        Some(TaskError::Connect(m)) | Some(TaskError::Connection(m)) => TransferError::Transport(m.clone()),
+        Some(other) => TransferError::Engine {
+            engine: "mooncake",
+            code: TransferStatus::Failed as i64,
+            message: other.to_string(),
+        },
+        None => TransferError::Engine {
+            engine: "mooncake",
+            code: TransferStatus::Failed as i64,
+            message: "task FAILED".into(),
+        },
+    }
+}
+
+fn run_job(inner: &Arc<Inner>, job: Job) {
+    let Job { id, batch, tasks, completer, notify } = job;
+    let engine = &inner.engine;
+    let mut failure: Option<TransferError> = None;
+    let mut v1 = false;
+    // A task that FAILED mid-connection (or for an unknown reason) may have
+    // left bytes in the target's socket that the target still applies.
+    let mut uncertain = false;
+    let mut lost = false;
+    'tasks: for t in tasks {
+        let mut saw_timeout = false;
+        loop {
+            if inner.stop.load(Ordering::Acquire) {
+                lost = true;
+                break 'tasks;
+            }
+            match engine.wait_transfer(batch, t, inner.cfg.wait_slice) {
+                Ok(st) if st.status.is_finished() => {
+                    v1 |= st.proto == ProtoVersion::V1;
+                    if st.status == TransferStatus::Failed {
+                        uncertain |= !matches!(
+                            st.error,
+                            Some(TaskError::AddrRejected) | Some(TaskError::Connect(_)) | Some(TaskError::Dropped)
+                        );
+                        if failure.is_none() {
+                            failure = Some(map_task_error(&st.error));
+                        }
+                    }
+                    continue 'tasks;
+                }
+                Ok(st) => {
+                    if st.status == TransferStatus::Timeout && !saw_timeout {
+                        saw_timeout = true;
+                        bump(&inner.counters.timeouts_seen, 1);
+                        tracing::debug!(batch, task = t, "task in TIMEOUT: not terminal, still waiting");
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(batch, task = t, error = %e, "engine lost the task; lease stays quarantined");
+                    lost = true;
+                    break 'tasks;
+                }
+            }
+        }
+    }
+    if lost {
+        // No terminal status: the completer's drop quarantines the lease, and
+        // the op stays registered as in flight, so an ABORT for its remote
+        // tenancies is never acked.
+        bump(&inner.counters.ops_abandoned, 1);
+        drop(completer);
+        inner.wake();
+        return;
+    }
+    // Every task is finished, so the batch frees; BatchBusy would mean the
+    // engine disagrees, so wait a little and retry (bounded by shutdown).
+    loop {
+        match engine.free_batch_id(batch) {
+            Ok(()) => break,
+            Err(EngineError::BatchBusy { .. }) if !inner.stop.load(Ordering::Acquire) => {
+                bump(&inner.counters.free_refused, 1);
+                std::thread::sleep(inner.cfg.wait_slice.min(Duration::from_millis(10)));
+            }
+            Err(EngineError::BatchBusy { .. }) => {
+                bump(&inner.counters.ops_abandoned, 1);
+                drop(completer);
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(batch, error = %e, "free_batch_id failed after every task finished");
+                break;
+            }
+        }
+    }
+    if v1 {
+        bump(&inner.counters.v1_ops, 1);
+    }
+    let mut result = match failure {
+        Some(e) => {
+            bump(&inner.counters.ops_failed, 1);
+            Err(e)
+        }
+        None => {
+            bump(&inner.counters.ops_completed, 1);
+            Ok(())
+        }
+    };
+    if result.is_ok() {
+        if let Some((seg, msg)) = notify {
+            if v1 {
+                tracing::warn!(batch, "operation ran under protocol v1: no completion notification sent");
+            } else if inner.send(seg, &msg) {
+                bump(&inner.counters.done_sent, 1);
+            } else {
+                result = Err(TransferError::Transport("data completed, but the completion notify failed".into()));
+            }
+        }
+    }
+    // Every task is finished: our engine no longer touches the local slots.
+    let authority = lock(&inner.pools).get(&completer.lease().pool().id()).map(|e| e.authority.clone());
+    {
+        let mut fl = lock(&inner.inflight);
+        if let Some(op) = fl.ops.remove(&id) {
+            if v1 || uncertain {
+                fl.tainted.insert(inner.cfg.max_aborted, &op.endpoint, op.remote_pool, &op.tenancies);
+                for p in fl.pending.iter_mut() {
+                    if p.waiting.contains(&id) {
+                        p.tainted = true;
+                    }
+                }
+            }
+        }
+    }
+    match authority {
+        Some(a) => {
+            let proof = a.completed_lease(completer.lease());
+            if let Err(reason) = completer.complete(proof, result) {
+                tracing::error!(?reason, "own proof did not settle own lease");
+            }
+        }
+        None => drop(completer),
+    }
+    inner.wake();
+}
+
+// ---------------------------------------------------------------- control
+
+fn control_loop(inner: &Arc<Inner>) {
+    while !inner.stop.load(Ordering::Acquire) {
+        for n in inner.engine.get_notifies() {
+            handle_notify(inner, &n.name, &n.notify_msg);
+        }
+        service_pending_aborts(inner);
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        let pools: Vec<(PoolId, SettlementAuthority)> =
+            lock(&inner.pools).iter().map(|(id, e)| (*id, e.authority.clone())).collect();
+        for (pool, a) in pools {
+            for action in a.poll_escalations(now) {
+                escalate(inner, pool, &a, action);
+            }
+            if let Some(t) = a.next_escalation_at() {
+                next = Some(next.map_or(t, |n: Instant| n.min(t)));
+            }
+        }
+        let mut wait = inner.cfg.poll_interval;
+        if let Some(t) = next {
+            wait = wait.min(t.saturating_duration_since(Instant::now()));
+        }
+        let (m, cv) = &inner.wake;
+        let mut woken = lock(m);
+        if !*woken && !wait.is_zero() {
+            woken = cv.wait_timeout(woken, wait).map(|r| r.0).unwrap_or_else(|e| e.into_inner().0);
+        }
+        *woken = false;
+    }
+}
+
+fn handle_notify(inner: &Arc<Inner>, from: &str, text: &str) {
+    let msg = match Message::parse(text) {
+        Ok(m) => m,
+        Err(ParseError::NotOurs) => {
+            bump(&inner.counters.notifies_foreign, 1);
+            tracing::debug!(from, "notification not for the adapter; dropped");
+            return;
+        }
+        Err(ParseError::Malformed) => {
+            bump(&inner.counters.notifies_malformed, 1);
+            tracing::warn!(from, "malformed adapter notification; dropped");
+            return;
+        }
+    };
+    bump(&inner.counters.notifies_received, 1);
+    match msg.kind {
+        Kind::Done | Kind::AbortAck => settle_from_peer(inner, from, &msg),
+        Kind::Abort => on_abort(inner, from, msg),
+    }
+}
+
+/// Target side: a `W` or `K` from `from`.
+fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &Message) {
+    let n = msg.tenancies.len() as u64;
+    let Some((peer, _, proto)) = inner.peer_by_name(from) else {
+        bump(&inner.counters.wrong_peer, n);
+        tracing::warn!(from, "completion from an unknown peer; dropped");
+        return;
+    };
+    if proto == ProtoVersion::V1 || inner.self_proto == ProtoVersion::V1 {
+        bump(&inner.counters.v1_completions_ignored, n);
+        tracing::debug!(from, "completion from a v1 peer proves nothing; dropped");
+        return;
+    }
+    let mut pools = lock(&inner.pools);
+    let Some(entry) = pools.get_mut(&msg.pool) else {
+        drop(pools);
+        bump(&inner.counters.wrong_peer, n);
+        return;
+    };
+    let mut ok = Vec::with_capacity(msg.tenancies.len());
+    for t in &msg.tenancies {
+        match entry.exposed.get(t) {
+            Some(p) if *p == peer => {
+                if entry.authority.accept(*t) {
+                    ok.push(*t);
+                }
+                entry.exposed.remove(t);
+            }
+            Some(_) => bump(&inner.counters.wrong_peer, 1),
+            // Not (or no longer) exposed by us: stale; `accept` counts it.
+            None => {
+                let _ = entry.authority.accept(*t);
+            }
+        }
+    }
+    let authority = entry.authority.clone();
+    drop(pools);
+    if !ok.is_empty() {
+        // Counted before delivery, so a waiter woken by it sees the count.
+        bump(&inner.counters.settled_by_peer, ok.len() as u64);
+        authority.deliver(authority.completed(&ok));
+    }
+}
+
+/// Initiator side: an ABORT from `from`.
+fn on_abort(inner: &Arc<Inner>, from: &str, msg: Message) {
+    bump(&inner.counters.aborts_received, 1);
+    let reply_to = match inner.peer_for(from) {
+        Ok((_, s)) => s,
+        Err(e) => {
+            tracing::warn!(from, error = %e, "ABORT from an unreachable peer; cannot ack");
+            // Still refuse further posts to these tenancies.
+            lock(&inner.inflight).aborted.insert(inner.cfg.max_aborted, from, msg.pool, &msg.tenancies);
+            return;
+        }
+    };
+    let mut fl = lock(&inner.inflight);
+    fl.aborted.insert(inner.cfg.max_aborted, from, msg.pool, &msg.tenancies);
+    let tainted = fl.tainted.any(from, msg.pool, &msg.tenancies);
+    let wanted: HashSet<Tenancy> = msg.tenancies.iter().copied().collect();
+    let waiting: HashSet<u64> = fl
+        .ops
+        .iter()
+        .filter(|(_, op)| {
+            op.endpoint == from && op.remote_pool == msg.pool && op.tenancies.iter().any(|t| wanted.contains(t))
+        })
+        .map(|(id, _)| *id)
+        .collect();
+    fl.pending.push(PendingAbort { reply_to, pool: msg.pool, tenancies: msg.tenancies, waiting, tainted, attempts: 0 });
+}
+
+fn service_pending_aborts(inner: &Arc<Inner>) {
+    let ready: Vec<PendingAbort> = {
+        let mut fl = lock(&inner.inflight);
+        if fl.pending.is_empty() {
+            return;
+        }
+        let live: HashSet<u64> = fl.ops.keys().copied().collect();
+        for p in fl.pending.iter_mut() {
+            p.waiting.retain(|id| live.contains(id));
+        }
+        let (ready, wait): (Vec<_>, Vec<_>) = fl.pending.drain(..).partition(|p| p.waiting.is_empty());
+        fl.pending = wait;
+        ready
+    };
+    for mut p in ready {
+        // Every task we ran towards this target used the framing it
+        // advertises; under v1 a finished task proves nothing remotely.
+        let target_v1 = inner.engine.segment_info(p.reply_to).map(|i| i.proto == ProtoVersion::V1).unwrap_or(true);
+        if p.tainted || target_v1 {
+            bump(&inner.counters.abort_acks_withheld, 1);
+            tracing::warn!(
+                pool = p.pool.0,
+                v1 = target_v1,
+                "ABORT_ACK withheld: a task on these tenancies ran under protocol v1 or failed mid-connection, \
+                 so its end proves nothing about the target's memory"
+            );
+            continue;
+        }
+        let ack = Message { kind: Kind::AbortAck, pool: p.pool, tenancies: std::mem::take(&mut p.tenancies) };
+        if inner.send(p.reply_to, &ack) {
+            bump(&inner.counters.abort_acks_sent, 1);
+        } else if p.attempts < 5 {
+            p.attempts += 1;
+            p.tenancies = ack.tenancies;
+            lock(&inner.inflight).pending.push(p);
+        }
+    }
+}
+
+fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: EscalationAction) {
+    match action.step {
+        EscalationStep::RequestDrain => {
+            if inner.cfg.release_policy == ReleasePolicy::NaivePositiveControl {
+                tracing::error!(
+                    slots = action.tenancies.len(),
+                    "NAIVE POSITIVE CONTROL: releasing aborted slots without a proof"
+                );
+                bump(&inner.counters.naive_releases, action.tenancies.len() as u64);
+                a.deliver(a.completed(&action.tenancies));
+                return;
+            }
+            // Only tenancies handed to a peer are drained by asking it; a
+            // local operation's lease reaches quarantine only if its driver
+            // lost it (engine failure) and no peer can help.
+            let handed: Vec<Tenancy> = match lock(&inner.pools).get(&pool) {
+                Some(e) => {
+                    action.tenancies.iter().copied().filter(|t| e.exposed.get(t) == Some(&action.peer)).collect()
+                }
+                None => Vec::new(),
+            };
+            if handed.is_empty() {
+                tracing::warn!(slots = action.tenancies.len(), "abandoned local operation: slots stay quarantined");
+                return;
+            }
+            let seg = lock(&inner.peers).by_id.get(&action.peer).map(|p| (p.segment, p.name.clone()));
+            match seg {
+                Some((seg, name)) => {
+                    let msg = Message { kind: Kind::Abort, pool, tenancies: handed };
+                    if inner.send(seg, &msg) {
+                        bump(&inner.counters.aborts_sent, 1);
+                        tracing::debug!(peer = %name, "ABORT sent");
+                    }
+                }
+                // A local operation's lease (PeerId of a post) or an unknown
+                // peer: nothing to ask; its own driver settles it.
+                None => tracing::debug!(peer = action.peer.0, "no peer to ask to drain"),
+            }
+        }
+        EscalationStep::Revoke => {
+            bump(&inner.counters.revoke_unavailable, 1);
+            tracing::info!(
+                peer = action.peer.0,
+                slots = action.tenancies.len(),
+                "revoke unavailable on Mooncake TCP (no per-tenancy access key); slots stay quarantined"
+            );
+        }
+        EscalationStep::Fence => {
+            bump(&inner.counters.fence_unavailable, 1);
+            tracing::warn!(
+                peer = action.peer.0,
+                slots = action.tenancies.len(),
+                "fence unavailable on Mooncake TCP (data connections carry no peer identity); slots stay quarantined"
+            );
+        }
+        EscalationStep::Exhausted => bump(&inner.counters.exhausted, 1),
+    }
+}
+
+impl Drop for MooncakeTransfer {
+    /// Stops the threads (operations still running are abandoned: their
+    /// leases are quarantined, never released), then unregisters each pool's
+    /// region. A region the engine still holds (a task or a remote request in
+    /// flight) is leaked on purpose rather than freed under the engine.
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::Release);
+        self.inner.wake();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        let pools: Vec<(u64, Arc<dyn Region>)> =
+            lock(&self.inner.pools).values().map(|e| (e.region.addr(), e.region.clone())).collect();
+        for (addr, region) in pools {
+            let mut ok = false;
+            for _ in 0..50 {
+                match self.inner.engine.unregister_memory(addr) {
+                    Ok(()) | Err(EngineError::RegionNotRegistered(_)) => {
+                        ok = true;
+                        break;
+                    }
+                    Err(EngineError::RegionBusy { .. }) => std::thread::sleep(Duration::from_millis(10)),
+                    Err(_) => break,
+                }
+            }
+            if !ok {
+                tracing::error!(addr, "engine still holds a pool region at shutdown; leaking it");
+                std::mem::forget(region);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- block_on
+
+struct ThreadWaker(std::thread::Thread);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Runs a future to completion on the current thread (parking between
+/// polls). Enough to drive [`Transfer::post`] and a [`TransferHandle`]
+/// without an async runtime.
+pub fn block_on<F: Future>(f: F) -> F::Output {
+    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut f = pin!(f);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
+#[cfg(test)]
+mod tests;

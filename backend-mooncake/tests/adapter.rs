@@ -1,0 +1,208 @@
+//! The adapter over our own engine on both sides (loopback TCP).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use backend_mooncake::adapter::block_on;
+use backend_mooncake::{AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, ProtoVersion};
+use kv_transfer_core::{
+    AdmissionError, EscalationLadder, HostRegion, PoolConfig, PostErrorKind, Region, SlotPool, Transfer,
+    TransferOptions,
+};
+
+struct Side {
+    a: MooncakeTransfer,
+    pool: SlotPool,
+    region: Arc<HostRegion>,
+}
+
+fn side_with(ecfg: EngineConfig, slots: usize, slot: usize, ladder: EscalationLadder) -> Side {
+    let e = MooncakeEngine::new(ecfg).unwrap();
+    let a = MooncakeTransfer::new(Arc::new(e), AdapterConfig::default()).unwrap();
+    let region = Arc::new(HostRegion::new(slots * slot).unwrap());
+    let pool = a.register_pool(region.clone(), PoolConfig::new(slot).with_ladder(ladder)).unwrap();
+    Side { a, pool, region }
+}
+
+fn side(slots: usize, slot: usize) -> Side {
+    side_with(EngineConfig::default(), slots, slot, EscalationLadder::default())
+}
+
+fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 9) as u8)).collect()
+}
+
+/// WRITE and READ through both adapters, byte-checked; the target's
+/// exposures settle from the initiator's notifications only.
+#[test]
+fn write_and_read_settle_by_notification() {
+    const SLOT: usize = 64 << 10;
+    let prefill = side(4, SLOT);
+    let decode = side(4, SLOT);
+    let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
+    assert_eq!(decode.a.peer_proto(peer), Some(ProtoVersion::V2));
+
+    // WRITE: prefill's 3 slots into decode's 3 exposed slots.
+    let (exposed, remote) = decode.a.expose(decode.pool.reserve(3).unwrap(), peer).unwrap();
+    let mut src = prefill.pool.reserve(3).unwrap();
+    let data: Vec<Vec<u8>> = (0..3).map(|i| pattern(SLOT, i as u8 + 1)).collect();
+    for (i, d) in data.iter().enumerate() {
+        src.write_at(i, 0, d).unwrap();
+    }
+    let h = block_on(prefill.a.write(src, &remote, TransferOptions::default())).unwrap();
+    let out = block_on(h).unwrap();
+    out.result.unwrap();
+    out.lease.release();
+    let settled = block_on(exposed.settled());
+    assert_eq!(settled.bytes().unwrap(), data.concat(), "decode holds prefill's bytes");
+    assert_eq!(decode.a.metrics().settled_by_peer, 3);
+
+    // READ: decode's settled bytes pulled back by prefill from a new exposure.
+    let mut keep = settled.into_reserved();
+    keep.write_at(0, 0, &pattern(SLOT, 99)).unwrap();
+    let (exposed, remote) = decode.a.expose(keep, peer).unwrap();
+    let h = block_on(prefill.a.read(prefill.pool.reserve(3).unwrap(), &remote, TransferOptions::default())).unwrap();
+    let out = block_on(h).unwrap();
+    out.result.unwrap();
+    let mut expect = data.concat();
+    expect[..SLOT].copy_from_slice(&pattern(SLOT, 99));
+    assert_eq!(out.lease.bytes().unwrap(), expect);
+    block_on(exposed.settled()).release();
+
+    // A replayed notification for the old generation is stale: counted, ignored.
+    let stale_before = decode.pool.metrics().stale_rejected;
+    let seg = prefill.a.engine().open_segment(decode.a.segment_name()).unwrap();
+    let old = format!("kvt1 W {} {}:{}", remote.pool.0, remote.slots[0].slot.0, remote.slots[0].generation.0);
+    prefill.a.engine().send_notify(seg, &old).unwrap();
+    prefill.a.engine().send_notify(seg, "kvt1 W garbage").unwrap();
+    prefill.a.engine().send_notify(seg, "hello app").unwrap();
+    wait_until("stale and malformed counted", Duration::from_secs(5), || {
+        decode.pool.metrics().stale_rejected > stale_before
+            && decode.a.metrics().notifies_malformed == 1
+            && decode.a.metrics().notifies_foreign == 1
+    });
+    assert_eq!(decode.a.metrics().notifies_foreign, 1);
+    assert_eq!(decode.pool.metrics().free, 4);
+    decode.pool.check_invariants().unwrap();
+    prefill.pool.check_invariants().unwrap();
+}
+
+/// A write outside the target's buffers is a typed error before anything is
+/// sent, and the lease comes back.
+#[test]
+fn write_outside_target_is_typed() {
+    const SLOT: usize = 4096;
+    let prefill = side(2, SLOT);
+    let decode = side(2, SLOT);
+    let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
+    let (exposed, mut remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    remote.slots[0].addr = decode.region.addr() + 2 * SLOT as u64; // just past the region
+    let e =
+        block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap_err();
+    assert!(matches!(e.kind, PostErrorKind::Engine(_)), "{:?}", e.kind);
+    e.lease.release();
+    assert_eq!(prefill.pool.metrics().free, 2);
+    exposed.abort();
+}
+
+/// Abort while a large WRITE is in flight: the slot stays quarantined (no new
+/// tenant can get it) until the initiator drained and acked; posts to the
+/// aborted tenancy are refused afterwards; no foreign byte reaches the next
+/// tenant.
+#[test]
+fn abort_drains_then_acks() {
+    const SLOT: usize = 64 << 20;
+    let prefill = side(1, SLOT);
+    let decode = side(1, SLOT);
+    let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
+    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    let mut src = prefill.pool.reserve(1).unwrap();
+    src.write_at(0, 0, &vec![0xA5u8; SLOT]).unwrap();
+    // No completion notification: only the ABORT_ACK can settle the slot.
+    let h = block_on(prefill.a.write(src, &remote, TransferOptions::notify(false))).unwrap();
+    drop(h); // the completer parks the lease until the terminal status
+    exposed.abort();
+    assert_eq!(decode.pool.metrics().quarantined, 1);
+    assert!(matches!(decode.pool.reserve(1), Err(AdmissionError::OverCapacity { .. })));
+    wait_until("ABORT_ACK reclaims the slot", Duration::from_secs(20), || decode.pool.metrics().free == 1);
+    wait_until("ack counted", Duration::from_secs(5), || prefill.a.metrics().abort_acks_sent == 1);
+    let m = prefill.a.metrics();
+    assert_eq!((m.aborts_received, m.ops_completed, m.done_sent), (1, 1, 0), "{m:?}");
+    assert_eq!(decode.a.metrics().settled_by_peer, 1);
+    // The write finished before the ack; the new tenant sees none of its bytes.
+    let mut next = decode.pool.reserve(1).unwrap();
+    next.write_at(0, 0, &vec![0x11u8; SLOT]).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let mut got = vec![0u8; SLOT];
+    decode.region.read(0, &mut got).unwrap();
+    assert_eq!(got.iter().filter(|&&b| b != 0x11).count(), 0, "foreign bytes in the new tenant");
+    next.release();
+    // Posting to the aborted tenancy is refused.
+    let e =
+        block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap_err();
+    assert!(matches!(e.kind, PostErrorKind::Descriptor(_)), "{:?}", e.kind);
+    assert_eq!(prefill.a.metrics().posts_to_aborted, 1);
+    drop(e);
+    wait_until("prefill lease back", Duration::from_secs(5), || prefill.pool.metrics().free == 1);
+    decode.pool.check_invariants().unwrap();
+}
+
+/// Protocol v1, either way round: nothing settles from a completion, the
+/// adapter says so in its metrics, and an aborted exposure stays quarantined
+/// (settling only by a fence, which Mooncake TCP cannot give).
+#[test]
+fn v1_peers_never_settle_by_notification() {
+    const SLOT: usize = 4096;
+    let fast = EscalationLadder {
+        drain: Duration::from_millis(50),
+        revoke: Duration::from_millis(50),
+        fence: Duration::from_millis(50),
+    };
+    let v1 = EngineConfig { advertised_tcp_proto_version: 1, ..Default::default() };
+    // (a) The target advertises v1: our initiator's tasks run under v1 and it
+    // sends no completion notification.
+    let prefill = side(1, SLOT);
+    let decode = side_with(v1.clone(), 1, SLOT, fast);
+    let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
+    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    let out =
+        block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
+            .unwrap();
+    out.result.unwrap();
+    out.lease.release();
+    assert_eq!(prefill.a.metrics().v1_ops, 1);
+    assert_eq!(prefill.a.metrics().done_sent, 0);
+    exposed.abort();
+    wait_until("ladder exhausted", Duration::from_secs(5), || decode.pool.metrics().quarantine_stuck == 1);
+    assert_eq!(prefill.a.metrics().abort_acks_withheld, 1);
+    assert_eq!(prefill.a.metrics().abort_acks_sent, 0, "no ack towards a v1 target");
+    assert_eq!(decode.a.metrics().v1_exposures, 1);
+    assert_eq!(decode.pool.metrics().quarantined, 1, "stays quarantined");
+    let m = decode.a.metrics();
+    assert!(m.revoke_unavailable >= 1 && m.fence_unavailable >= 1, "{m:?}");
+
+    // (b) The initiator is a v1 peer: the target warns, counts, and ignores
+    // its completion notifications.
+    let prefill = side_with(v1, 1, SLOT, EscalationLadder::default());
+    let decode = side(1, SLOT);
+    let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
+    assert_eq!(decode.a.metrics().v1_peers, 1);
+    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    assert_eq!(decode.a.metrics().v1_exposures, 1);
+    let out =
+        block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
+            .unwrap();
+    out.result.unwrap();
+    wait_until("v1 completion ignored", Duration::from_secs(5), || decode.a.metrics().v1_completions_ignored == 1);
+    let exposed = exposed.try_settled().expect_err("a v1 peer's word settles nothing");
+    exposed.abort();
+    assert_eq!(decode.pool.metrics().quarantined, 1);
+}

@@ -1,0 +1,1075 @@
+//! [`MoriTransfer`]: kv-transfer's [`Transfer`] over an [`IoEngine`].
+//!
+//! # Initiator
+//!
+//! [`Transfer::post`] checks shapes, takes the lease only if its pool was
+//! registered here ([`MoriTransfer::register_pool`]), exposes it locally to
+//! the peer and posts **one MORI transfer per slot** (one `batch_write` /
+//! `batch_read` call) with the [`Tag`] of the *remote* tenancy. MORI has no
+//! cancel, so there is none here: [`TransferHandle::cancel`] is recorded and
+//! ignored, and the operation is drained. Every status gets an
+//! [`TransferStatus::on_complete`] callback (no thread waits, nothing spins);
+//! when every status of the operation is terminal the adapter mints
+//! `Completed` for the local lease and completes the handle, with `Ok` only if
+//! every status was `SUCCESS`. `IN_PROGRESS` is never terminal: such an
+//! operation stays in the adapter's drain table (its lease with it) for as
+//! long as it takes. A status with a code the engine does not know
+//! ([`StatusCode::Unknown`]) proves nothing, so the adapter fences the peer
+//! and completes the operation with a `Fenced` proof and an error; if the
+//! fence fails, the operation stays parked. A dropped [`TransferHandle`]
+//! changes nothing: the [`kv_transfer_core::Completer`] lives in the drain
+//! table and returns the lease to the pool when the proof arrives.
+//!
+//! # Target
+//!
+//! [`MoriTransfer::expose`] grants the peer access per slot and generation
+//! (a no-op on MORI, a binding at the simulated NIC over
+//! [`crate::sim::SimTransport`]) and describes the slots. Exposures settle
+//! from inbound statuses (the engine's notifications, success **and**
+//! failure, carrying the tag): the tag names memory, slot and generation; a
+//! tenancy that is not exposed to that peer under that generation is dropped
+//! and counted (`stale_rejected` in the pool's metrics).
+//!
+//! A *failed* inbound status settles too (`Completed`): the engine sends it
+//! only after it observed every operation of that transfer terminal, error
+//! completions included, and an error completion is terminal (the operation
+//! no longer touches memory). The adapter posts at most one transfer per
+//! remote tenancy at a time and refuses a second post to a tenancy whose
+//! transfer asked the target to settle or that the target aborted, so no
+//! other operation of this initiator can still be aimed at it. An inbound
+//! status with an unknown code settles nothing.
+//!
+//! # Escalation
+//!
+//! The pool's quarantine hook wakes the adapter's driver thread, which walks
+//! core's ladder and never frees on a timer:
+//!
+//! - `RequestDrain`: ABORT(tenancies) to the peer as a control message. The
+//!   peer's adapter tombstones the tenancies (no new post to them), waits
+//!   until its transfers on them are terminal and answers ABORT_ACK; the ack
+//!   settles them (`Completed`).
+//! - `Revoke`: [`IoEngine::revoke_access`] per tenancy; `Revoked` for those
+//!   the transport confirmed (the simulator's NIC does; MORI cannot).
+//! - `Fence`: [`IoEngine::fence_remote_engine`]; on success `Fenced` for
+//!   every exposure to the peer, in every pool of this adapter. After a
+//!   fence, call [`MoriTransfer::add_peer`] again to reconnect.
+//! - `Exhausted`: logged; the slots stay quarantined (a leak, never a reuse).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kv_transfer_core::{
+    async_trait, check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId, PoolConfig,
+    PoolError, PoolId, PostError, PostErrorKind, Region, RemoteSlots, Reserved, SettlementAuthority, SlotId, SlotLease,
+    SlotPool, Tenancy, Transfer, TransferError, TransferHandle, TransferOptions,
+};
+
+use crate::engine::IoEngine;
+use crate::error::EngineError;
+use crate::status::{StatusCode, TransferStatus};
+use crate::types::{BatchRequest, EngineDesc, EngineKey, MemoryDesc, MemoryLocation, MemoryRegion, Segment, Tag};
+use crate::util::lock;
+
+/// Name of this backend in [`Transfer::backend`].
+pub const BACKEND: &str = "mori";
+
+/// Longest sleep of the driver between checks.
+const DRIVER_TICK: Duration = Duration::from_millis(200);
+/// Tombstoned remote tenancies remembered (oldest forgotten first).
+const TOMBSTONES: usize = 1 << 16;
+
+const MSG_ABORT: u8 = 1;
+const MSG_ABORT_ACK: u8 = 2;
+
+const TAG_SETTLE: u64 = 1 << 63;
+
+/// The tag of a transfer aimed at remote tenancy `t` of memory `mem`:
+/// `slot` = settle flag (bit 63) | memory id (bits 32..63) | slot index; the
+/// generation as is.
+fn pack_tag(mem: u32, t: Tenancy, settle: bool) -> Tag {
+    let flag = if settle { TAG_SETTLE } else { 0 };
+    Tag::new(flag | (u64::from(mem & 0x7FFF_FFFF) << 32) | u64::from(t.slot.0), t.generation.0)
+}
+
+/// `(settle, memory id, tenancy)` of a tag.
+fn unpack_tag(tag: Tag) -> (bool, u32, Tenancy) {
+    let settle = tag.slot & TAG_SETTLE != 0;
+    let mem = ((tag.slot >> 32) & 0x7FFF_FFFF) as u32;
+    (settle, mem, Tenancy::new(SlotId((tag.slot & 0xFFFF_FFFF) as u32), Generation(tag.generation)))
+}
+
+fn encode_list(kind: u8, rkey: u64, ts: &[Tenancy]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(13 + ts.len() * 12);
+    v.push(kind);
+    v.extend_from_slice(&rkey.to_le_bytes());
+    v.extend_from_slice(&(ts.len() as u32).to_le_bytes());
+    for t in ts {
+        v.extend_from_slice(&t.slot.0.to_le_bytes());
+        v.extend_from_slice(&t.generation.0.to_le_bytes());
+    }
+    v
+}
+
+fn decode_list(b: &[u8]) -> Option<(u8, u64, Vec<Tenancy>)> {
+    let kind = *b.first()?;
+    let rkey = u64::from_le_bytes(b.get(1..9)?.try_into().ok()?);
+    let n = u32::from_le_bytes(b.get(9..13)?.try_into().ok()?) as usize;
+    if b.len() != 13 + n.checked_mul(12)? {
+        return None;
+    }
+    let mut ts = Vec::with_capacity(n);
+    for i in 0..n {
+        let at = 13 + i * 12;
+        let slot = u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?);
+        let gen = u64::from_le_bytes(b.get(at + 4..at + 12)?.try_into().ok()?);
+        ts.push(Tenancy::new(SlotId(slot), Generation(gen)));
+    }
+    Some((kind, rkey, ts))
+}
+
+/// The endpoint string of [`RemoteSlots`] made by this adapter: what the
+/// initiator needs to rebuild the target's [`MemoryDesc`] (the key travels
+/// in [`RemoteSlots::key`]).
+fn encode_endpoint(d: &MemoryDesc) -> String {
+    let loc = match d.loc {
+        MemoryLocation::Cpu => "cpu",
+        MemoryLocation::Gpu => "gpu",
+    };
+    format!("mori:{}/{}/{}/{}/{}/{}", d.engine_key, d.id, d.addr, d.size, d.device_id, loc)
+}
+
+fn decode_endpoint(s: &str, rkey: u64) -> Option<MemoryDesc> {
+    let s = s.strip_prefix("mori:")?;
+    let mut it = s.rsplitn(6, '/');
+    let loc = match it.next()? {
+        "cpu" => MemoryLocation::Cpu,
+        "gpu" => MemoryLocation::Gpu,
+        _ => return None,
+    };
+    let device_id = it.next()?.parse().ok()?;
+    let size = it.next()?.parse().ok()?;
+    let addr = it.next()?.parse().ok()?;
+    let id = it.next()?.parse().ok()?;
+    let key = it.next()?;
+    if key.is_empty() {
+        return None;
+    }
+    Some(MemoryDesc { engine_key: EngineKey::new(key), id, device_id, addr, size, loc, rkey })
+}
+
+/// Counters of a [`MoriTransfer`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AdapterStats {
+    /// Operations posted (handles returned).
+    pub posts: u64,
+    /// MORI transfers submitted (one per slot).
+    pub transfers: u64,
+    /// Transfers that ended in `SUCCESS`.
+    pub transfers_succeeded: u64,
+    /// Transfers that ended in a known error.
+    pub transfers_failed: u64,
+    /// Transfers whose code was unknown (not terminal; the peer was fenced).
+    pub transfers_unknown: u64,
+    /// Operations completed.
+    pub ops_completed: u64,
+    /// Operations still draining (not every status terminal yet).
+    pub ops_draining: u64,
+    /// Target: inbound statuses that settled an exposure.
+    pub inbound_settled: u64,
+    /// Target: inbound statuses dropped as stale (tenancy not exposed to that
+    /// peer under that generation, or already settled).
+    pub inbound_stale: u64,
+    /// Target: inbound statuses with an unknown code (settle nothing).
+    pub inbound_unknown: u64,
+    /// Target: inbound statuses of transfers posted without `notify`.
+    pub inbound_no_settle: u64,
+    /// Target: ABORT messages sent.
+    pub aborts_sent: u64,
+    /// Target: ABORT_ACK messages received.
+    pub abort_acks_received: u64,
+    /// Initiator: ABORT messages received.
+    pub aborts_received: u64,
+    /// Initiator: ABORT_ACK messages sent.
+    pub abort_acks_sent: u64,
+    /// Target: tenancies settled by a confirmed revocation.
+    pub revoked: u64,
+    /// Peers fenced (escalation or unknown status).
+    pub fences: u64,
+    /// Posts refused because the remote tenancy was tombstoned or busy.
+    pub posts_refused_tombstone: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    posts: AtomicU64,
+    transfers: AtomicU64,
+    transfers_succeeded: AtomicU64,
+    transfers_failed: AtomicU64,
+    transfers_unknown: AtomicU64,
+    ops_completed: AtomicU64,
+    inbound_settled: AtomicU64,
+    inbound_stale: AtomicU64,
+    inbound_unknown: AtomicU64,
+    inbound_no_settle: AtomicU64,
+    aborts_sent: AtomicU64,
+    abort_acks_received: AtomicU64,
+    aborts_received: AtomicU64,
+    abort_acks_sent: AtomicU64,
+    revoked: AtomicU64,
+    fences: AtomicU64,
+    posts_refused_tombstone: AtomicU64,
+}
+
+fn inc(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Why [`MoriTransfer::expose`] refused. The lease comes back unexposed.
+#[derive(thiserror::Error)]
+#[error("expose failed: {kind}")]
+pub struct ExposeError {
+    /// The lease, still reserved.
+    pub lease: SlotLease<Reserved>,
+    /// Why.
+    pub kind: ExposeErrorKind,
+}
+
+impl fmt::Debug for ExposeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExposeError").field("kind", &self.kind).field("lease", &self.lease).finish()
+    }
+}
+
+/// Reasons of an [`ExposeError`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExposeErrorKind {
+    /// The lease's pool was not registered with this adapter.
+    #[error("pool not registered with this adapter")]
+    ForeignPool,
+    /// The peer was not added with [`MoriTransfer::add_peer`].
+    #[error("unknown peer {0:?}")]
+    UnknownPeer(PeerId),
+    /// The engine refused to grant access.
+    #[error("engine: {0}")]
+    Engine(String),
+}
+
+/// Errors of adapter management calls.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdapterError {
+    /// The pool could not be built.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The engine refused.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The region is not host memory or has no host pointer.
+    #[error("unsupported region: {0}")]
+    Region(String),
+}
+
+struct PoolEntry {
+    pool: SlotPool,
+    authority: SettlementAuthority,
+    desc: MemoryDesc,
+    slot_size: u64,
+    /// Target side: slot → (generation, peer) of live exposures (and of
+    /// quarantined ones until their proof).
+    exposures: Mutex<HashMap<u32, (u64, PeerId)>>,
+}
+
+impl PoolEntry {
+    /// Removes the exposure of `t` to `peer` if it is the current one; the
+    /// caller then settles it.
+    fn take_exposure(&self, t: Tenancy, peer: Option<PeerId>) -> bool {
+        let mut ex = lock(&self.exposures);
+        match ex.get(&t.slot.0) {
+            Some(&(g, p)) if g == t.generation.0 && peer.map_or(true, |q| q == p) => {
+                ex.remove(&t.slot.0);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+type RemoteKey = (EngineKey, u64, Tenancy);
+
+/// One posted operation, from post to proof.
+struct OpState {
+    id: u64,
+    completer: Mutex<Option<Completer>>,
+    statuses: Mutex<Vec<TransferStatus>>,
+    remaining: AtomicUsize,
+    error: Mutex<Option<(StatusCode, String)>>,
+    unknown: AtomicBool,
+    peer: PeerId,
+    peer_key: EngineKey,
+    rkey: u64,
+    remote: Vec<Tenancy>,
+    settle: bool,
+    pool: Arc<PoolEntry>,
+}
+
+struct PendingAbort {
+    from: EngineKey,
+    rkey: u64,
+    list: Vec<Tenancy>,
+    waiting: HashSet<Tenancy>,
+}
+
+#[derive(Default)]
+struct OpTable {
+    inflight: HashMap<u64, Arc<OpState>>,
+    /// Remote tenancies with a transfer that is not terminal.
+    busy: HashSet<RemoteKey>,
+    tombstones: HashSet<RemoteKey>,
+    tombstone_order: VecDeque<RemoteKey>,
+    aborts: Vec<PendingAbort>,
+}
+
+impl OpTable {
+    fn tombstone(&mut self, k: RemoteKey) {
+        if self.tombstones.insert(k.clone()) {
+            self.tombstone_order.push_back(k);
+            if self.tombstone_order.len() > TOMBSTONES {
+                if let Some(old) = self.tombstone_order.pop_front() {
+                    self.tombstones.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+enum Job {
+    Inbound(EngineKey, u64),
+    Message(EngineKey, Vec<u8>),
+    Fence(Arc<OpState>),
+    Send(EngineKey, Vec<u8>),
+}
+
+#[derive(Default)]
+struct JobQueue {
+    q: VecDeque<Job>,
+    kicked: bool,
+    shutdown: bool,
+}
+
+#[derive(Default)]
+struct Jobs {
+    m: Mutex<JobQueue>,
+    cv: Condvar,
+}
+
+impl Jobs {
+    fn push(&self, j: Job) {
+        lock(&self.m).q.push_back(j);
+        self.cv.notify_all();
+    }
+    fn kick(&self) {
+        lock(&self.m).kicked = true;
+        self.cv.notify_all();
+    }
+}
+
+#[derive(Default)]
+struct PeerTable {
+    by_key: HashMap<EngineKey, PeerId>,
+    by_id: HashMap<PeerId, EngineKey>,
+    next: u32,
+}
+
+struct Inner {
+    engine: Arc<dyn IoEngine>,
+    pools: RwLock<Vec<Arc<PoolEntry>>>,
+    peers: RwLock<PeerTable>,
+    ops: Mutex<OpTable>,
+    next_op: AtomicU64,
+    jobs: Arc<Jobs>,
+    counters: Counters,
+}
+
+/// kv-transfer's [`Transfer`] over a MORI-shaped [`IoEngine`]; see the
+/// [module docs](self). Cheap to clone; the driver thread stops when the last
+/// clone is dropped.
+#[derive(Clone)]
+pub struct MoriTransfer {
+    inner: Arc<Inner>,
+    _owner: Arc<Owner>,
+}
+
+struct Owner {
+    inner: Arc<Inner>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.inner.engine.set_inbound_hook(None);
+        self.inner.engine.set_message_hook(None);
+        lock(&self.inner.jobs.m).shutdown = true;
+        self.inner.jobs.cv.notify_all();
+    }
+}
+
+impl fmt::Debug for MoriTransfer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MoriTransfer").field("engine", &self.inner.engine.key()).finish()
+    }
+}
+
+impl MoriTransfer {
+    /// An adapter over `engine`. Installs the engine's inbound and message
+    /// hooks and starts the driver thread (inbound settlement, ABORT /
+    /// ABORT_ACK, escalation).
+    pub fn new(engine: Arc<dyn IoEngine>) -> Result<Self, AdapterError> {
+        let jobs = Arc::new(Jobs::default());
+        let inner = Arc::new(Inner {
+            engine,
+            pools: RwLock::new(Vec::new()),
+            peers: RwLock::new(PeerTable { next: 1, ..PeerTable::default() }),
+            ops: Mutex::new(OpTable::default()),
+            next_op: AtomicU64::new(1),
+            jobs: jobs.clone(),
+            counters: Counters::default(),
+        });
+        let j = jobs.clone();
+        inner.engine.set_inbound_hook(Some(Arc::new(move |from, uid, _tag| j.push(Job::Inbound(from, uid)))));
+        let j = jobs.clone();
+        inner.engine.set_message_hook(Some(Arc::new(move |from, bytes| j.push(Job::Message(from, bytes)))));
+        let weak = Arc::downgrade(&inner);
+        thread::Builder::new()
+            .name(format!("mori-adapter-{}", inner.engine.key()))
+            .spawn(move || driver_loop(weak, jobs))
+            .map_err(|e| AdapterError::Engine(EngineError::BadState(format!("cannot start driver: {e}"))))?;
+        Ok(Self { _owner: Arc::new(Owner { inner: inner.clone() }), inner })
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<dyn IoEngine> {
+        &self.inner.engine
+    }
+
+    /// Registers host memory `region` with the engine (external memory, with
+    /// the slot size declared) and builds its pool. The adapter keeps the
+    /// pool's settlement authority.
+    pub fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, AdapterError> {
+        if region.host_ptr().is_none() {
+            return Err(AdapterError::Region("only host memory with a host pointer is supported".into()));
+        }
+        let slot_size = config.slot_size as u64;
+        let (pool, authority) = SlotPool::new(region.clone(), config)?;
+        // SAFETY: `region` is kept alive by the pool, which this adapter
+        // keeps while the memory is registered (registrations are never
+        // removed while the adapter lives), and the pool's leases keep the
+        // application away from bytes an operation may touch.
+        let mem = unsafe { MemoryRegion::external(region.addr(), region.len() as u64, MemoryLocation::Cpu, -1) }
+            .with_slot_size(slot_size);
+        let desc = self.inner.engine.register_memory(mem)?;
+        let jobs = self.inner.jobs.clone();
+        authority.on_quarantine(move || jobs.kick());
+        let entry = Arc::new(PoolEntry { pool: pool.clone(), authority, desc, slot_size, exposures: Mutex::default() });
+        self.inner.pools.write().unwrap_or_else(|p| p.into_inner()).push(entry);
+        Ok(pool)
+    }
+
+    /// The engine's descriptor of a pool's memory.
+    pub fn memory_desc(&self, pool: &SlotPool) -> Option<MemoryDesc> {
+        self.inner.pool_entry(pool.id()).map(|e| e.desc.clone())
+    }
+
+    /// Registers a peer engine (connects the transport) and numbers it.
+    /// Calling it again for the same key (after a fence) reconnects and keeps
+    /// the number.
+    pub fn add_peer(&self, desc: &EngineDesc) -> Result<PeerId, AdapterError> {
+        self.inner.engine.register_remote_engine(desc)?;
+        let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = peers.by_key.get(&desc.key) {
+            return Ok(*p);
+        }
+        let id = PeerId(peers.next);
+        peers.next += 1;
+        peers.by_key.insert(desc.key.clone(), id);
+        peers.by_id.insert(id, desc.key.clone());
+        Ok(id)
+    }
+
+    /// The number of a peer added earlier.
+    pub fn peer_id(&self, key: &EngineKey) -> Option<PeerId> {
+        self.inner.peer_id(key)
+    }
+
+    /// Target side: grants `peer` access to the lease's slots under their
+    /// generations and exposes the lease to it. The descriptor's endpoint
+    /// names this engine's memory; hand it to the peer.
+    pub fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
+        let Some(entry) = self.inner.pool_entry(lease.pool().id()) else {
+            return Err(ExposeError { lease, kind: ExposeErrorKind::ForeignPool });
+        };
+        let Some(key) = self.inner.peer_key(peer) else {
+            return Err(ExposeError { lease, kind: ExposeErrorKind::UnknownPeer(peer) });
+        };
+        let ts = lease.tenancies().to_vec();
+        for (i, t) in ts.iter().enumerate() {
+            if let Err(e) = self.inner.engine.grant_access(&entry.desc, &key, t.slot.0, t.generation.0) {
+                for u in &ts[..i] {
+                    let _ = self.inner.engine.withdraw_access(&entry.desc, u.slot.0, u.generation.0);
+                }
+                return Err(ExposeError { lease, kind: ExposeErrorKind::Engine(e.to_string()) });
+            }
+        }
+        {
+            let mut ex = lock(&entry.exposures);
+            for t in &ts {
+                ex.insert(t.slot.0, (t.generation.0, peer));
+            }
+        }
+        Ok(lease.expose(peer, entry.desc.rkey, encode_endpoint(&entry.desc)))
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> AdapterStats {
+        let c = &self.inner.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        AdapterStats {
+            posts: l(&c.posts),
+            transfers: l(&c.transfers),
+            transfers_succeeded: l(&c.transfers_succeeded),
+            transfers_failed: l(&c.transfers_failed),
+            transfers_unknown: l(&c.transfers_unknown),
+            ops_completed: l(&c.ops_completed),
+            ops_draining: lock(&self.inner.ops).inflight.len() as u64,
+            inbound_settled: l(&c.inbound_settled),
+            inbound_stale: l(&c.inbound_stale),
+            inbound_unknown: l(&c.inbound_unknown),
+            inbound_no_settle: l(&c.inbound_no_settle),
+            aborts_sent: l(&c.aborts_sent),
+            abort_acks_received: l(&c.abort_acks_received),
+            aborts_received: l(&c.aborts_received),
+            abort_acks_sent: l(&c.abort_acks_sent),
+            revoked: l(&c.revoked),
+            fences: l(&c.fences),
+            posts_refused_tombstone: l(&c.posts_refused_tombstone),
+        }
+    }
+
+    /// Wakes the driver now (after advancing a manual clock).
+    pub fn kick(&self) {
+        self.inner.jobs.kick();
+    }
+
+    fn post_inner(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        let inner = &self.inner;
+        if let Err(kind) = check_shapes(&local, remote) {
+            return Err(PostError { lease: local, kind });
+        }
+        let Some(entry) = inner.pool_entry(local.pool().id()) else {
+            return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
+        };
+        let Some(rdesc) = decode_endpoint(&remote.endpoint, remote.key) else {
+            let kind = PostErrorKind::Descriptor(format!("not a MORI endpoint: {}", remote.endpoint));
+            return Err(PostError { lease: local, kind });
+        };
+        let Some(peer) = inner.peer_id(&rdesc.engine_key) else {
+            let kind = PostErrorKind::Peer(format!("engine {} was not added", rdesc.engine_key));
+            return Err(PostError { lease: local, kind });
+        };
+        let mut offsets = Vec::with_capacity(remote.slots.len());
+        for s in &remote.slots {
+            match s.addr.checked_sub(rdesc.addr) {
+                Some(off) if off.checked_add(remote.slot_size).is_some_and(|e| e <= rdesc.size) => offsets.push(off),
+                _ => {
+                    let kind = PostErrorKind::Descriptor(format!("slot {} lies outside the remote memory", s.slot.0));
+                    return Err(PostError { lease: local, kind });
+                }
+            }
+        }
+        let remote_ts = remote.tenancies();
+        let id = inner.next_op.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut ops = lock(&inner.ops);
+            let refused = remote_ts.iter().find(|t| {
+                let k = (rdesc.engine_key.clone(), rdesc.rkey, **t);
+                ops.tombstones.contains(&k) || ops.busy.contains(&k)
+            });
+            if let Some(t) = refused {
+                inc(&inner.counters.posts_refused_tombstone);
+                let kind = PostErrorKind::Descriptor(format!(
+                    "{t} is settled, aborted or busy at the target: post a fresh descriptor"
+                ));
+                return Err(PostError { lease: local, kind });
+            }
+            for t in &remote_ts {
+                ops.busy.insert((rdesc.engine_key.clone(), rdesc.rkey, *t));
+            }
+        }
+        let exposed = local.expose_local(peer);
+        let (handle, completer) = TransferHandle::pair(exposed);
+        let local_ts = completer.lease().tenancies().to_vec();
+        let n = local_ts.len();
+        let state = Arc::new(OpState {
+            id,
+            completer: Mutex::new(Some(completer)),
+            statuses: Mutex::new(Vec::new()),
+            remaining: AtomicUsize::new(n),
+            error: Mutex::new(None),
+            unknown: AtomicBool::new(false),
+            peer,
+            peer_key: rdesc.engine_key.clone(),
+            rkey: rdesc.rkey,
+            remote: remote_ts.clone(),
+            settle: opts.notify,
+            pool: entry.clone(),
+        });
+        lock(&inner.ops).inflight.insert(id, state.clone());
+        let requests: Vec<BatchRequest> = local_ts
+            .iter()
+            .zip(&remote_ts)
+            .zip(&offsets)
+            .map(|((lt, rt), roff)| BatchRequest {
+                local: entry.desc.clone(),
+                remote: rdesc.clone(),
+                segments: vec![Segment::new(u64::from(lt.slot.0) * entry.slot_size, *roff, entry.slot_size)],
+                uid: inner.engine.allocate_transfer_unique_id(),
+                tag: pack_tag(rdesc.id, *rt, opts.notify),
+            })
+            .collect();
+        let statuses = match op {
+            Op::Write => inner.engine.batch_write(&requests),
+            Op::Read => inner.engine.batch_read(&requests),
+        };
+        inc(&inner.counters.posts);
+        inner.counters.transfers.fetch_add(n as u64, Ordering::Relaxed);
+        if statuses.len() != n {
+            // The engine answered for fewer (or more) transfers than asked:
+            // nothing proves the others are over. Treat as unknown.
+            tracing::error!(asked = n, got = statuses.len(), "engine returned a wrong number of statuses");
+            state.unknown.store(true, Ordering::Release);
+        }
+        *lock(&state.statuses) = statuses.clone();
+        let missing = n.saturating_sub(statuses.len());
+        for _ in 0..missing {
+            on_status(&Arc::downgrade(inner), &state, StatusCode::Unknown(u32::MAX), String::new());
+        }
+        for st in statuses.iter().take(n) {
+            let weak = Arc::downgrade(inner);
+            let s = state.clone();
+            let st2 = st.clone();
+            st.on_complete(move |code| on_status(&weak, &s, code, st2.message()));
+        }
+        Ok(handle)
+    }
+}
+
+fn on_status(weak: &Weak<Inner>, op: &Arc<OpState>, code: StatusCode, message: String) {
+    let inner = weak.upgrade();
+    if let Some(inner) = &inner {
+        let c = &inner.counters;
+        match code {
+            StatusCode::Success => inc(&c.transfers_succeeded),
+            StatusCode::Unknown(_) => inc(&c.transfers_unknown),
+            _ => inc(&c.transfers_failed),
+        }
+    }
+    if !code.is_success() {
+        lock(&op.error).get_or_insert((code, message));
+    }
+    if matches!(code, StatusCode::Unknown(_)) {
+        op.unknown.store(true, Ordering::Release);
+    }
+    if op.remaining.fetch_sub(1, Ordering::AcqRel) != 1 {
+        return;
+    }
+    // Every status left the pending states.
+    if op.unknown.load(Ordering::Acquire) {
+        match inner {
+            Some(inner) => inner.jobs.push(Job::Fence(op.clone())),
+            None => tracing::error!(op = op.id, "unknown status after shutdown: operation stays parked"),
+        }
+        return;
+    }
+    let proof = op.pool.authority.completed(&local_tenancies(op));
+    finish(inner.as_deref(), op, proof.into());
+}
+
+fn local_tenancies(op: &OpState) -> Vec<Tenancy> {
+    lock(&op.completer).as_ref().map(|c| c.lease().tenancies().to_vec()).unwrap_or_default()
+}
+
+/// Completes `op` with `proof` and clears its bookkeeping.
+fn finish(inner: Option<&Inner>, op: &Arc<OpState>, proof: kv_transfer_core::Settlement) {
+    let result = match lock(&op.error).take() {
+        None => Ok(()),
+        Some((code, message)) => {
+            Err(TransferError::Engine { engine: BACKEND, code: i64::from(code.raw()), message })
+        }
+    };
+    if let Some(inner) = inner {
+        let mut acks = Vec::new();
+        {
+            let mut ops = lock(&inner.ops);
+            ops.inflight.remove(&op.id);
+            for t in &op.remote {
+                let k = (op.peer_key.clone(), op.rkey, *t);
+                ops.busy.remove(&k);
+                if op.settle {
+                    ops.tombstone(k);
+                }
+            }
+            ops.aborts.retain_mut(|a| {
+                if a.from == op.peer_key && a.rkey == op.rkey {
+                    for t in &op.remote {
+                        a.waiting.remove(t);
+                    }
+                }
+                if a.waiting.is_empty() {
+                    acks.push((a.from.clone(), encode_list(MSG_ABORT_ACK, a.rkey, &a.list)));
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        for (to, bytes) in acks {
+            inner.jobs.push(Job::Send(to, bytes));
+        }
+        inc(&inner.counters.ops_completed);
+    }
+    lock(&op.statuses).clear();
+    if let Some(c) = lock(&op.completer).take() {
+        if let Err(e) = c.complete(proof, result) {
+            tracing::error!(error = %e, "operation's proof did not settle its lease");
+        }
+    }
+}
+
+impl Inner {
+    fn pool_entry(&self, id: PoolId) -> Option<Arc<PoolEntry>> {
+        self.pools.read().unwrap_or_else(|p| p.into_inner()).iter().find(|e| e.pool.id() == id).cloned()
+    }
+    fn pool_by_mem(&self, mem: u32) -> Option<Arc<PoolEntry>> {
+        self.pools.read().unwrap_or_else(|p| p.into_inner()).iter().find(|e| e.desc.id == mem).cloned()
+    }
+    fn pool_by_rkey(&self, rkey: u64) -> Option<Arc<PoolEntry>> {
+        self.pools.read().unwrap_or_else(|p| p.into_inner()).iter().find(|e| e.desc.rkey == rkey).cloned()
+    }
+    fn all_pools(&self) -> Vec<Arc<PoolEntry>> {
+        self.pools.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn peer_id(&self, key: &EngineKey) -> Option<PeerId> {
+        self.peers.read().unwrap_or_else(|p| p.into_inner()).by_key.get(key).copied()
+    }
+    fn peer_key(&self, id: PeerId) -> Option<EngineKey> {
+        self.peers.read().unwrap_or_else(|p| p.into_inner()).by_id.get(&id).cloned()
+    }
+
+    /// Settles exposed tenancies `ts` of `entry` named by `peer` with
+    /// `Completed` (those that are its current exposures); counts the rest stale.
+    fn settle_from_peer(&self, entry: &PoolEntry, peer: Option<PeerId>, ts: &[Tenancy]) -> (usize, usize) {
+        let mut ok = Vec::with_capacity(ts.len());
+        let mut stale = 0;
+        for t in ts {
+            if entry.take_exposure(*t, peer) {
+                let _ = self.engine.withdraw_access(&entry.desc, t.slot.0, t.generation.0);
+                ok.push(*t);
+            } else {
+                stale += 1;
+            }
+        }
+        if stale > 0 {
+            entry.authority.record_stale(stale as u64);
+        }
+        if !ok.is_empty() {
+            entry.authority.deliver(entry.authority.completed(&ok));
+        }
+        (ok.len(), stale)
+    }
+
+    fn on_inbound(&self, from: &EngineKey, uid: u64) {
+        let peer = self.peer_id(from);
+        // Bounded: each turn pops one filed status.
+        while let Some(s) = self.engine.pop_inbound_status(from, uid) {
+            let (settle, mem, t) = unpack_tag(s.tag);
+            let c = &self.counters;
+            if !settle {
+                inc(&c.inbound_no_settle);
+                continue;
+            }
+            if !s.code.is_terminal() {
+                inc(&c.inbound_unknown);
+                tracing::warn!(peer = %from, uid, code = %s.code, "inbound status proves nothing");
+                continue;
+            }
+            let Some(entry) = self.pool_by_mem(mem) else {
+                inc(&c.inbound_stale);
+                continue;
+            };
+            match peer {
+                Some(p) => {
+                    let (ok, stale) = self.settle_from_peer(&entry, Some(p), &[t]);
+                    c.inbound_settled.fetch_add(ok as u64, Ordering::Relaxed);
+                    c.inbound_stale.fetch_add(stale as u64, Ordering::Relaxed);
+                }
+                None => {
+                    inc(&c.inbound_stale);
+                    entry.authority.record_stale(1);
+                }
+            }
+        }
+    }
+
+    fn on_message(&self, from: &EngineKey, bytes: &[u8]) {
+        let Some((kind, rkey, ts)) = decode_list(bytes) else {
+            tracing::warn!(peer = %from, "malformed control message dropped");
+            return;
+        };
+        match kind {
+            MSG_ABORT => {
+                inc(&self.counters.aborts_received);
+                let mut ops = lock(&self.ops);
+                let mut waiting = HashSet::new();
+                for t in &ts {
+                    let k = (from.clone(), rkey, *t);
+                    if ops.busy.contains(&k) {
+                        waiting.insert(*t);
+                    }
+                    ops.tombstone(k);
+                }
+                if waiting.is_empty() {
+                    drop(ops);
+                    self.send(from, encode_list(MSG_ABORT_ACK, rkey, &ts));
+                } else {
+                    ops.aborts.push(PendingAbort { from: from.clone(), rkey, list: ts, waiting });
+                }
+            }
+            MSG_ABORT_ACK => {
+                inc(&self.counters.abort_acks_received);
+                let Some(entry) = self.pool_by_rkey(rkey) else { return };
+                let peer = self.peer_id(from);
+                if peer.is_none() {
+                    entry.authority.record_stale(ts.len() as u64);
+                    return;
+                }
+                self.settle_from_peer(&entry, peer, &ts);
+            }
+            _ => tracing::warn!(peer = %from, kind, "unknown control message dropped"),
+        }
+    }
+
+    fn send(&self, to: &EngineKey, bytes: Vec<u8>) {
+        let kind = bytes.first().copied();
+        match self.engine.send_message(to, bytes) {
+            Ok(()) => match kind {
+                Some(MSG_ABORT) => inc(&self.counters.aborts_sent),
+                Some(MSG_ABORT_ACK) => inc(&self.counters.abort_acks_sent),
+                _ => {}
+            },
+            Err(e) => tracing::warn!(peer = %to, error = %e, "control message not sent"),
+        }
+    }
+
+    /// Fences `peer`; on success delivers `Fenced` to every pool.
+    fn fence(&self, peer: PeerId) -> bool {
+        let Some(key) = self.peer_key(peer) else { return false };
+        match self.engine.fence_remote_engine(&key) {
+            Ok(()) => {
+                inc(&self.counters.fences);
+                for e in self.all_pools() {
+                    lock(&e.exposures).retain(|_, (_, p)| *p != peer);
+                    e.authority.deliver(e.authority.fenced(peer));
+                }
+                true
+            }
+            Err(e) => {
+                tracing::error!(peer = %key, error = %e, "fence failed");
+                false
+            }
+        }
+    }
+
+    fn escalate(&self, entry: &PoolEntry, a: EscalationAction) {
+        tracing::debug!(peer = a.peer.0, step = ?a.step, slots = a.tenancies.len(), "escalation");
+        // Only the target's exposures are ours to escalate; a local lease of
+        // an operation is drained by the operation itself.
+        let exposed: Vec<Tenancy> = {
+            let ex = lock(&entry.exposures);
+            a.tenancies
+                .iter()
+                .copied()
+                .filter(|t| ex.get(&t.slot.0).is_some_and(|&(g, p)| g == t.generation.0 && p == a.peer))
+                .collect()
+        };
+        match a.step {
+            EscalationStep::RequestDrain => {
+                if exposed.is_empty() {
+                    return;
+                }
+                match self.peer_key(a.peer) {
+                    Some(key) => self.send(&key, encode_list(MSG_ABORT, entry.desc.rkey, &exposed)),
+                    None => tracing::warn!(peer = a.peer.0, "cannot ask an unknown peer to drain"),
+                }
+            }
+            EscalationStep::Revoke => {
+                let mut done = Vec::new();
+                for t in &exposed {
+                    match self.engine.revoke_access(&entry.desc, t.slot.0, t.generation.0) {
+                        Ok(true) => {
+                            if entry.take_exposure(*t, Some(a.peer)) {
+                                done.push(*t);
+                            }
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::debug!(error = %e, "revocation unavailable: the ladder moves on to the fence");
+                            break;
+                        }
+                    }
+                }
+                if !done.is_empty() {
+                    self.counters.revoked.fetch_add(done.len() as u64, Ordering::Relaxed);
+                    entry.authority.deliver(entry.authority.revoked(&done));
+                }
+            }
+            EscalationStep::Fence => {
+                if !a.tenancies.is_empty() {
+                    self.fence(a.peer);
+                }
+            }
+            EscalationStep::Exhausted => tracing::error!(
+                peer = a.peer.0,
+                slots = a.tenancies.len(),
+                "escalation exhausted: slots stay quarantined (a leak, not a reuse)"
+            ),
+        }
+    }
+}
+
+fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
+    loop {
+        let mut timeout = DRIVER_TICK;
+        if let Some(inner) = weak.upgrade() {
+            let now = Instant::now();
+            for e in inner.all_pools() {
+                if let Some(at) = e.authority.next_escalation_at() {
+                    timeout = timeout.min(at.saturating_duration_since(now));
+                }
+            }
+        }
+        let batch: Vec<Job> = {
+            let mut q = lock(&jobs.m);
+            if q.q.is_empty() && !q.kicked && !q.shutdown && !timeout.is_zero() {
+                q = jobs.cv.wait_timeout(q, timeout).unwrap_or_else(|e| e.into_inner()).0;
+            }
+            if q.shutdown {
+                return;
+            }
+            q.kicked = false;
+            q.q.drain(..).collect()
+        };
+        let Some(inner) = weak.upgrade() else { return };
+        for job in batch {
+            match job {
+                Job::Inbound(from, uid) => inner.on_inbound(&from, uid),
+                Job::Message(from, bytes) => inner.on_message(&from, &bytes),
+                Job::Send(to, bytes) => inner.send(&to, bytes),
+                Job::Fence(op) => {
+                    if inner.fence(op.peer) {
+                        let proof = op.pool.authority.fenced(op.peer);
+                        finish(Some(&inner), &op, proof.into());
+                    } else {
+                        tracing::error!(op = op.id, "unknown status and no fence: the operation stays parked");
+                    }
+                }
+            }
+        }
+        for e in inner.all_pools() {
+            for a in e.authority.poll_escalations(Instant::now()) {
+                inner.escalate(&e, a);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Transfer for MoriTransfer {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    /// Posts one MORI transfer per slot and returns at once; the handle
+    /// resolves when every status is terminal (see the module docs).
+    async fn post(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        self.post_inner(op, local, remote, opts)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests_support {
+    use super::*;
+
+    /// An ABORT message as a target adapter sends it.
+    pub(crate) fn abort_bytes(rkey: u64, ts: &[Tenancy]) -> Vec<u8> {
+        encode_list(MSG_ABORT, rkey, ts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tag_round_trip() {
+        let t = Tenancy::new(SlotId(u32::MAX), Generation(u64::MAX));
+        for settle in [true, false] {
+            let tag = pack_tag(7, t, settle);
+            assert_eq!(unpack_tag(tag), (settle, 7, t));
+        }
+    }
+
+    #[test]
+    fn endpoint_round_trip() {
+        let d = MemoryDesc {
+            engine_key: EngineKey::new("de/co:de"),
+            id: 3,
+            device_id: -1,
+            addr: 0x1000,
+            size: 4096,
+            loc: MemoryLocation::Cpu,
+            rkey: 99,
+        };
+        assert_eq!(decode_endpoint(&encode_endpoint(&d), 99), Some(d));
+        assert_eq!(decode_endpoint("tcp://x", 1), None);
+        assert_eq!(decode_endpoint("mori:/1/2/3/4/cpu", 1), None);
+    }
+
+    #[test]
+    fn list_round_trip_and_garbage() {
+        let ts = vec![Tenancy::new(SlotId(1), Generation(2)), Tenancy::new(SlotId(3), Generation(u64::MAX))];
+        let b = encode_list(MSG_ABORT, 42, &ts);
+        assert_eq!(decode_list(&b), Some((MSG_ABORT, 42, ts)));
+        assert_eq!(decode_list(&b[..b.len() - 1]), None);
+        assert_eq!(decode_list(&[]), None);
+        assert_eq!(decode_list(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255]), None);
+    }
+}

@@ -1,0 +1,130 @@
+//! Building blocks for test harnesses (the race suite, the bench, examples):
+//! a prefill side and a decode side of the MORI backend on the TCP
+//! simulator's fabric, connected to each other.
+//!
+//! ```
+//! use backend_mori::harness::{sim_pair, PairConfig};
+//! use backend_tcp_sim::block_on;
+//! use kv_transfer_core::{Transfer, TransferOptions};
+//!
+//! let pair = sim_pair(&PairConfig::new(4, 4096)).unwrap();
+//! // Decode reserves and exposes two slots to prefill.
+//! let (exposed, remote) = pair.decode.transfer.expose(pair.decode.pool.reserve(2).unwrap(), pair.prefill_at_decode).unwrap();
+//! // Prefill fills two slots and writes them; the inbound statuses settle decode's exposure.
+//! let mut src = pair.prefill.pool.reserve(2).unwrap();
+//! src.write_at(0, 0, &[1u8; 4096]).unwrap();
+//! src.write_at(1, 0, &[2u8; 4096]).unwrap();
+//! let out = block_on(async { pair.prefill.transfer.write(src, &remote, TransferOptions::default()).await.unwrap().await }).unwrap();
+//! assert_eq!(out.result, Ok(()));
+//! let settled = block_on(exposed.settled());
+//! let bytes = settled.bytes().unwrap();
+//! assert!(bytes[..4096].iter().all(|&b| b == 1) && bytes[4096..].iter().all(|&b| b == 2));
+//! ```
+
+use std::sync::Arc;
+
+use kv_transfer_core::{EscalationLadder, HostRegion, PeerId, PoolConfig, Region, SlotPool};
+
+use crate::adapter::{AdapterError, MoriTransfer};
+use crate::engine::{EngineConfig, IoEngine, MoriEngine};
+use crate::error::EngineError;
+use crate::sim::{SimTransport, SimTransportConfig};
+
+/// One side: engine, transport, adapter and its pool.
+#[derive(Clone, Debug)]
+pub struct MoriSide {
+    /// The adapter (implements `kv_transfer_core::Transfer`).
+    pub transfer: MoriTransfer,
+    /// The pool registered with it.
+    pub pool: SlotPool,
+    /// The engine under the adapter.
+    pub engine: Arc<MoriEngine>,
+    /// The transport under the engine (its `nic()` gives the simulated NIC's counters).
+    pub transport: Arc<SimTransport>,
+}
+
+impl MoriSide {
+    /// An engine named `key` on a fresh [`SimTransport`], an adapter over it
+    /// and a pool over `region`.
+    pub fn on_sim(
+        key: &str,
+        region: Arc<dyn Region>,
+        pool: PoolConfig,
+        transport: SimTransportConfig,
+        engine: EngineConfig,
+    ) -> Result<Self, AdapterError> {
+        let t = SimTransport::new(transport);
+        let engine = Arc::new(MoriEngine::new(key, engine, t.clone())?);
+        let transfer = MoriTransfer::new(engine.clone())?;
+        let pool = transfer.register_pool(region, pool)?;
+        Ok(Self { transfer, pool, engine, transport: t })
+    }
+
+    /// Makes `self` and `other` known to each other; returns `(other as
+    /// numbered by self, self as numbered by other)`.
+    pub fn connect(&self, other: &MoriSide) -> Result<(PeerId, PeerId), AdapterError> {
+        let a = self.transfer.add_peer(&other.engine.engine_desc())?;
+        let b = other.transfer.add_peer(&self.engine.engine_desc())?;
+        Ok((a, b))
+    }
+}
+
+/// What [`sim_pair`] builds.
+#[derive(Clone, Debug)]
+pub struct PairConfig {
+    /// Slots in each side's pool.
+    pub slots: usize,
+    /// Bytes per slot.
+    pub slot_size: usize,
+    /// Escalation ladder of both pools.
+    pub ladder: EscalationLadder,
+    /// Transport configuration (both sides).
+    pub transport: SimTransportConfig,
+    /// Engine configuration (both sides).
+    pub engine: EngineConfig,
+    /// Engine keys: (prefill, decode).
+    pub keys: (String, String),
+}
+
+impl PairConfig {
+    /// `slots` slots of `slot_size` bytes on each side, default ladder and configurations.
+    pub fn new(slots: usize, slot_size: usize) -> Self {
+        Self {
+            slots,
+            slot_size,
+            ladder: EscalationLadder::default(),
+            transport: SimTransportConfig::default(),
+            engine: EngineConfig::default(),
+            keys: ("prefill".to_owned(), "decode".to_owned()),
+        }
+    }
+}
+
+/// A connected prefill/decode pair on the simulator's fabric.
+#[derive(Clone, Debug)]
+pub struct SimPair {
+    /// The prefill side (initiator of writes).
+    pub prefill: MoriSide,
+    /// The decode side (exposes slots).
+    pub decode: MoriSide,
+    /// Decode as the prefill adapter numbers it.
+    pub decode_at_prefill: PeerId,
+    /// Prefill as the decode adapter numbers it (pass it to `decode.transfer.expose`).
+    pub prefill_at_decode: PeerId,
+}
+
+/// Builds and connects a prefill side and a decode side.
+pub fn sim_pair(cfg: &PairConfig) -> Result<SimPair, AdapterError> {
+    let len = cfg
+        .slots
+        .checked_mul(cfg.slot_size)
+        .ok_or_else(|| AdapterError::Region("pool too large".to_owned()))?;
+    let region = |_: ()| -> Result<Arc<dyn Region>, AdapterError> {
+        Ok(Arc::new(HostRegion::new(len).map_err(|e| AdapterError::Engine(EngineError::InvalidArgs(e.to_string())))?))
+    };
+    let pool = PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder);
+    let prefill = MoriSide::on_sim(&cfg.keys.0, region(())?, pool.clone(), cfg.transport.clone(), cfg.engine.clone())?;
+    let decode = MoriSide::on_sim(&cfg.keys.1, region(())?, pool, cfg.transport.clone(), cfg.engine.clone())?;
+    let (decode_at_prefill, prefill_at_decode) = prefill.connect(&decode)?;
+    Ok(SimPair { prefill, decode, decode_at_prefill, prefill_at_decode })
+}

@@ -1,0 +1,743 @@
+//! [`SimTransport`]: a [`MoriTransport`] over the TCP simulator's fabric
+//! ([`backend_tcp_sim::SimNic`]), so that the engine and the adapter run on a
+//! real wire in CI.
+//!
+//! - **Data** moves with the simulator's one-sided raw operations
+//!   ([`SimNic::write_raw`] / [`SimNic::read_raw`]), so the simulated NIC's
+//!   checks apply to every access: key, length, bounds, and the generation
+//!   bound to the slot for the connection the access arrives on. A write is
+//!   sent straight from registered memory (no copy); a read lands in a buffer
+//!   and is copied into the local region before its completion is reported.
+//! - **Per-slot grants**: a region registered with a slot size
+//!   ([`MemoryRegion::with_slot_size`]) is also registered with the NIC as a
+//!   *shadow* pool of the same layout, every slot of which this transport
+//!   holds. [`MoriTransport::grant`] binds a slot's generation to the peer's
+//!   connection (the NIC's `expose`), [`MoriTransport::withdraw`] and
+//!   [`MoriTransport::revoke`] invalidate the binding (the NIC's `revoke`,
+//!   which drains in-flight applies and confirms). The shadow pool's own
+//!   generation is moved up to the caller's before binding, so the generation
+//!   the NIC checks is the kv-transfer tenancy's. A region without a slot
+//!   size is one shadow slot (whole-region checks only).
+//! - **Notifications and control messages** travel on a small control
+//!   channel of this transport's own: one loopback TCP connection per
+//!   (sender, receiver), length-prefixed binary frames. The simulator has
+//!   NOTIFY / ABORT frames but they carry only its own tenancy lists, not
+//!   MORI's (seq, uid, code, tag). Ordering with the data still holds: the
+//!   engine sends a notification only after every completion of its
+//!   transfer, and a simulator completion is reported only after the target
+//!   applied the bytes.
+//! - **Fence** tears down every simulator connection to the peer (joined;
+//!   in-flight raw operations fail) and drops the control connection to it.
+//!
+//! Completions: one reaper thread per transport waits (bounded) on the raw
+//! handles in posting order and turns them into
+//! [`TransportEvent::Completion`]s (head-of-line blocking across peers is
+//! accepted for a CI transport).
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::io::{BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
+use std::thread;
+use std::time::Duration;
+
+use backend_tcp_sim::{NicConfig, RawAccess, RawHandle, SimNic};
+use bytes::Bytes;
+use kv_transfer_core::{
+    Exposed, Generation, MemoryKind, PeerId, PoolConfig, Region, RegionError, Reserved, SlotId, SlotLease, SlotPool,
+};
+
+use crate::error::TransportError;
+use crate::transport::{Completion, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
+use crate::types::{EngineDesc, EngineKey, HostBuffer, MemoryId, MemoryLocation, MemoryRegion, Tag};
+use crate::util::lock;
+
+/// Name the simulator transport publishes in [`EngineDesc::transport`].
+pub const TCP_SIM: &str = "tcp-sim";
+
+/// How long one bounded wait of the reaper lasts.
+const REAP_TICK: Duration = Duration::from_millis(50);
+/// Largest control frame accepted.
+const MAX_FRAME: usize = 1 << 20;
+
+const FRAME_HELLO: u8 = 0;
+const FRAME_NOTIFY: u8 = 1;
+const FRAME_MESSAGE: u8 = 2;
+
+/// Configuration of a [`SimTransport`].
+#[derive(Clone, Debug)]
+pub struct SimTransportConfig {
+    /// The simulated NIC's configuration (its name is replaced by the engine key).
+    pub nic: NicConfig,
+    /// How long the engine with the greater key waits for the other to open
+    /// the connection before it opens one itself (one connection per pair,
+    /// so both sides bind and send on the same one).
+    pub connect_wait: Duration,
+}
+
+impl Default for SimTransportConfig {
+    fn default() -> Self {
+        Self { nic: NicConfig::new("mori"), connect_wait: Duration::from_secs(2) }
+    }
+}
+
+/// The memory a shadow pool is carved from: the caller's memory by address
+/// (external host memory) or a [`HostBuffer`].
+enum Mem {
+    External { addr: u64, len: usize },
+    Host(HostBuffer),
+}
+
+struct SimMem(Mem);
+
+impl fmt::Debug for SimMem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimMem").field("addr", &self.addr()).field("len", &self.len()).finish()
+    }
+}
+
+impl SimMem {
+    fn check(&self, offset: usize, len: usize) -> Result<(), RegionError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(RegionError::OutOfBounds { offset, len, region_len: self.len() }),
+        }
+    }
+}
+
+impl Region for SimMem {
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Host
+    }
+    fn addr(&self) -> u64 {
+        match &self.0 {
+            Mem::External { addr, .. } => *addr,
+            Mem::Host(b) => b.addr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match &self.0 {
+            Mem::External { len, .. } => *len,
+            Mem::Host(b) => b.len() as usize,
+        }
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), RegionError> {
+        self.check(offset, dst.len())?;
+        match &self.0 {
+            Mem::External { addr, .. } => {
+                // SAFETY: in bounds (checked); `MemoryRegion::external`'s
+                // contract keeps the memory valid while it is registered, and
+                // registration outlives every access through this transport.
+                unsafe { std::ptr::copy_nonoverlapping((*addr as usize + offset) as *const u8, dst.as_mut_ptr(), dst.len()) }
+                Ok(())
+            }
+            Mem::Host(b) => b.read_at(offset as u64, dst).map_err(|e| RegionError::Access(e.to_string())),
+        }
+    }
+    fn write(&self, offset: usize, src: &[u8]) -> Result<(), RegionError> {
+        self.check(offset, src.len())?;
+        match &self.0 {
+            Mem::External { addr, .. } => {
+                // SAFETY: see `read`.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), (*addr as usize + offset) as *mut u8, src.len()) }
+                Ok(())
+            }
+            Mem::Host(b) => b.write_at(offset as u64, src).map_err(|e| RegionError::Access(e.to_string())),
+        }
+    }
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        match &self.0 {
+            Mem::External { addr, .. } => NonNull::new(*addr as usize as *mut u8),
+            Mem::Host(_) => None,
+        }
+    }
+}
+
+/// Zero-copy view of registered external memory for a raw WRITE.
+struct MemSlice {
+    ptr: usize,
+    len: usize,
+    _keep: Arc<SimRegionEntry>,
+}
+
+impl AsRef<[u8]> for MemSlice {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the range was bounds-checked against the registered region
+        // when the slice was made; the region stays registered (and, by
+        // `MemoryRegion::external`'s contract, allocated) while the operation
+        // is pending (deregistration refuses while `busy > 0`), and the
+        // simulator reads these bytes only before it reports the completion.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+enum Shadow {
+    Empty,
+    Reserved(SlotLease<Reserved>),
+    Exposed(SlotLease<Exposed>),
+}
+
+impl Shadow {
+    fn generation(&self) -> Option<u64> {
+        match self {
+            Shadow::Empty => None,
+            Shadow::Reserved(l) => l.tenancies().first().map(|t| t.generation.0),
+            Shadow::Exposed(l) => l.tenancies().first().map(|t| t.generation.0),
+        }
+    }
+}
+
+struct SimRegionEntry {
+    rkey: u64,
+    mem: Arc<SimMem>,
+    pool: SlotPool,
+    /// One lease per shadow slot, all held by this transport; one lock for
+    /// the region so that cycling a slot's generation (release, reserve)
+    /// always gets the same slot back.
+    shadow: Mutex<Vec<Shadow>>,
+    busy: AtomicUsize,
+}
+
+struct PeerEntry {
+    sim_endpoint: String,
+    ctl_endpoint: String,
+}
+
+struct PendingOp {
+    wr_id: u64,
+    handle: RawHandle,
+    region: Arc<SimRegionEntry>,
+    read_into: Option<(usize, usize)>,
+}
+
+#[derive(Default)]
+struct Shared {
+    events: Mutex<VecDeque<TransportEvent>>,
+    events_cv: Condvar,
+    pending: Mutex<VecDeque<PendingOp>>,
+    pending_cv: Condvar,
+    closed: AtomicBool,
+}
+
+impl Shared {
+    fn push_event(&self, e: TransportEvent) {
+        lock(&self.events).push_back(e);
+        self.events_cv.notify_all();
+    }
+}
+
+struct Attached {
+    key: EngineKey,
+    nic: SimNic,
+    ctl_endpoint: String,
+}
+
+/// A [`MoriTransport`] over the TCP simulator; see the [module docs](self).
+pub struct SimTransport {
+    config: SimTransportConfig,
+    attached: OnceLock<Attached>,
+    shared: Arc<Shared>,
+    regions: RwLock<HashMap<MemoryId, Arc<SimRegionEntry>>>,
+    peers: Mutex<HashMap<EngineKey, PeerEntry>>,
+    ctl_out: Mutex<HashMap<EngineKey, Arc<Mutex<TcpStream>>>>,
+}
+
+impl fmt::Debug for SimTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimTransport").field("key", &self.attached.get().map(|a| &a.key)).finish()
+    }
+}
+
+impl SimTransport {
+    /// A transport; the simulated NIC starts when an engine attaches it.
+    pub fn new(config: SimTransportConfig) -> Arc<Self> {
+        Arc::new(Self {
+            config,
+            attached: OnceLock::new(),
+            shared: Arc::new(Shared::default()),
+            regions: RwLock::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            ctl_out: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The simulated NIC (for its counters and fault controls), once attached.
+    pub fn nic(&self) -> Option<&SimNic> {
+        self.attached.get().map(|a| &a.nic)
+    }
+
+    fn att(&self) -> Result<&Attached, TransportError> {
+        self.attached.get().ok_or_else(|| TransportError::State("transport not attached".to_owned()))
+    }
+
+    fn region(&self, id: MemoryId) -> Option<Arc<SimRegionEntry>> {
+        self.regions.read().unwrap_or_else(|p| p.into_inner()).get(&id).cloned()
+    }
+
+    /// The simulator connection to `remote`: the live one if any; otherwise
+    /// the engine with the smaller key opens it and the other waits for it
+    /// (bounded) before opening one itself.
+    fn peer_id(&self, remote: &EngineKey) -> Result<PeerId, TransportError> {
+        let att = self.att()?;
+        if let Some(p) = att.nic.peer_by_name(remote.as_str()) {
+            return Ok(p);
+        }
+        let endpoint = lock(&self.peers)
+            .get(remote)
+            .map(|p| p.sim_endpoint.clone())
+            .ok_or_else(|| TransportError::UnknownPeer(remote.clone()))?;
+        if att.key > *remote {
+            if let Some(p) = att.nic.wait_for_peer(remote.as_str(), self.config.connect_wait) {
+                return Ok(p);
+            }
+        }
+        att.nic.connect(&endpoint).map_err(|e| TransportError::Remote(format!("connect {remote}: {e}")))
+    }
+
+    fn ctl_stream(&self, to: &EngineKey) -> Result<Arc<Mutex<TcpStream>>, TransportError> {
+        if let Some(s) = lock(&self.ctl_out).get(to) {
+            return Ok(s.clone());
+        }
+        let att = self.att()?;
+        let endpoint = lock(&self.peers)
+            .get(to)
+            .map(|p| p.ctl_endpoint.clone())
+            .ok_or_else(|| TransportError::UnknownPeer(to.clone()))?;
+        let mut s = TcpStream::connect(&endpoint).map_err(|e| TransportError::Remote(format!("control: {e}")))?;
+        let _ = s.set_nodelay(true);
+        write_frame(&mut s, FRAME_HELLO, att.key.as_str().as_bytes())?;
+        let s = Arc::new(Mutex::new(s));
+        let mut out = lock(&self.ctl_out);
+        Ok(out.entry(to.clone()).or_insert(s).clone())
+    }
+
+    fn send_ctl(&self, to: &EngineKey, kind: u8, payload: &[u8]) -> Result<(), TransportError> {
+        let s = self.ctl_stream(to)?;
+        let res = write_frame(&mut lock(&s), kind, payload);
+        if res.is_err() {
+            lock(&self.ctl_out).remove(to);
+        }
+        res
+    }
+}
+
+fn write_frame(s: &mut TcpStream, kind: u8, payload: &[u8]) -> Result<(), TransportError> {
+    let len = u32::try_from(payload.len() + 1).map_err(|_| TransportError::OutOfBounds)?;
+    let mut buf = Vec::with_capacity(payload.len() + 5);
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.push(kind);
+    buf.extend_from_slice(payload);
+    s.write_all(&buf).map_err(|e| TransportError::Remote(format!("control: {e}")))
+}
+
+fn read_frame(r: &mut impl Read) -> Option<(u8, Vec<u8>)> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).ok()?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len == 0 || len > MAX_FRAME {
+        return None;
+    }
+    let mut buf = vec![0u8; len];
+    r.read_exact(&mut buf).ok()?;
+    let kind = buf.remove(0);
+    Some((kind, buf))
+}
+
+fn encode_notification(n: &Notification) -> Vec<u8> {
+    let mut v = Vec::with_capacity(32 + n.message.len());
+    v.extend_from_slice(&n.seq.to_le_bytes());
+    v.extend_from_slice(&n.uid.to_le_bytes());
+    v.extend_from_slice(&n.code.to_le_bytes());
+    v.extend_from_slice(&n.tag.slot.to_le_bytes());
+    v.extend_from_slice(&n.tag.generation.to_le_bytes());
+    v.extend_from_slice(n.message.as_bytes());
+    v
+}
+
+fn decode_notification(b: &[u8]) -> Option<Notification> {
+    let u32_at = |i: usize| b.get(i..i + 4).and_then(|s| s.try_into().ok()).map(u32::from_le_bytes);
+    let u64_at = |i: usize| b.get(i..i + 8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
+    Some(Notification {
+        seq: u32_at(0)?,
+        uid: u64_at(4)?,
+        code: u32_at(12)?,
+        tag: Tag::new(u64_at(16)?, u64_at(24)?),
+        message: String::from_utf8_lossy(b.get(32..)?).into_owned(),
+    })
+}
+
+fn ctl_reader(shared: Arc<Shared>, stream: TcpStream) {
+    let mut r = BufReader::new(stream);
+    let Some((FRAME_HELLO, from)) = read_frame(&mut r) else { return };
+    let from = EngineKey::new(String::from_utf8_lossy(&from).into_owned());
+    // Bounded by the connection: ends at EOF or on a malformed frame.
+    while let Some((kind, body)) = read_frame(&mut r) {
+        if shared.closed.load(Ordering::Acquire) {
+            break;
+        }
+        match kind {
+            FRAME_NOTIFY => match decode_notification(&body) {
+                Some(notification) => shared.push_event(TransportEvent::Notification { from: from.clone(), notification }),
+                None => break,
+            },
+            FRAME_MESSAGE => shared.push_event(TransportEvent::Message { from: from.clone(), bytes: body }),
+            _ => break,
+        }
+    }
+}
+
+fn ctl_acceptor(shared: Arc<Shared>, listener: TcpListener) {
+    for s in listener.incoming() {
+        if shared.closed.load(Ordering::Acquire) {
+            break;
+        }
+        let Ok(s) = s else { continue };
+        let _ = s.set_nodelay(true);
+        let sh = shared.clone();
+        if thread::Builder::new().name("mori-sim-ctl".into()).spawn(move || ctl_reader(sh, s)).is_err() {
+            tracing::warn!("cannot start a control reader");
+        }
+    }
+}
+
+fn reaper(shared: Arc<Shared>) {
+    loop {
+        let op = {
+            let mut q = lock(&shared.pending);
+            loop {
+                if let Some(op) = q.pop_front() {
+                    break Some(op);
+                }
+                if shared.closed.load(Ordering::Acquire) {
+                    break None;
+                }
+                q = shared.pending_cv.wait_timeout(q, REAP_TICK).unwrap_or_else(|e| e.into_inner()).0;
+            }
+        };
+        let Some(op) = op else { return };
+        match op.handle.wait(REAP_TICK) {
+            None => {
+                // Still in flight: keep it at the head (completions on one
+                // connection come in order).
+                lock(&shared.pending).push_front(op);
+            }
+            Some(res) => {
+                let result = match res {
+                    Ok(data) => match (op.read_into, data) {
+                        (Some((off, len)), Some(bytes)) if bytes.len() == len => {
+                            op.region.mem.write(off, &bytes).map_err(|e| TransportError::Remote(e.to_string()))
+                        }
+                        (Some(_), _) => Err(TransportError::Remote("read returned an unexpected length".into())),
+                        (None, _) => Ok(()),
+                    },
+                    Err(e) => Err(TransportError::Remote(e.to_string())),
+                };
+                op.region.busy.fetch_sub(1, Ordering::AcqRel);
+                shared.push_event(TransportEvent::Completion(Completion { wr_id: op.wr_id, result }));
+            }
+        }
+    }
+}
+
+impl Drop for SimTransport {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.pending_cv.notify_all();
+        for (_, s) in lock(&self.ctl_out).drain() {
+            let _ = lock(&s).shutdown(Shutdown::Both);
+        }
+        if let Some(att) = self.attached.get() {
+            att.nic.shutdown();
+            // Wake the control acceptor so it sees `closed`.
+            let _ = TcpStream::connect(&att.ctl_endpoint);
+        }
+    }
+}
+
+impl MoriTransport for SimTransport {
+    fn name(&self) -> String {
+        TCP_SIM.to_owned()
+    }
+
+    fn attach(&self, local: &EngineKey) -> Result<Vec<u8>, TransportError> {
+        if self.attached.get().is_some() {
+            return Err(TransportError::State("transport already attached".to_owned()));
+        }
+        let mut cfg = self.config.nic.clone();
+        cfg.name = local.as_str().to_owned();
+        let nic = SimNic::start(cfg).map_err(|e| TransportError::State(format!("simulated NIC: {e}")))?;
+        let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| TransportError::State(format!("control: {e}")))?;
+        let ctl_endpoint =
+            listener.local_addr().map_err(|e| TransportError::State(format!("control: {e}")))?.to_string();
+        let sh = self.shared.clone();
+        thread::Builder::new()
+            .name(format!("mori-sim-accept-{local}"))
+            .spawn(move || ctl_acceptor(sh, listener))
+            .map_err(|e| TransportError::State(format!("cannot start control acceptor: {e}")))?;
+        let sh = self.shared.clone();
+        thread::Builder::new()
+            .name(format!("mori-sim-reaper-{local}"))
+            .spawn(move || reaper(sh))
+            .map_err(|e| TransportError::State(format!("cannot start reaper: {e}")))?;
+        let info = format!("{}\n{}", nic.endpoint(), ctl_endpoint).into_bytes();
+        self.attached
+            .set(Attached { key: local.clone(), nic, ctl_endpoint })
+            .map_err(|_| TransportError::State("transport already attached".to_owned()))?;
+        Ok(info)
+    }
+
+    fn connect(&self, remote: &EngineDesc) -> Result<(), TransportError> {
+        if remote.transport != TCP_SIM {
+            return Err(TransportError::Unsupported(format!("peer uses transport {}", remote.transport)));
+        }
+        let info = String::from_utf8_lossy(&remote.transport_info).into_owned();
+        let mut parts = info.lines();
+        let (Some(sim), Some(ctl)) = (parts.next(), parts.next()) else {
+            return Err(TransportError::State(format!("bad transport info from {}", remote.key)));
+        };
+        lock(&self.peers)
+            .insert(remote.key.clone(), PeerEntry { sim_endpoint: sim.to_owned(), ctl_endpoint: ctl.to_owned() });
+        let att = self.att()?;
+        if att.key < remote.key {
+            att.nic.connect(sim).map_err(|e| TransportError::Remote(format!("connect {}: {e}", remote.key)))?;
+        }
+        Ok(())
+    }
+
+    fn disconnect(&self, remote: &EngineKey) -> Result<(), TransportError> {
+        if let Some(s) = lock(&self.ctl_out).remove(remote) {
+            let _ = lock(&s).shutdown(Shutdown::Both);
+        }
+        lock(&self.peers).remove(remote);
+        Ok(())
+    }
+
+    fn register_memory(&self, id: MemoryId, region: &MemoryRegion) -> Result<u64, TransportError> {
+        let att = self.att()?;
+        if region.location() != MemoryLocation::Cpu {
+            return Err(TransportError::Unsupported("the simulator reaches host memory only".to_owned()));
+        }
+        let len = usize::try_from(region.len()).map_err(|_| TransportError::OutOfBounds)?;
+        let mem = match region.host_buffer() {
+            Some(b) => Mem::Host(b.clone()),
+            None => Mem::External { addr: region.addr(), len },
+        };
+        let mem = Arc::new(SimMem(mem));
+        let slot_size = match region.slot_size() {
+            Some(s) => usize::try_from(s).map_err(|_| TransportError::OutOfBounds)?,
+            None => len,
+        };
+        let pool = att
+            .nic
+            .register_pool(mem.clone(), PoolConfig::new(slot_size))
+            .map_err(|e| TransportError::State(format!("simulated NIC: {e}")))?;
+        let rkey = att.nic.key_of(&pool).ok_or_else(|| TransportError::State("pool has no key".to_owned()))?;
+        let mut shadow = Vec::with_capacity(pool.capacity());
+        for i in 0..pool.capacity() {
+            let lease = pool.reserve(1).map_err(|e| TransportError::State(e.to_string()))?;
+            if lease.tenancies().first().map(|t| t.slot.0 as usize) != Some(i) {
+                return Err(TransportError::State("shadow pool handed out slots out of order".to_owned()));
+            }
+            shadow.push(Shadow::Reserved(lease));
+        }
+        let mut regions = self.regions.write().unwrap_or_else(|p| p.into_inner());
+        if regions.contains_key(&id) {
+            return Err(TransportError::State(format!("memory {id} already registered")));
+        }
+        regions.insert(
+            id,
+            Arc::new(SimRegionEntry {
+                rkey,
+                mem,
+                pool,
+                shadow: Mutex::new(shadow),
+                busy: AtomicUsize::new(0),
+            }),
+        );
+        Ok(rkey)
+    }
+
+    fn deregister_memory(&self, id: MemoryId) -> Result<(), TransportError> {
+        let mut regions = self.regions.write().unwrap_or_else(|p| p.into_inner());
+        let Some(r) = regions.get(&id) else {
+            return Err(TransportError::UnknownMemory { engine: self.att()?.key.clone(), id });
+        };
+        let bound = lock(&r.shadow).iter().any(|s| matches!(s, Shadow::Exposed(_)));
+        if r.busy.load(Ordering::Acquire) > 0 || bound {
+            return Err(TransportError::Busy(id));
+        }
+        // The simulator has no deregistration: the shadow pool stays
+        // registered there with every slot held here and unbound, so no
+        // access can land.
+        regions.remove(&id);
+        Ok(())
+    }
+
+    fn post(&self, wr: WorkRequest) -> Result<(), TransportError> {
+        let att = self.att()?;
+        let region = self
+            .region(wr.local.id)
+            .filter(|r| r.rkey == wr.local.rkey)
+            .ok_or_else(|| TransportError::UnknownMemory { engine: wr.local.engine_key.clone(), id: wr.local.id })?;
+        let len = usize::try_from(wr.len).map_err(|_| TransportError::OutOfBounds)?;
+        let off = usize::try_from(wr.local_offset).map_err(|_| TransportError::OutOfBounds)?;
+        region.mem.check(off, len).map_err(|_| TransportError::OutOfBounds)?;
+        let raw_len = u32::try_from(len).map_err(|_| TransportError::OutOfBounds)?;
+        let peer = self.peer_id(&wr.remote.engine_key)?;
+        let addr = wr.remote.addr.checked_add(wr.remote_offset).ok_or(TransportError::OutOfBounds)?;
+        let access = RawAccess {
+            key: wr.remote.rkey,
+            addr,
+            slot: SlotId((wr.tag.slot & 0xFFFF_FFFF) as u32),
+            generation: Generation(wr.tag.generation),
+        };
+        region.busy.fetch_add(1, Ordering::AcqRel);
+        let posted = match wr.op {
+            OpKind::Write => {
+                let data = match &region.mem.0 {
+                    Mem::External { addr, .. } => Bytes::from_owner(MemSlice {
+                        ptr: *addr as usize + off,
+                        len,
+                        _keep: region.clone(),
+                    }),
+                    Mem::Host(b) => {
+                        let mut v = vec![0u8; len];
+                        b.read_at(off as u64, &mut v)?;
+                        Bytes::from(v)
+                    }
+                };
+                att.nic.write_raw(peer, access, data).map(|h| (h, None))
+            }
+            OpKind::Read => att.nic.read_raw(peer, access, raw_len).map(|h| (h, Some((off, len)))),
+        };
+        match posted {
+            Ok((handle, read_into)) => {
+                lock(&self.shared.pending).push_back(PendingOp { wr_id: wr.wr_id, handle, region, read_into });
+                self.shared.pending_cv.notify_one();
+                Ok(())
+            }
+            Err(e) => {
+                region.busy.fetch_sub(1, Ordering::AcqRel);
+                Err(TransportError::Remote(format!("post: {e}")))
+            }
+        }
+    }
+
+    fn notify(&self, to: &EngineKey, notification: Notification) -> Result<(), TransportError> {
+        self.send_ctl(to, FRAME_NOTIFY, &encode_notification(&notification))
+    }
+
+    fn poll(&self, max: usize, timeout: Duration) -> Vec<TransportEvent> {
+        let mut events = lock(&self.shared.events);
+        if events.is_empty() {
+            events = self
+                .shared
+                .events_cv
+                .wait_timeout_while(events, timeout, |e| e.is_empty())
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        let n = events.len().min(max.max(1));
+        events.drain(..n).collect()
+    }
+
+    fn fence(&self, remote: &EngineKey) -> Result<(), TransportError> {
+        let att = self.att()?;
+        if let Some(s) = lock(&self.ctl_out).remove(remote) {
+            let _ = lock(&s).shutdown(Shutdown::Both);
+        }
+        // Bounded: one turn per live connection to the peer.
+        for p in att.nic.peers().into_iter().filter(|p| p.name == remote.as_str()) {
+            att.nic.fence(p.peer);
+        }
+        Ok(())
+    }
+
+    fn send_message(&self, to: &EngineKey, bytes: Vec<u8>) -> Result<(), TransportError> {
+        if bytes.len() >= MAX_FRAME {
+            return Err(TransportError::OutOfBounds);
+        }
+        self.send_ctl(to, FRAME_MESSAGE, &bytes)
+    }
+
+    fn grant(&self, id: MemoryId, remote: &EngineKey, slot: u32, generation: u64) -> Result<(), TransportError> {
+        let att = self.att()?;
+        let region = self.region(id).ok_or_else(|| TransportError::UnknownMemory { engine: att.key.clone(), id })?;
+        let peer = self.peer_id(remote)?;
+        let mut shadow = lock(&region.shadow);
+        let idx = slot as usize;
+        let entry = shadow.get_mut(idx).ok_or(TransportError::OutOfBounds)?;
+        let mut lease = match std::mem::replace(entry, Shadow::Empty) {
+            Shadow::Reserved(l) => l,
+            Shadow::Exposed(l) => {
+                // A grant not withdrawn: revoke it first (confirmed by the NIC).
+                att.nic.revoke(&l);
+                match l.try_settled() {
+                    Ok(s) => s.into_reserved(),
+                    Err(l) => {
+                        *entry = Shadow::Exposed(l);
+                        return Err(TransportError::Busy(id));
+                    }
+                }
+            }
+            Shadow::Empty => return Err(TransportError::State("shadow slot lost".to_owned())),
+        };
+        let current = lease.tenancies().first().map_or(0, |t| t.generation.0);
+        if current > generation {
+            *entry = Shadow::Reserved(lease);
+            return Err(TransportError::State(format!("slot {slot}: generation {generation} is stale")));
+        }
+        // Bounded by `generation - current`: each turn moves the shadow slot's
+        // generation up by one. Every other shadow slot is held, so the slot
+        // just released is the one reserve hands back.
+        for _ in current..generation {
+            drop(lease);
+            lease = match region.pool.reserve(1) {
+                Ok(l) if l.tenancies().first().map(|t| t.slot.0) == Some(slot) => l,
+                Ok(_) | Err(_) => {
+                    tracing::error!(slot, "shadow slot could not be cycled");
+                    return Err(TransportError::State("shadow slot could not be cycled".to_owned()));
+                }
+            };
+        }
+        match att.nic.expose(lease, peer) {
+            Ok((exposed, _)) => {
+                *entry = Shadow::Exposed(exposed);
+                Ok(())
+            }
+            Err(e) => {
+                *entry = Shadow::Reserved(e.lease);
+                Err(TransportError::Remote(format!("grant: {}", e.kind)))
+            }
+        }
+    }
+
+    fn withdraw(&self, id: MemoryId, slot: u32, generation: u64) -> Result<(), TransportError> {
+        self.revoke(id, slot, generation).map(|_| ())
+    }
+
+    fn revoke(&self, id: MemoryId, slot: u32, generation: u64) -> Result<bool, TransportError> {
+        let att = self.att()?;
+        let region = self.region(id).ok_or_else(|| TransportError::UnknownMemory { engine: att.key.clone(), id })?;
+        let mut shadow = lock(&region.shadow);
+        let entry = shadow.get_mut(slot as usize).ok_or(TransportError::OutOfBounds)?;
+        if entry.generation() != Some(generation) || !matches!(entry, Shadow::Exposed(_)) {
+            return Ok(false);
+        }
+        let Shadow::Exposed(l) = std::mem::replace(entry, Shadow::Empty) else { return Ok(false) };
+        att.nic.revoke(&l);
+        match l.try_settled() {
+            Ok(s) => {
+                *entry = Shadow::Reserved(s.into_reserved());
+                Ok(true)
+            }
+            Err(l) => {
+                *entry = Shadow::Exposed(l);
+                Ok(false)
+            }
+        }
+    }
+}

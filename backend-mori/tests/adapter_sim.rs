@@ -1,0 +1,338 @@
+//! The MORI adapter over the TCP simulator's fabric ([`SimTransport`]):
+//! bytes, settlement from inbound statuses, stale statuses, abort while a
+//! write is held, a peer that never acks, a dropped handle, wrap-around.
+//! Every wait is bounded.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use backend_mori::harness::{sim_pair, MoriSide, PairConfig, SimPair};
+use backend_mori::{EngineConfig, IoEngine, MoriEngine, SimTransport, SimTransportConfig, StatusCode, Tag};
+use backend_tcp_sim::{block_on, Gate};
+use kv_transfer_core::{
+    EscalationLadder, Exposed, MetricsSnapshot, Settled, SlotLease, SlotPool, Transfer, TransferHandle, TransferOptions,
+    TransferOutcome,
+};
+
+const LONG: Duration = Duration::from_secs(10);
+const SLOT: usize = 4096;
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// Polls `h` until it resolves or `timeout` passes.
+fn wait_handle(h: &mut TransferHandle, timeout: Duration) -> Option<TransferOutcome> {
+    let deadline = Instant::now() + timeout;
+    let mut cx = Context::from_waker(Waker::noop());
+    loop {
+        if let Poll::Ready(out) = Pin::new(&mut *h).poll(&mut cx) {
+            return Some(out.expect("not abandoned"));
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn wait_settled(mut l: SlotLease<Exposed>, timeout: Duration) -> Result<SlotLease<Settled>, SlotLease<Exposed>> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match l.try_settled() {
+            Ok(s) => return Ok(s),
+            Err(back) => l = back,
+        }
+        if Instant::now() >= deadline {
+            return Err(l);
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn wait_metrics(pool: &SlotPool, timeout: Duration, f: impl Fn(&MetricsSnapshot) -> bool) -> MetricsSnapshot {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let m = pool.metrics();
+        if f(&m) || Instant::now() >= deadline {
+            return m;
+        }
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn pair(slots: usize) -> SimPair {
+    sim_pair(&PairConfig::new(slots, SLOT)).expect("pair")
+}
+
+fn gated_pair(slots: usize, ladder: EscalationLadder) -> (SimPair, Gate) {
+    let gate = Gate::closed();
+    let mut cfg = PairConfig::new(slots, SLOT);
+    cfg.ladder = ladder;
+    let plain = cfg.clone();
+    let mut gated = cfg.transport.clone();
+    gated.nic.faults.gate = Some(gate.clone());
+    let region = || Arc::new(kv_transfer_core::HostRegion::new(slots * SLOT).expect("region"));
+    let pool = kv_transfer_core::PoolConfig::new(SLOT).with_ladder(ladder);
+    let prefill = MoriSide::on_sim("prefill", region(), pool.clone(), plain.transport, plain.engine.clone())
+        .expect("prefill");
+    let decode = MoriSide::on_sim("decode", region(), pool, gated, plain.engine).expect("decode");
+    let (decode_at_prefill, prefill_at_decode) = prefill.connect(&decode).expect("connect");
+    (SimPair { prefill, decode, decode_at_prefill, prefill_at_decode }, gate)
+}
+
+fn slow_ladder() -> EscalationLadder {
+    EscalationLadder { drain: Duration::from_secs(30), revoke: Duration::from_secs(30), fence: Duration::from_secs(30) }
+}
+
+#[test]
+fn write_then_read_bytes_checked_through_the_adapter() {
+    let p = pair(8);
+    assert_eq!(p.prefill.transfer.backend(), "mori");
+
+    // WRITE: prefill pushes two slots into decode's exposure.
+    let (exposed, remote) =
+        p.decode.transfer.expose(p.decode.pool.reserve(2).unwrap(), p.prefill_at_decode).expect("expose");
+    let mut src = p.prefill.pool.reserve(2).unwrap();
+    src.write_at(0, 0, &pattern(SLOT, 1)).unwrap();
+    src.write_at(1, 0, &pattern(SLOT, 2)).unwrap();
+    let mut h = block_on(p.prefill.transfer.write(src, &remote, TransferOptions::default())).expect("post");
+    let out = wait_handle(&mut h, LONG).expect("write completes");
+    assert_eq!(out.result, Ok(()));
+    out.lease.release();
+    let settled = wait_settled(exposed, LONG).expect("inbound statuses settle the exposure");
+    let bytes = settled.bytes().unwrap();
+    assert_eq!(&bytes[..SLOT], &pattern(SLOT, 1)[..]);
+    assert_eq!(&bytes[SLOT..], &pattern(SLOT, 2)[..]);
+    settled.release();
+
+    // READ: prefill pulls one slot decode filled.
+    let mut filled = p.decode.pool.reserve(1).unwrap();
+    filled.write_at(0, 0, &pattern(SLOT, 9)).unwrap();
+    let (exposed, remote) = p.decode.transfer.expose(filled, p.prefill_at_decode).expect("expose");
+    let dst = p.prefill.pool.reserve(1).unwrap();
+    let mut h = block_on(p.prefill.transfer.read(dst, &remote, TransferOptions::default())).expect("post");
+    let out = wait_handle(&mut h, LONG).expect("read completes");
+    assert_eq!(out.result, Ok(()));
+    assert_eq!(out.lease.bytes().unwrap(), pattern(SLOT, 9));
+    out.lease.release();
+    wait_settled(exposed, LONG).expect("read settles the exposure").release();
+
+    // A second post to a tenancy already settled by its target is refused.
+    let src = p.prefill.pool.reserve(1).unwrap();
+    let err = block_on(p.prefill.transfer.write(src, &remote, TransferOptions::default())).expect_err("tombstoned");
+    err.lease.release();
+
+    let s = p.decode.transfer.stats();
+    assert_eq!(s.inbound_settled, 3);
+    assert_eq!(s.inbound_stale, 0);
+    let m = wait_metrics(&p.decode.pool, LONG, |m| m.free == 8);
+    assert_eq!((m.free, m.quarantined, m.settled_completed), (8, 0, 3));
+    assert_eq!(wait_metrics(&p.prefill.pool, LONG, |m| m.free == 8).free, 8);
+    p.decode.pool.check_invariants().unwrap();
+}
+
+#[test]
+fn foreign_pool_and_bad_descriptor_hand_the_lease_back() {
+    let p = pair(4);
+    let (_exposed, remote) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    // The decode pool is not the prefill adapter's.
+    let err = block_on(p.prefill.transfer.write(p.decode.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
+        .expect_err("foreign");
+    assert_eq!(err.kind, kv_transfer_core::PostErrorKind::ForeignPool);
+    err.lease.release();
+    let mut bad = remote.clone();
+    bad.endpoint = "127.0.0.1:1".into();
+    let err = block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &bad, TransferOptions::default()))
+        .expect_err("not a MORI endpoint");
+    assert!(matches!(err.kind, kv_transfer_core::PostErrorKind::Descriptor(_)));
+    err.lease.release();
+    assert_eq!(p.prefill.pool.metrics().free, 4);
+}
+
+#[test]
+fn stale_inbound_status_is_dropped_and_counted() {
+    let p = pair(1);
+    let mem = p.decode.transfer.memory_desc(&p.decode.pool).unwrap();
+    let local = p.prefill.transfer.memory_desc(&p.prefill.pool).unwrap();
+
+    // First tenancy of decode's only slot: written and settled.
+    let (exposed, remote) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    let old = remote.slots[0];
+    let mut h = block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
+        .expect("post");
+    wait_handle(&mut h, LONG).expect("done").lease.release();
+    wait_settled(exposed, LONG).expect("settled").release();
+
+    // Second tenancy of the same slot, exposed again.
+    let (exposed, remote) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    assert_eq!(remote.slots[0].slot, old.slot);
+    assert!(remote.slots[0].generation > old.generation);
+
+    // A late write under the old generation, straight through the engine:
+    // the simulated NIC rejects it, and its (failed) inbound status names a
+    // stale tenancy, so the target drops it.
+    let tag = Tag::new((1 << 63) | (u64::from(mem.id) << 32) | u64::from(old.slot.0), old.generation.0);
+    let uid = p.prefill.engine.allocate_transfer_unique_id();
+    let st = p.prefill.engine.write(&local, 0, &mem, old.addr - mem.addr, SLOT as u64, uid, tag);
+    assert_eq!(st.wait_for(LONG), StatusCode::RdmaOp, "{}", st.message());
+    let s = {
+        let deadline = Instant::now() + LONG;
+        loop {
+            let s = p.decode.transfer.stats();
+            if s.inbound_stale > 0 || Instant::now() > deadline {
+                break s;
+            }
+            thread::sleep(Duration::from_millis(2));
+        }
+    };
+    assert_eq!(s.inbound_stale, 1);
+    let nic = p.decode.transport.nic().unwrap().stats();
+    assert!(nic.rejected_stale_generation >= 1, "{nic:?}");
+    assert!(p.decode.pool.metrics().stale_rejected >= 1);
+    // The current exposure is untouched by the stale status...
+    let exposed = exposed.try_settled().expect_err("not settled by a stale status");
+    // ...and settles with its own write.
+    let mut h = block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
+        .expect("post");
+    assert_eq!(wait_handle(&mut h, LONG).expect("done").result, Ok(()));
+    wait_settled(exposed, LONG).expect("settled").release();
+}
+
+#[test]
+fn abort_while_a_write_is_held_keeps_the_slot_until_the_ack() {
+    let (p, gate) = gated_pair(2, slow_ladder());
+    let (exposed, remote) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    let slot = remote.slots[0].slot;
+    let mut src = p.prefill.pool.reserve(1).unwrap();
+    src.write_at(0, 0, &pattern(SLOT, 5)).unwrap();
+    let mut h = block_on(p.prefill.transfer.write(src, &remote, TransferOptions::default())).expect("post");
+    assert!(gate.wait_for_waiting(1, LONG), "write reached the target NIC and waits at the gate");
+
+    // Decode gives up on the request: the slot is quarantined, ABORT goes out.
+    exposed.abort();
+    let deadline = Instant::now() + LONG;
+    while p.prefill.transfer.stats().aborts_received == 0 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(p.prefill.transfer.stats().aborts_received, 1);
+    // The initiator's write is not terminal: no ack, and the slot stays out of the pool.
+    thread::sleep(Duration::from_millis(200));
+    assert_eq!(p.prefill.transfer.stats().abort_acks_sent, 0);
+    let m = p.decode.pool.metrics();
+    assert_eq!((m.quarantined, m.free), (1, 1));
+    assert!(!p.decode.pool.slot_is_free(slot));
+    let other = p.decode.pool.reserve(1).unwrap();
+    assert_ne!(other.tenancies()[0].slot, slot, "the quarantined slot is not handed out");
+    assert!(p.decode.pool.reserve(1).is_err());
+    other.release();
+    assert!(wait_handle(&mut h, Duration::from_millis(50)).is_none());
+
+    // The write lands; its terminal status lets the initiator ack; the ack frees the slot.
+    gate.open();
+    let out = wait_handle(&mut h, LONG).expect("write completes");
+    assert_eq!(out.result, Ok(()));
+    out.lease.release();
+    let m = wait_metrics(&p.decode.pool, LONG, |m| m.free == 2);
+    assert_eq!((m.free, m.quarantined), (2, 0));
+    assert_eq!(p.prefill.transfer.stats().abort_acks_sent, 1);
+    assert!(m.settled_completed >= 1 && m.settled_revoked == 0 && m.settled_fenced == 0, "{m:?}");
+    p.decode.pool.check_invariants().unwrap();
+}
+
+#[test]
+fn a_peer_that_never_acks_is_revoked_never_timed_out() {
+    let ladder = EscalationLadder {
+        drain: Duration::from_millis(300),
+        revoke: Duration::from_secs(30),
+        fence: Duration::from_secs(30),
+    };
+    let mut cfg = PairConfig::new(2, SLOT);
+    cfg.ladder = ladder;
+    let decode = MoriSide::on_sim(
+        "decode",
+        Arc::new(kv_transfer_core::HostRegion::new(2 * SLOT).unwrap()),
+        kv_transfer_core::PoolConfig::new(SLOT).with_ladder(ladder),
+        SimTransportConfig::default(),
+        EngineConfig::default(),
+    )
+    .expect("decode");
+    // The peer is a bare engine with no adapter: control messages reach it
+    // and are dropped, it never answers ABORT.
+    let silent = Arc::new(
+        MoriEngine::new("prefill", EngineConfig::default(), SimTransport::new(SimTransportConfig::default()))
+            .expect("engine"),
+    );
+    let peer = decode.transfer.add_peer(&silent.engine_desc()).expect("peer");
+    silent.register_remote_engine(&decode.engine.engine_desc()).expect("silent knows decode");
+
+    let (exposed, _remote) = decode.transfer.expose(decode.pool.reserve(2).unwrap(), peer).expect("expose");
+    let t0 = Instant::now();
+    exposed.abort();
+    thread::sleep(Duration::from_millis(150));
+    assert_eq!(decode.pool.metrics().quarantined, 2, "no timer frees before the drain deadline");
+    assert_eq!(decode.transfer.stats().aborts_sent, 1);
+    let m = wait_metrics(&decode.pool, LONG, |m| m.free == 2);
+    assert!(t0.elapsed() >= ladder.drain);
+    assert_eq!((m.free, m.quarantined, m.settled_revoked, m.settled_completed), (2, 0, 2, 0), "{m:?}");
+    assert_eq!(decode.transfer.stats().revoked, 2);
+    // The binding is gone at the NIC: nothing can land under those generations.
+    assert!(decode.transport.nic().unwrap().stats().revocations >= 2);
+}
+
+#[test]
+fn a_dropped_handle_returns_its_lease_only_after_completion() {
+    let (p, gate) = gated_pair(2, slow_ladder());
+    let (exposed, remote) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    let h = block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
+        .expect("post");
+    assert!(gate.wait_for_waiting(1, LONG));
+    h.cancel(); // MORI has no cancel: a request only.
+    drop(h);
+    thread::sleep(Duration::from_millis(100));
+    let m = p.prefill.pool.metrics();
+    assert_eq!((m.free, m.leased, m.quarantined), (1, 1, 0), "the drain table holds the lease");
+    assert_eq!(p.prefill.transfer.stats().ops_draining, 1);
+    gate.open();
+    let m = wait_metrics(&p.prefill.pool, LONG, |m| m.free == 2);
+    assert_eq!((m.free, m.leased, m.quarantined), (2, 0, 0));
+    assert_eq!(p.prefill.transfer.stats().ops_draining, 0);
+    wait_settled(exposed, LONG).expect("target settled").release();
+}
+
+#[test]
+fn wrap_around_of_uids_and_sequence_numbers() {
+    let mut cfg = PairConfig::new(8, SLOT);
+    cfg.engine = EngineConfig { uid_start: u64::MAX - 3, notif_seq_start: u32::MAX - 3, ..EngineConfig::default() };
+    let p = sim_pair(&cfg).expect("pair");
+    for round in 0..3u8 {
+        let (exposed, remote) =
+            p.decode.transfer.expose(p.decode.pool.reserve(4).unwrap(), p.prefill_at_decode).expect("expose");
+        let mut src = p.prefill.pool.reserve(4).unwrap();
+        for i in 0..4 {
+            src.write_at(i, 0, &pattern(SLOT, round * 4 + i as u8)).unwrap();
+        }
+        let mut h = block_on(p.prefill.transfer.write(src, &remote, TransferOptions::default())).expect("post");
+        let out = wait_handle(&mut h, LONG).expect("done");
+        assert_eq!(out.result, Ok(()));
+        out.lease.release();
+        let s = wait_settled(exposed, LONG).expect("settled across the wrap");
+        for i in 0..4 {
+            let mut b = vec![0u8; SLOT];
+            s.read_at(i, 0, &mut b).unwrap();
+            assert_eq!(b, pattern(SLOT, round * 4 + i as u8));
+        }
+        s.release();
+    }
+    let e = p.decode.engine.stats();
+    assert_eq!((e.notifications_received, e.notifications_duplicate, e.notifications_skipped), (12, 0, 0));
+}

@@ -1,0 +1,222 @@
+//! Throughput of the adapter against a plain loop over NIXL's raw C API, same
+//! sizes, same run: two agents in one process, UCX on host memory, one WRITE at a
+//! time (post, wait for done), 64 KiB and 16 MiB blocks. GB/s is 10^9 bytes/s.
+//!
+//! ```sh
+//! CARGO_TARGET_DIR=/work/main/tgt/nixl cargo run --release -p backend-nixl --example adapter_bench
+//! UCX_TLS=tcp CARGO_TARGET_DIR=/work/main/tgt/nixl cargo run --release -p backend-nixl --example adapter_bench
+//! ```
+//!
+//! - raw/repost: one request created once and re-posted (the cheapest raw loop);
+//! - raw/fresh: a request created, posted, polled, released per transfer (what an
+//!   adapter must do, since each lease names different memory and tenancies);
+//! - adapter qd1: `Transfer::write` + `block_on(handle)` per transfer, the driver
+//!   polling (`Progress::Driver`: no agent progress thread on the initiator, as in
+//!   the raw loops), notify off (the raw loops send none);
+//! - adapter qd4: four writes in flight at once (informational).
+//!
+//! The target runs NIXL's progress thread in every case. Both rigs (raw agents and
+//! adapters) are built once per size and measured in `KVT_BENCH_ROUNDS` (default
+//! 6) alternating rounds of `KVT_BENCH_SECS` (default 0.5) per case; medians are
+//! reported, and the ratio is the median over rounds of adapter qd1 divided by
+//! the better raw loop of the same round.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use backend_nixl::adapter::{AdapterConfig, NixlTransfer, Progress};
+use backend_nixl::engine::{Agent, AgentConfig, HostBuffer, NixlLibrary, XferOp, XferState};
+use futures::executor::block_on;
+use kv_transfer_core::{
+    Exposed, HostRegion, PoolConfig, RemoteSlots, Reserved, SlotLease, Transfer, TransferHandle, TransferOptions,
+};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+struct RawRig {
+    ini: Arc<Agent>,
+    ib: backend_nixl::engine::Backend,
+    src: HostBuffer,
+    dst: HostBuffer,
+    remote: String,
+    _regs: Vec<backend_nixl::engine::Registration>,
+    _keep: (Arc<Agent>, backend_nixl::engine::Backend),
+}
+
+impl RawRig {
+    fn new(lib: &NixlLibrary, block: usize) -> Res<Self> {
+        let pid = std::process::id();
+        let no_thread = AgentConfig { progress_thread: false, ..Default::default() };
+        let ini = Agent::new(lib, &format!("rb-ini-{pid}-{block}"), &no_thread)?;
+        let tgt = Agent::new(lib, &format!("rb-tgt-{pid}-{block}"), &AgentConfig::default())?;
+        let ib = ini.create_backend("UCX", &[])?;
+        let tb = tgt.create_backend("UCX", &[])?;
+        let mut src = HostBuffer::new(block)?;
+        let dst = HostBuffer::new(block)?;
+        src.fill(0x11);
+        // SAFETY: the buffers are fields of the rig, dropped after the
+        // registrations (field order) and after every request was released.
+        let sreg = unsafe { ini.register_dram(&[src.region()], Some(&ib)) }?;
+        // SAFETY: as above.
+        let treg = unsafe { tgt.register_dram(&[dst.region()], Some(&tb)) }?;
+        let remote = ini.load_remote_metadata(&tgt.local_metadata()?)?;
+        Ok(Self { ini, ib, src, dst, remote, _regs: vec![sreg, treg], _keep: (tgt, tb) })
+    }
+
+    /// One WRITE at a time for `budget`: a request re-posted, or created per transfer.
+    fn run(&mut self, budget: Duration, repost: bool) -> Res<f64> {
+        let block = self.src.len();
+        let mut req = None;
+        let mut n = 0u64;
+        let start = Instant::now();
+        while start.elapsed() < budget {
+            if req.is_none() || !repost {
+                if let Some(r) = req.take() {
+                    backend_nixl::engine::XferRequest::release(r).map_err(|(_, e)| e)?;
+                }
+                let (s, d) = (self.src.region(), self.dst.region());
+                req = Some(self.ini.create_xfer(XferOp::Write, &[s], &[d], &self.remote, None, Some(&self.ib))?);
+            }
+            let Some(r) = req.as_mut() else { break };
+            let mut st = r.post()?;
+            while st == XferState::InProgress && start.elapsed() < budget * 20 {
+                st = r.status()?;
+            }
+            if st != XferState::Done {
+                return Err("raw transfer did not complete".into());
+            }
+            n += 1;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        if let Some(r) = req.take() {
+            r.release().map_err(|(_, e)| e)?;
+        }
+        if self.dst.to_vec()[block - 1] != 0x11 {
+            return Err("raw: data did not arrive".into());
+        }
+        Ok(n as f64 * block as f64 / secs / 1e9)
+    }
+}
+
+struct AdapterRig {
+    ini: NixlTransfer,
+    remotes: Vec<RemoteSlots>,
+    leases: Vec<Option<SlotLease<Reserved>>>,
+    block: usize,
+    _tgt: (NixlTransfer, Vec<SlotLease<Exposed>>),
+}
+
+impl AdapterRig {
+    fn new(block: usize, qd: usize) -> Res<Self> {
+        let pid = std::process::id();
+        let ini = NixlTransfer::new_real(
+            &format!("ab-ini-{pid}-{block}"),
+            AdapterConfig { progress: Progress::Driver, ..AdapterConfig::default() },
+        )?;
+        let tgt = NixlTransfer::new_real(&format!("ab-tgt-{pid}-{block}"), AdapterConfig::default())?;
+        let src = ini.register_pool(Arc::new(HostRegion::new(qd * block)?), PoolConfig::new(block))?;
+        let dst = tgt.register_pool(Arc::new(HostRegion::new(qd * block)?), PoolConfig::new(block))?;
+        ini.add_peer(&tgt.local_metadata()?)?;
+        let peer = tgt.add_peer(&ini.local_metadata()?)?;
+        let (mut remotes, mut exposures, mut leases) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..qd {
+            let (e, r) = tgt.expose(dst.reserve(1)?, peer).map_err(|e| e.kind.to_string())?;
+            exposures.push(e);
+            remotes.push(r);
+            let mut l = src.reserve(1)?;
+            l.write_at(0, 0, &vec![0x22; block])?;
+            leases.push(Some(l));
+        }
+        Ok(Self { ini, remotes, leases, block, _tgt: (tgt, exposures) })
+    }
+
+    /// `qd` writes in flight at a time for `budget`, notify off.
+    fn run(&mut self, budget: Duration, qd: usize) -> Res<f64> {
+        let no_notify = TransferOptions::notify(false);
+        let mut n = 0u64;
+        let mut handles: Vec<Option<TransferHandle>> = (0..qd).map(|_| None).collect();
+        let start = Instant::now();
+        while start.elapsed() < budget {
+            for (i, h) in handles.iter_mut().enumerate() {
+                if let Some(l) = self.leases[i].take() {
+                    let post = block_on(self.ini.write(l, &self.remotes[i], no_notify.clone()));
+                    *h = Some(post.map_err(|e| e.kind.to_string())?);
+                }
+            }
+            for (i, h) in handles.iter_mut().enumerate() {
+                if let Some(h) = h.take() {
+                    let out = block_on(h).map_err(|e| e.to_string())?;
+                    out.result?;
+                    self.leases[i] = Some(out.lease.into_reserved());
+                    n += 1;
+                }
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        if self.ini.metrics().completed_err > 0 {
+            return Err("adapter: transfers failed".into());
+        }
+        Ok(n as f64 * self.block as f64 / secs / 1e9)
+    }
+
+    fn finish(self) {
+        let (tgt, exposures) = self._tgt;
+        drop(self.leases);
+        // Never settled (no notification): abort; the idle initiator acknowledges.
+        for e in exposures {
+            e.abort();
+        }
+        let r = tgt.shutdown(Duration::from_secs(5));
+        let i = self.ini.shutdown(Duration::from_secs(5));
+        if r.leaked + i.leaked > 0 {
+            eprintln!("teardown leaked: target {r:?} initiator {i:?}");
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn main() -> Res<()> {
+    let lib = match NixlLibrary::load() {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let secs: f64 = std::env::var("KVT_BENCH_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(0.5);
+    let rounds: usize = std::env::var("KVT_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(6);
+    let budget = Duration::from_secs_f64(secs);
+    println!(
+        "library: {}  UCX_TLS={}  {rounds} alternating rounds of {secs} s per case; medians",
+        lib.path().display(),
+        std::env::var("UCX_TLS").unwrap_or_else(|_| "(default)".into())
+    );
+    for block in [64usize << 10, 16 << 20] {
+        let mut raw = RawRig::new(&lib, block)?;
+        let mut ad = AdapterRig::new(block, 4)?;
+        let (mut rr, mut rf, mut a1, mut a4, mut ratio) = (vec![], vec![], vec![], vec![], vec![]);
+        for _ in 0..rounds {
+            let r1 = raw.run(budget, true)?;
+            let x = ad.run(budget, 1)?;
+            let r2 = raw.run(budget, false)?;
+            a4.push(ad.run(budget, 4)?);
+            // Against the better raw loop of the same round.
+            ratio.push(x / r1.max(r2));
+            rr.push(r1);
+            rf.push(r2);
+            a1.push(x);
+        }
+        ad.finish();
+        let (rr, rf, a1, a4) = (median(rr), median(rf), median(a1), median(a4));
+        println!(
+            "block {block:>8} B: raw/repost {rr:.3} GB/s  raw/fresh {rf:.3} GB/s  adapter qd1 {a1:.3} GB/s  \
+             adapter qd4 {a4:.3} GB/s  | adapter qd1 / best raw (per-round median) = {:.1}%",
+            100.0 * median(ratio)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,1164 @@
+//! The adapter: `kv-transfer-core`'s [`Transfer`] over a [`NixlEngine`].
+//!
+//! [`NixlTransfer`] owns one engine (one NIXL agent), registers pools' memory with
+//! it and keeps their [`SettlementAuthority`]s, and runs one driver thread.
+//!
+//! **Initiator side** ([`Transfer::post`]): the local lease is checked
+//! ([`check_shapes`], pool registered here), one NIXL request is created for all
+//! slots (nothing exposed yet: a failure hands the lease back unexposed), then the
+//! lease is exposed locally and the request posted. The driver polls every
+//! in-flight request until a terminal status (`IN_PROG` is never terminal, every
+//! error and unknown code is an error), *then* releases it, *then* completes the
+//! operation with a `Completed` proof, so the lease comes back settled, to the
+//! handle or (handle dropped) to the pool. A request that never becomes terminal
+//! keeps its lease forever: visible in [`AdapterMetrics::in_flight`], never reused.
+//!
+//! With `notify`, the request carries a `W`/`R` notification naming the target's
+//! tenancies (see [`wire`]); NIXL sends it only after the data is flushed. If
+//! another request of ours still touches one of those slots, the notification is
+//! not attached but sent by the driver once all of them are terminal. After a
+//! notifying post, or an abort, those tenancies are tombstoned: a later post
+//! naming them (or an older generation of their slots) is refused.
+//!
+//! **Abort**: NIXL has no cancel. [`TransferHandle::cancel`] (or a failure of a
+//! notifying request) waits for the terminal status, then tells the target with a
+//! `K` (ABORT_ACK) carrying slot and generation. A target that gives up an
+//! exposure sends `A` (ABORT); we answer `K` only when every request of ours on
+//! those tenancies is terminal.
+//!
+//! **Target side** ([`NixlTransfer::expose`]): exposures settle from `W`/`R`/`K`
+//! notifications sent by the peer they were exposed to. A notification naming a
+//! tenancy that is not awaiting settlement, or that was exposed to another peer,
+//! is dropped and counted (stale); a message that does not parse is dropped and
+//! counted (malformed). When an exposed lease is aborted or dropped, the pool's
+//! escalation ladder asks for a drain: the driver sends `A`. NIXL can neither
+//! revoke one tenancy's access nor tear down and flush one peer's connection with
+//! a confirmation, so `Revoke` and `Fence` produce no proof: the driver re-sends
+//! the ABORT and the slots stay quarantined (rule 2), visible in the pool's
+//! `quarantined`/`quarantine_stuck` gauges and in
+//! [`AdapterMetrics::unsupported_escalations`].
+//!
+//! **Teardown**: [`NixlTransfer::remove_peer`] invalidates a peer's metadata only
+//! once no request to it and no exposure to it is outstanding;
+//! [`NixlTransfer::shutdown`] deregisters memory only once nothing is in flight or
+//! exposed. Both wait a bounded time; what cannot be torn down safely is reported
+//! and leaked (memory stays allocated and registered), never freed early.
+//!
+//! **Progress** ([`Progress`]): either NIXL's progress thread moves the agent and
+//! the driver only observes, or the driver's own polling is the progress (then it
+//! also polls notifications while exposures are outstanding). The driver sleeps
+//! with a bounded backoff while work is outstanding (after a short yield-polling
+//! window following each completion or post, `AdapterConfig::spin`) and blocks on a condition variable
+//! with a long timeout when idle: no busy spin in steady state.
+
+pub mod wire;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kv_transfer_core::{
+    async_trait, check_shapes, Completer, Exposed, Generation, MemoryKind, Op, PeerId, PoolConfig, PoolError, PoolId,
+    PostError, PostErrorKind, Region, RemoteSlots, Reserved, SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy,
+    Transfer, TransferError, TransferHandle, TransferOptions,
+};
+
+use crate::engine::{
+    AgentConfig, EngineConfig, EngineError, MemRegion, NixlEngine, RealNixlEngine, RegId, ReqId, XferOp, XferSpec,
+    XferState,
+};
+use wire::{MsgKind, ParseError};
+
+/// The backend name reported by [`Transfer::backend`] and in [`TransferError::Engine`].
+pub const BACKEND: &str = "nixl";
+
+/// `code` of a [`TransferError::Engine`] whose cause is not a NIXL status (an
+/// adapter-side error such as an unknown request).
+pub const NO_NIXL_STATUS: i64 = -1000;
+
+/// Who makes progress on the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Progress {
+    /// NIXL's progress thread (the agent must be created with it, as
+    /// [`NixlTransfer::new_real`] does). The driver only observes.
+    #[default]
+    AgentThread,
+    /// The adapter's driver thread: its polling of request status and
+    /// notifications is the progress (the agent runs no progress thread).
+    Driver,
+}
+
+/// Configuration of a [`NixlTransfer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterConfig {
+    /// Who makes progress.
+    pub progress: Progress,
+    /// Shortest sleep between polls while requests are in flight.
+    pub poll_min: Duration,
+    /// Longest sleep between polls while requests are in flight (backoff cap).
+    pub poll_max: Duration,
+    /// After a post or completion, keep polling without sleeping for this long
+    /// (keeps small transfers' latency low; zero disables). Once it has passed
+    /// with nothing new, the driver sleeps with backoff.
+    pub spin: Duration,
+    /// How often notifications are polled while exposures or messages are
+    /// outstanding (with [`Progress::AgentThread`]; with [`Progress::Driver`] they
+    /// are polled at the request polling rate).
+    pub notif_interval: Duration,
+    /// Driver wake-up period when nothing is outstanding.
+    pub idle_interval: Duration,
+    /// How long [`Drop`] waits for outstanding work before leaking it.
+    pub teardown_timeout: Duration,
+    /// Capacity of the target-side event queue ([`NixlTransfer::take_events`]);
+    /// the oldest events are dropped (and counted) beyond it.
+    pub event_capacity: usize,
+}
+
+impl Default for AdapterConfig {
+    fn default() -> Self {
+        Self {
+            progress: Progress::AgentThread,
+            poll_min: Duration::from_micros(20),
+            poll_max: Duration::from_millis(1),
+            spin: Duration::from_micros(100),
+            notif_interval: Duration::from_millis(1),
+            idle_interval: Duration::from_millis(10),
+            teardown_timeout: Duration::from_secs(5),
+            event_capacity: 4096,
+        }
+    }
+}
+
+/// Errors of the adapter's own calls (not of transfers).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdapterError {
+    /// The engine failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The pool could not be built.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// Only host memory with a host pointer can be registered.
+    #[error("only host memory can be registered with this adapter")]
+    NotHostMemory,
+    /// No such peer.
+    #[error("unknown peer {0:?}")]
+    UnknownPeer(PeerId),
+    /// The pool was not registered here.
+    #[error("pool {0:?} is not registered with this adapter")]
+    ForeignPool(PoolId),
+    /// Teardown refused: work that may still touch the peer or memory is outstanding.
+    #[error("{what}: {in_flight} request(s) and {exposed} exposure(s) still outstanding")]
+    Busy {
+        /// What was refused.
+        what: String,
+        /// Requests not yet terminal and released.
+        in_flight: usize,
+        /// Exposures not yet settled.
+        exposed: usize,
+    },
+    /// The adapter is shutting down.
+    #[error("the adapter is shutting down")]
+    ShuttingDown,
+}
+
+/// Adapter counters and gauges (the pools keep their own: `SlotPool::metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdapterMetrics {
+    /// Requests posted and not yet terminal and released (gauge).
+    pub in_flight: usize,
+    /// Age of the oldest of them.
+    pub oldest_in_flight: Option<Duration>,
+    /// Exposures to peers not yet settled (gauge, slots).
+    pub exposed_slots: usize,
+    /// Outgoing messages waiting for requests to drain (gauge).
+    pub pending_messages: usize,
+    /// Requests posted.
+    pub posted: u64,
+    /// Requests that ended in success.
+    pub completed_ok: u64,
+    /// Requests that ended in an error.
+    pub completed_err: u64,
+    /// `release_xfer` calls that failed (retried).
+    pub release_failures: u64,
+    /// Adapter messages received.
+    pub messages_received: u64,
+    /// Messages that did not parse (dropped).
+    pub malformed: u64,
+    /// Notifications that are not adapter messages, or from unknown agents (dropped).
+    pub foreign: u64,
+    /// Tenancies named by a message that were not awaiting settlement or were
+    /// exposed to another peer (dropped; also counted in the pool's `stale_rejected`).
+    pub stale: u64,
+    /// Tenancies settled by a message (`Completed`).
+    pub settled_by_message: u64,
+    /// ABORTs sent (target side).
+    pub aborts_sent: u64,
+    /// ABORTs received (initiator side).
+    pub aborts_received: u64,
+    /// ABORT_ACKs sent (initiator side).
+    pub acks_sent: u64,
+    /// Completion messages sent by the driver (deferred `W`/`R`).
+    pub deferred_notifs_sent: u64,
+    /// Posts refused because the remote tenancy was handed back or aborted.
+    pub refused_tombstoned: u64,
+    /// `Revoke`/`Fence` escalations that NIXL cannot perform (no proof made).
+    pub unsupported_escalations: u64,
+    /// `get_notifs`/`gen_notif` failures.
+    pub notif_errors: u64,
+    /// Target-side events dropped because the queue was full.
+    pub events_dropped: u64,
+    /// Registrations leaked at teardown because something might still touch them.
+    pub leaked_registrations: u64,
+}
+
+/// A target-side event: a peer settled some of our exposed tenancies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NixlEvent {
+    /// The peer.
+    pub peer: PeerId,
+    /// Our pool.
+    pub pool: PoolId,
+    /// The tenancies settled (stale ones removed).
+    pub tenancies: Vec<Tenancy>,
+    /// What the peer said: `Written`/`Read` (its operation succeeded) or
+    /// `AbortAck` (it stopped; the bytes may be incomplete).
+    pub kind: MsgKind,
+}
+
+/// What [`NixlTransfer::shutdown`] achieved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Requests still not terminal at the deadline: their leases stay quarantined,
+    /// the engine and memory are leaked.
+    pub in_flight_left: usize,
+    /// Exposed slots not settled at the deadline (memory leaked, registered).
+    pub exposed_left: usize,
+    /// Registrations deregistered.
+    pub deregistered: usize,
+    /// Registrations leaked.
+    pub leaked: usize,
+}
+
+struct PoolEntry {
+    authority: SettlementAuthority,
+    region: Arc<dyn Region>,
+    reg: RegId,
+}
+
+struct InFlight {
+    req: Option<ReqId>,
+    posted: bool,
+    agent: Arc<str>,
+    remote_pool: PoolId,
+    remote: Vec<Tenancy>,
+    op: Op,
+    notify: bool,
+    notif_attached: bool,
+    local_pool: PoolId,
+    completer: Option<Completer>,
+    started: Instant,
+    post_error: Option<TransferError>,
+    /// Terminal status seen; release still to do.
+    terminal: Option<Result<(), TransferError>>,
+    /// The engine no longer knows the request (nothing to release).
+    forgotten: bool,
+    /// A thread is releasing and completing it.
+    finishing: bool,
+}
+
+struct Outgoing {
+    agent: Arc<str>,
+    pool: PoolId,
+    tenancies: Vec<Tenancy>,
+    kind: MsgKind,
+    attempts: u32,
+}
+
+#[derive(Default)]
+struct State {
+    closing: bool,
+    stop: bool,
+    next_op: u64,
+    ops: HashMap<u64, InFlight>,
+    pools: HashMap<PoolId, PoolEntry>,
+    peers: HashMap<PeerId, Arc<str>>,
+    names: HashMap<Arc<str>, PeerId>,
+    next_peer: u32,
+    /// Target side: (our pool, slot) -> (generation, peer) of live exposures.
+    exposures: HashMap<(PoolId, SlotId), (Generation, PeerId)>,
+    /// Initiator side: highest generation per remote slot that was handed back.
+    tombstones: HashMap<(Arc<str>, PoolId), HashMap<SlotId, Generation>>,
+    outgoing: Vec<Outgoing>,
+    events: VecDeque<NixlEvent>,
+    next_escalation: Option<Instant>,
+    m: AdapterMetrics,
+}
+
+struct Wake {
+    flag: Mutex<bool>,
+    /// The driver is blocked in `wait` (only then is a notify worth a syscall).
+    waiting: std::sync::atomic::AtomicBool,
+    cv: Condvar,
+}
+
+impl Wake {
+    fn new() -> Self {
+        Self { flag: Mutex::new(false), waiting: std::sync::atomic::AtomicBool::new(false), cv: Condvar::new() }
+    }
+    fn wake(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        *self.flag.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        if self.waiting.load(SeqCst) {
+            self.cv.notify_one();
+        }
+    }
+    /// Waits up to `d` for a wake-up; returns whether one came.
+    fn wait(&self, d: Duration) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        let mut g = self.flag.lock().unwrap_or_else(|p| p.into_inner());
+        if !*g {
+            // Set under the lock: a `wake` either sets the flag before we look at it
+            // or sees `waiting` and notifies after we block.
+            self.waiting.store(true, SeqCst);
+            g = match self.cv.wait_timeout(g, d) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+            self.waiting.store(false, SeqCst);
+        }
+        std::mem::replace(&mut *g, false)
+    }
+}
+
+struct Inner {
+    engine: Arc<dyn NixlEngine>,
+    name: Arc<str>,
+    cfg: AdapterConfig,
+    state: Mutex<State>,
+    changed: Condvar,
+    wake: Arc<Wake>,
+}
+
+/// `kv-transfer-core`'s [`Transfer`] over NIXL. See the [module docs](self).
+pub struct NixlTransfer {
+    inner: Arc<Inner>,
+    driver: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for NixlTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlTransfer").field("agent", &self.inner.name).finish_non_exhaustive()
+    }
+}
+
+fn engine_error(e: &EngineError) -> TransferError {
+    TransferError::Engine {
+        engine: BACKEND,
+        code: e.status().map_or(NO_NIXL_STATUS, |s| i64::from(s.to_raw())),
+        message: e.to_string(),
+    }
+}
+
+fn slots_overlap(a: &[Tenancy], b: &[Tenancy]) -> bool {
+    a.iter().any(|x| b.iter().any(|y| x.slot == y.slot))
+}
+
+/// Pairs local and remote slot addresses into descriptors, merging runs that are
+/// contiguous on both sides.
+fn descriptors(local: &[u64], remote: &[u64], slot: usize) -> (Vec<MemRegion>, Vec<MemRegion>) {
+    let (mut l, mut r): (Vec<MemRegion>, Vec<MemRegion>) = (Vec::new(), Vec::new());
+    for (&la, &ra) in local.iter().zip(remote) {
+        if let (Some(pl), Some(pr)) = (l.last_mut(), r.last_mut()) {
+            if pl.addr as u64 + pl.len as u64 == la && pr.addr as u64 + pr.len as u64 == ra {
+                pl.len += slot;
+                pr.len += slot;
+                continue;
+            }
+        }
+        l.push(MemRegion::new(la as usize, slot));
+        r.push(MemRegion::new(ra as usize, slot));
+    }
+    (l, r)
+}
+
+impl NixlTransfer {
+    /// An adapter over `engine`, with its driver thread started.
+    pub fn new(engine: Arc<dyn NixlEngine>, cfg: AdapterConfig) -> Result<Self, AdapterError> {
+        let name: Arc<str> = engine.agent_name().into();
+        let inner = Arc::new(Inner {
+            engine,
+            name,
+            cfg,
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            wake: Arc::new(Wake::new()),
+        });
+        let d = Arc::clone(&inner);
+        let driver = std::thread::Builder::new()
+            .name(format!("nixl-driver-{}", inner.name))
+            .spawn(move || d.drive())
+            .map_err(|e| AdapterError::Engine(EngineError::InvalidArgument(format!("cannot start driver: {e}"))))?;
+        Ok(Self { inner, driver: Mutex::new(Some(driver)) })
+    }
+
+    /// Loads the library and builds a [`RealNixlEngine`] (UCX) named `name` whose
+    /// agent runs NIXL's progress thread exactly when `cfg.progress` says so.
+    pub fn new_real(name: &str, cfg: AdapterConfig) -> Result<Self, AdapterError> {
+        let mut ec = EngineConfig::ucx(name);
+        ec.agent = AgentConfig { progress_thread: cfg.progress == Progress::AgentThread, ..AgentConfig::default() };
+        let engine = RealNixlEngine::new(ec)?;
+        Self::new(Arc::new(engine), cfg)
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Arc<dyn NixlEngine> {
+        &self.inner.engine
+    }
+
+    /// This agent's name (the `endpoint` of the `RemoteSlots` it exposes).
+    pub fn agent_name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Builds a pool over `region` and registers the region with NIXL. The pool's
+    /// authority stays inside the adapter; the region is kept alive (and leaked if
+    /// it can never be safely deregistered).
+    pub fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, AdapterError> {
+        if region.kind() != MemoryKind::Host || region.host_ptr().is_none() {
+            return Err(AdapterError::NotHostMemory);
+        }
+        if self.inner.state().closing {
+            return Err(AdapterError::ShuttingDown);
+        }
+        let (pool, authority) = SlotPool::new(Arc::clone(&region), config)?;
+        let mr = MemRegion::new(region.addr() as usize, region.len());
+        // SAFETY: the region is host memory of this process (checked above). The
+        // adapter keeps an `Arc` to it until it deregisters it, which it does only
+        // when no request of ours and no exposure of it is outstanding; otherwise
+        // it leaks the `Arc`, so the memory is never freed while registered. Rust
+        // code reaches the bytes only through `Region`'s raw copies.
+        let reg = unsafe { self.inner.engine.register_dram(&[mr]) }?;
+        let wake = Arc::clone(&self.inner.wake);
+        authority.on_quarantine(move || wake.wake());
+        self.inner.state().pools.insert(pool.id(), PoolEntry { authority, region, reg });
+        Ok(pool)
+    }
+
+    /// This agent's metadata, for peers' [`add_peer`](Self::add_peer). Call it
+    /// after registering the pools peers will target.
+    pub fn local_metadata(&self) -> Result<Vec<u8>, AdapterError> {
+        Ok(self.inner.engine.local_metadata()?)
+    }
+
+    /// Loads a peer's metadata. Loading the same agent again returns its id.
+    pub fn add_peer(&self, metadata: &[u8]) -> Result<PeerId, AdapterError> {
+        let name: Arc<str> = self.inner.engine.load_remote_metadata(metadata)?.into();
+        let mut st = self.inner.state();
+        if let Some(p) = st.names.get(&name) {
+            return Ok(*p);
+        }
+        let id = PeerId(st.next_peer);
+        st.next_peer += 1;
+        st.peers.insert(id, Arc::clone(&name));
+        st.names.insert(name, id);
+        Ok(id)
+    }
+
+    /// A peer's agent name.
+    pub fn peer_name(&self, peer: PeerId) -> Option<String> {
+        self.inner.state().peers.get(&peer).map(|s| s.to_string())
+    }
+
+    /// Target side: exposes `lease`'s slots to `peer` and describes them. The
+    /// exposure settles when the peer's `W`/`R`/`K` message for these tenancies
+    /// arrives; aborting it sends the peer an ABORT.
+    #[allow(clippy::result_large_err)]
+    pub fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), PostError> {
+        let mut st = self.inner.state();
+        if st.closing {
+            return Err(PostError { lease, kind: PostErrorKind::ShuttingDown });
+        }
+        let pool = lease.pool().id();
+        let Some(entry) = st.pools.get(&pool) else {
+            return Err(PostError { lease, kind: PostErrorKind::ForeignPool });
+        };
+        if !st.peers.contains_key(&peer) {
+            return Err(PostError { lease, kind: PostErrorKind::Peer(format!("{peer:?} was never added")) });
+        }
+        let key = entry.reg.0;
+        for t in lease.tenancies() {
+            st.exposures.insert((pool, t.slot), (t.generation, peer));
+        }
+        st.m.exposed_slots = st.exposures.len();
+        // Under the lock: a message for these tenancies waits until they are recorded.
+        let (exposed, remote) = lease.expose(peer, key, self.inner.name.to_string());
+        drop(st);
+        self.inner.wake.wake();
+        Ok((exposed, remote))
+    }
+
+    /// Target-side events since the last call (oldest first).
+    pub fn take_events(&self) -> Vec<NixlEvent> {
+        self.inner.state().events.drain(..).collect()
+    }
+
+    /// A snapshot of the adapter's counters.
+    pub fn metrics(&self) -> AdapterMetrics {
+        let st = self.inner.state();
+        let mut m = st.m;
+        m.in_flight = st.ops.len();
+        m.oldest_in_flight = st.ops.values().map(|o| o.started.elapsed()).max();
+        m.exposed_slots = st.exposures.len();
+        m.pending_messages = st.outgoing.len();
+        m
+    }
+
+    /// Forgets a peer (`invalidate_remote_metadata`) once no request to it, no
+    /// exposure to it and no message for it is outstanding, waiting at most
+    /// `timeout`. On timeout nothing is invalidated and the error says what is left.
+    pub fn remove_peer(&self, peer: PeerId, timeout: Duration) -> Result<(), AdapterError> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.inner.state();
+        let name = st.peers.get(&peer).cloned().ok_or(AdapterError::UnknownPeer(peer))?;
+        loop {
+            let in_flight = st.ops.values().filter(|o| o.agent == name).count();
+            let exposed = st.exposures.values().filter(|(_, p)| *p == peer).count();
+            let msgs = st.outgoing.iter().filter(|o| o.agent == name).count();
+            if in_flight == 0 && exposed == 0 && msgs == 0 {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(AdapterError::Busy {
+                    what: format!("invalidate metadata of {name:?}"),
+                    in_flight,
+                    exposed,
+                });
+            }
+            st = self.inner.wait_changed(st, deadline - now);
+        }
+        // Under the lock, so no post to this peer can start in between.
+        self.inner.engine.invalidate_remote_metadata(&name)?;
+        st.peers.remove(&peer);
+        st.names.remove(&name);
+        st.tombstones.retain(|(a, _), _| *a != name);
+        Ok(())
+    }
+
+    /// Stops accepting work, waits up to `timeout` for every request to be
+    /// terminal and released and every exposure settled, stops the driver, and
+    /// deregisters the pools. What is still outstanding at the deadline is
+    /// reported; the memory it may touch stays registered and allocated for the
+    /// life of the process (and the engine is kept alive), so nothing is freed
+    /// under a NIC. Idempotent.
+    pub fn shutdown(&self, timeout: Duration) -> ShutdownReport {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.inner.state();
+        st.closing = true;
+        self.inner.wake.wake();
+        while !(st.ops.is_empty() && st.exposures.is_empty() && st.outgoing.is_empty()) {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            st = self.inner.wait_changed(st, deadline - now);
+        }
+        st.stop = true;
+        drop(st);
+        self.inner.wake.wake();
+        let handle = self.driver.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+        let mut st = self.inner.state();
+        let mut report =
+            ShutdownReport { in_flight_left: st.ops.len(), exposed_left: st.exposures.len(), ..Default::default() };
+        let ops_left = !st.ops.is_empty();
+        let pools: Vec<(PoolId, PoolEntry)> = st.pools.drain().collect();
+        let mut leak_engine = ops_left;
+        for (id, entry) in pools {
+            let exposed = st.exposures.keys().any(|(p, _)| *p == id);
+            let safe = !ops_left && !exposed && self.inner.engine.deregister(entry.reg).is_ok();
+            if safe {
+                report.deregistered += 1;
+            } else {
+                tracing::warn!(pool = id.0, "memory may still be touched by a NIC: leaking its registration");
+                report.leaked += 1;
+                st.m.leaked_registrations += 1;
+                leak_engine = true;
+                std::mem::forget(entry.region);
+            }
+        }
+        // Completers of requests that never became terminal: dropping them
+        // quarantines their leases (their memory was leaked above) and resolves
+        // their handles `Abandoned`.
+        let ops: Vec<InFlight> = st.ops.drain().map(|(_, o)| o).collect();
+        drop(st);
+        if leak_engine {
+            // Never release a request or destroy the agent under a possible write.
+            std::mem::forget(Arc::clone(&self.inner.engine));
+        }
+        drop(ops);
+        if report.in_flight_left > 0 || report.exposed_left > 0 {
+            tracing::warn!(?report, "NIXL adapter shut down with outstanding work");
+        }
+        report
+    }
+}
+
+impl Drop for NixlTransfer {
+    fn drop(&mut self) {
+        let running = self.driver.lock().map(|d| d.is_some()).unwrap_or(true);
+        if running {
+            self.shutdown(self.inner.cfg.teardown_timeout);
+        }
+    }
+}
+
+#[async_trait]
+impl Transfer for NixlTransfer {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    async fn post(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        self.inner.post(op, local, remote, opts)
+    }
+}
+
+impl Inner {
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Every critical section leaves the tables consistent; take a poisoned lock over.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait_changed<'a>(&self, g: MutexGuard<'a, State>, d: Duration) -> MutexGuard<'a, State> {
+        match self.changed.wait_timeout(g, d.min(Duration::from_millis(50))) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        }
+    }
+
+    #[allow(clippy::result_large_err)]
+    fn post(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        if let Err(kind) = check_shapes(&local, remote) {
+            return Err(PostError { lease: local, kind });
+        }
+        let local_pool = local.pool().id();
+        let remote_t = remote.tenancies();
+        // Admission under the lock: peer, tombstones, overlap; then a placeholder
+        // that aborts and other posts see.
+        let (op_id, peer, agent, attach) = {
+            let mut st = self.state();
+            if st.closing {
+                return Err(PostError { lease: local, kind: PostErrorKind::ShuttingDown });
+            }
+            if !st.pools.contains_key(&local_pool) {
+                return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
+            }
+            let Some((agent, peer)) = st.names.get_key_value(remote.endpoint.as_str()).map(|(a, p)| (a.clone(), *p))
+            else {
+                return Err(PostError {
+                    lease: local,
+                    kind: PostErrorKind::Peer(format!("agent {:?} was never added", remote.endpoint)),
+                });
+            };
+            if let Some(dead) = st.tombstones.get(&(agent.clone(), remote.pool)) {
+                if let Some(t) = remote_t.iter().find(|t| dead.get(&t.slot).is_some_and(|g| *g >= t.generation)) {
+                    st.m.refused_tombstoned += 1;
+                    return Err(PostError {
+                        lease: local,
+                        kind: PostErrorKind::Descriptor(format!("remote {t} was handed back or aborted")),
+                    });
+                }
+            }
+            let mut overlap = false;
+            for o in st.ops.values() {
+                if o.agent == agent && o.remote_pool == remote.pool && slots_overlap(&o.remote, &remote_t) {
+                    if o.notify {
+                        return Err(PostError {
+                            lease: local,
+                            kind: PostErrorKind::Descriptor(
+                                "remote slots are being handed back by a notifying request".into(),
+                            ),
+                        });
+                    }
+                    overlap = true;
+                }
+            }
+            let id = st.next_op;
+            st.next_op += 1;
+            let attach = opts.notify && !overlap;
+            st.ops.insert(
+                id,
+                InFlight {
+                    req: None,
+                    posted: false,
+                    agent: agent.clone(),
+                    remote_pool: remote.pool,
+                    remote: remote_t.clone(),
+                    op,
+                    notify: opts.notify,
+                    notif_attached: attach,
+                    local_pool,
+                    completer: None,
+                    started: Instant::now(),
+                    post_error: None,
+                    terminal: None,
+                    forgotten: false,
+                    finishing: false,
+                },
+            );
+            (id, peer, agent, attach)
+        };
+        let slot = remote.slot_size as usize;
+        let local_addrs: Vec<u64> = (0..local.len()).filter_map(|i| local.slot_addr(i)).collect();
+        let remote_addrs: Vec<u64> = remote.slots.iter().map(|s| s.addr).collect();
+        let (l, r) = descriptors(&local_addrs, &remote_addrs, slot);
+        let kind = if op == Op::Write { MsgKind::Written } else { MsgKind::Read };
+        let spec = XferSpec {
+            op: if op == Op::Write { XferOp::Write } else { XferOp::Read },
+            local: l,
+            remote: r,
+            remote_agent: agent.to_string(),
+            notif: attach.then(|| wire::encode(kind, remote.pool, &remote_t)),
+        };
+        // Nothing is exposed by creating a request: a failure hands the lease back.
+        let req = match self.engine.create_xfer(&spec) {
+            Ok(r) => r,
+            Err(e) => {
+                self.state().ops.remove(&op_id);
+                self.changed.notify_all();
+                self.wake.wake();
+                return Err(PostError { lease: local, kind: PostErrorKind::Engine(e.to_string()) });
+            }
+        };
+        let (handle, completer) = TransferHandle::pair(local.expose_local(peer));
+        {
+            let mut st = self.state();
+            if let Some(o) = st.ops.get_mut(&op_id) {
+                o.req = Some(req);
+                o.completer = Some(completer);
+            }
+            if opts.notify {
+                let dead = st.tombstones.entry((agent, remote.pool)).or_default();
+                for t in &remote_t {
+                    let g = dead.entry(t.slot).or_insert(t.generation);
+                    *g = (*g).max(t.generation);
+                }
+            }
+            st.m.posted += 1;
+        }
+        // From here the request may run: it is finished only at a terminal status.
+        let first = self.engine.post_xfer(req);
+        let mut st = self.state();
+        if let Some(o) = st.ops.get_mut(&op_id) {
+            o.posted = true;
+            match first {
+                Ok(XferState::InProgress) => {}
+                Ok(XferState::Done) => o.terminal = Some(Ok(())),
+                // Possibly partly posted: poll to a terminal status, report the post's error.
+                Err(e) => o.post_error = Some(engine_error(&e)),
+            }
+        }
+        let done_now = st.ops.get(&op_id).is_some_and(|o| o.terminal.is_some());
+        drop(st);
+        if done_now {
+            // Completed inside post (CMA on one host): release and complete here.
+            // Nothing left for the driver unless a message now waits to be sent.
+            if self.finish_terminal(op_id) && self.state().outgoing.is_empty() {
+                return Ok(handle);
+            }
+        }
+        self.wake.wake();
+        Ok(handle)
+    }
+
+    /// Releases a terminal request and completes its operation. Returns whether it
+    /// was finished (false: release failed, retried later).
+    fn finish_terminal(&self, op_id: u64) -> bool {
+        let (req, forgotten) = {
+            let mut st = self.state();
+            match st.ops.get_mut(&op_id) {
+                Some(o) if o.terminal.is_some() && !o.finishing => {
+                    o.finishing = true;
+                    (o.req, o.forgotten)
+                }
+                _ => return false,
+            }
+        };
+        let unclaim = |terminal: bool| {
+            if let Some(o) = self.state().ops.get_mut(&op_id) {
+                o.finishing = false;
+                if !terminal {
+                    o.terminal = None;
+                }
+            }
+        };
+        if let (Some(req), false) = (req, forgotten) {
+            match self.engine.release_xfer(req) {
+                Ok(()) => {}
+                Err(EngineError::StillInProgress(_)) => {
+                    // Not terminal after all: back to polling.
+                    unclaim(false);
+                    return false;
+                }
+                Err(EngineError::UnknownRequest(_)) => {}
+                Err(e) => {
+                    tracing::warn!(%req, error = %e, "release_xfer failed; retrying");
+                    self.state().m.release_failures += 1;
+                    unclaim(true);
+                    return false;
+                }
+            }
+        }
+        let mut st = self.state();
+        let Some(mut o) = st.ops.remove(&op_id) else { return false };
+        let mut result = o.terminal.take().unwrap_or(Ok(()));
+        if let (Some(pe), Ok(())) = (o.post_error.take(), &result) {
+            result = Err(pe);
+        }
+        let canceled = o.completer.as_ref().is_some_and(Completer::cancel_requested);
+        if result.is_ok() {
+            st.m.completed_ok += 1;
+        } else {
+            st.m.completed_err += 1;
+        }
+        // What the target must hear, once no other request of ours touches the slots.
+        let message = match (&result, o.notify, o.notif_attached, canceled) {
+            (Ok(()), true, true, _) => None,
+            (Ok(()), true, false, _) => Some(if o.op == Op::Write { MsgKind::Written } else { MsgKind::Read }),
+            (Err(_), true, _, _) | (_, _, _, true) => Some(MsgKind::AbortAck),
+            (_, false, _, false) => None,
+        };
+        if let Some(kind) = message {
+            if kind == MsgKind::AbortAck {
+                let dead = st.tombstones.entry((o.agent.clone(), o.remote_pool)).or_default();
+                for t in &o.remote {
+                    let g = dead.entry(t.slot).or_insert(t.generation);
+                    *g = (*g).max(t.generation);
+                }
+            }
+            st.outgoing.push(Outgoing {
+                agent: o.agent.clone(),
+                pool: o.remote_pool,
+                tenancies: std::mem::take(&mut o.remote),
+                kind,
+                attempts: 0,
+            });
+        }
+        let authority = st.pools.get(&o.local_pool).map(|p| p.authority.clone());
+        drop(st);
+        self.changed.notify_all();
+        if let (Some(c), Some(a)) = (o.completer.take(), authority) {
+            let proof = a.completed(c.lease().tenancies());
+            if let Err(e) = c.complete(proof, result) {
+                tracing::error!(error = %e, "completion proof did not settle the lease; it is quarantined");
+            }
+        }
+        true
+    }
+
+    fn drive(&self) {
+        let mut last_activity = Instant::now();
+        let mut backoff = self.cfg.poll_min;
+        let mut last_notif_poll = Instant::now() - self.cfg.idle_interval;
+        let mut escalate_now = true;
+        loop {
+            let now = Instant::now();
+            let mut progressed = false;
+            let (posted, exposures, outgoing, stop, youngest, next_esc) = {
+                let st = self.state();
+                let posted: Vec<(u64, ReqId, bool)> = st
+                    .ops
+                    .iter()
+                    .filter(|(_, o)| o.posted)
+                    .filter_map(|(id, o)| o.req.map(|r| (*id, r, o.terminal.is_some())))
+                    .collect();
+                let youngest = st.ops.values().map(|o| now.saturating_duration_since(o.started)).min();
+                (posted, !st.exposures.is_empty(), !st.outgoing.is_empty(), st.stop, youngest, st.next_escalation)
+            };
+            if stop {
+                break;
+            }
+            for (op_id, req, terminal) in &posted {
+                if !terminal {
+                    let st = self.engine.xfer_status(*req);
+                    let t = match st {
+                        Ok(XferState::InProgress) => None,
+                        Ok(XferState::Done) => Some((Ok(()), false)),
+                        Err(EngineError::UnknownRequest(_)) => Some((Err(engine_error(&EngineError::UnknownRequest(*req))), true)),
+                        Err(e) => Some((Err(engine_error(&e)), false)),
+                    };
+                    let Some((res, forgotten)) = t else { continue };
+                    if let Some(o) = self.state().ops.get_mut(op_id) {
+                        o.terminal = Some(res);
+                        o.forgotten = forgotten;
+                    }
+                }
+                progressed |= self.finish_terminal(*op_id);
+            }
+            let notif_every = match self.cfg.progress {
+                Progress::Driver if exposures => Duration::ZERO,
+                _ if exposures || outgoing || !posted.is_empty() => self.cfg.notif_interval,
+                _ => self.cfg.idle_interval,
+            };
+            if now.saturating_duration_since(last_notif_poll) >= notif_every {
+                last_notif_poll = now;
+                progressed |= self.poll_notifs();
+            }
+            if escalate_now || next_esc.is_some_and(|t| t <= now) {
+                escalate_now = false;
+                self.escalate(now);
+            }
+            if outgoing {
+                progressed |= self.flush_outgoing();
+            }
+            if progressed {
+                last_activity = Instant::now();
+                backoff = self.cfg.poll_min;
+                self.changed.notify_all();
+            }
+            let busy = !posted.is_empty() || outgoing || (exposures && self.cfg.progress == Progress::Driver);
+            let woke = if busy {
+                if last_activity.elapsed() < self.cfg.spin {
+                    // Bounded polling window right after a post or completion (not
+                    // `yield_now`: on a loaded host a yield can cost a whole time slice).
+                    std::hint::spin_loop();
+                    continue;
+                }
+                // Sleep at most a sixteenth of the youngest request's age, so a
+                // long transfer is seen done within ~6% of its duration.
+                let cap = youngest.map_or(self.cfg.poll_max, |a| a / 16).clamp(self.cfg.poll_min, self.cfg.poll_max);
+                let d = backoff.min(cap);
+                backoff = (backoff * 2).min(self.cfg.poll_max);
+                self.wake.wait(d)
+            } else {
+                let mut d = self.cfg.idle_interval;
+                if let Some(t) = next_esc {
+                    d = d.min(t.saturating_duration_since(Instant::now()));
+                }
+                self.wake.wait(d.max(Duration::from_micros(100)))
+            };
+            if woke {
+                // A post, a quarantine or a shutdown: look at everything now.
+                escalate_now = true;
+                last_activity = Instant::now();
+                backoff = self.cfg.poll_min;
+            }
+        }
+    }
+
+    fn poll_notifs(&self) -> bool {
+        let notifs = match self.engine.get_notifs() {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::debug!(error = %e, "get_notifs failed");
+                self.state().m.notif_errors += 1;
+                return false;
+            }
+        };
+        let progressed = !notifs.is_empty();
+        for n in notifs {
+            self.on_message(&n.agent, &n.msg);
+        }
+        progressed
+    }
+
+    fn on_message(&self, agent: &str, msg: &[u8]) {
+        let mut st = self.state();
+        let Some(peer) = st.names.get(agent).copied() else {
+            st.m.foreign += 1;
+            return;
+        };
+        let m = match wire::decode(msg) {
+            Ok(m) => m,
+            Err(ParseError::Foreign) => {
+                st.m.foreign += 1;
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(%agent, error = %e, "malformed notification dropped");
+                st.m.malformed += 1;
+                return;
+            }
+        };
+        st.m.messages_received += 1;
+        match m.kind {
+            MsgKind::Abort => {
+                // The target gave these up: never post to them again, and answer
+                // once every request of ours on them is terminal.
+                st.m.aborts_received += 1;
+                let agent: Arc<str> = match st.names.get_key_value(agent) {
+                    Some((a, _)) => a.clone(),
+                    None => return,
+                };
+                let dead = st.tombstones.entry((agent.clone(), m.pool)).or_default();
+                for t in &m.tenancies {
+                    let g = dead.entry(t.slot).or_insert(t.generation);
+                    *g = (*g).max(t.generation);
+                }
+                st.outgoing.push(Outgoing {
+                    agent,
+                    pool: m.pool,
+                    tenancies: m.tenancies,
+                    kind: MsgKind::AbortAck,
+                    attempts: 0,
+                });
+            }
+            MsgKind::Written | MsgKind::Read | MsgKind::AbortAck => {
+                let Some(authority) = st.pools.get(&m.pool).map(|p| p.authority.clone()) else {
+                    st.m.stale += m.tenancies.len() as u64;
+                    return;
+                };
+                let mut ok = Vec::with_capacity(m.tenancies.len());
+                for t in &m.tenancies {
+                    let mine = st.exposures.get(&(m.pool, t.slot)) == Some(&(t.generation, peer));
+                    if mine && authority.accept(*t) {
+                        st.exposures.remove(&(m.pool, t.slot));
+                        ok.push(*t);
+                    } else {
+                        if !mine {
+                            authority.record_stale(1);
+                        }
+                        st.m.stale += 1;
+                    }
+                }
+                if ok.is_empty() {
+                    return;
+                }
+                st.m.settled_by_message += ok.len() as u64;
+                if st.events.len() >= self.cfg.event_capacity {
+                    st.events.pop_front();
+                    st.m.events_dropped += 1;
+                }
+                st.events.push_back(NixlEvent { peer, pool: m.pool, tenancies: ok.clone(), kind: m.kind });
+                drop(st);
+                authority.deliver(authority.completed(&ok));
+                self.changed.notify_all();
+            }
+        }
+    }
+
+    /// Sends the messages whose slots no request of ours touches any more.
+    fn flush_outgoing(&self) -> bool {
+        let ready: Vec<Outgoing> = {
+            let mut st = self.state();
+            let pending = std::mem::take(&mut st.outgoing);
+            let (ready, wait): (Vec<_>, Vec<_>) = pending.into_iter().partition(|m| {
+                !st.ops
+                    .values()
+                    .any(|o| o.agent == m.agent && o.remote_pool == m.pool && slots_overlap(&o.remote, &m.tenancies))
+            });
+            st.outgoing = wait;
+            ready
+        };
+        let mut sent = false;
+        for mut m in ready {
+            let msg = wire::encode(m.kind, m.pool, &m.tenancies);
+            match self.engine.gen_notif(&m.agent, &msg) {
+                Ok(()) => {
+                    sent = true;
+                    let mut st = self.state();
+                    match m.kind {
+                        MsgKind::AbortAck => st.m.acks_sent += 1,
+                        _ => st.m.deferred_notifs_sent += 1,
+                    }
+                }
+                Err(e) => {
+                    m.attempts += 1;
+                    let mut st = self.state();
+                    st.m.notif_errors += 1;
+                    if m.attempts < 100 {
+                        st.outgoing.push(m);
+                    } else {
+                        tracing::warn!(agent = %m.agent, error = %e, "gen_notif keeps failing; message dropped");
+                    }
+                }
+            }
+        }
+        if sent {
+            self.changed.notify_all();
+        }
+        sent
+    }
+
+    /// Runs due escalation steps of every pool: ABORT to the peer; NIXL can do
+    /// nothing for Revoke or Fence but ask again.
+    fn escalate(&self, now: Instant) {
+        let authorities: Vec<(PoolId, SettlementAuthority)> =
+            self.state().pools.iter().map(|(id, p)| (*id, p.authority.clone())).collect();
+        let mut next: Option<Instant> = None;
+        for (pool, a) in authorities {
+            for action in a.poll_escalations(now) {
+                use kv_transfer_core::EscalationStep as S;
+                let (agent, ts) = {
+                    let mut st = self.state();
+                    if matches!(action.step, S::Revoke | S::Fence) {
+                        st.m.unsupported_escalations += 1;
+                    }
+                    let ts: Vec<Tenancy> = action
+                        .tenancies
+                        .iter()
+                        .filter(|t| st.exposures.get(&(pool, t.slot)) == Some(&(t.generation, action.peer)))
+                        .copied()
+                        .collect();
+                    (st.peers.get(&action.peer).cloned(), ts)
+                };
+                match action.step {
+                    S::RequestDrain | S::Revoke | S::Fence => {
+                        if matches!(action.step, S::Revoke | S::Fence) {
+                            tracing::warn!(
+                                pool = pool.0,
+                                peer = action.peer.0,
+                                step = ?action.step,
+                                "NIXL cannot revoke or fence with a confirmation: re-sending ABORT, slots stay quarantined"
+                            );
+                        }
+                        let (Some(agent), false) = (agent, ts.is_empty()) else { continue };
+                        let msg = wire::encode(MsgKind::Abort, pool, &ts);
+                        match self.engine.gen_notif(&agent, &msg) {
+                            Ok(()) => self.state().m.aborts_sent += 1,
+                            Err(e) => {
+                                tracing::warn!(%agent, error = %e, "sending ABORT failed");
+                                self.state().m.notif_errors += 1;
+                            }
+                        }
+                    }
+                    S::Exhausted => tracing::warn!(
+                        pool = pool.0,
+                        peer = action.peer.0,
+                        slots = action.tenancies.len(),
+                        "escalation exhausted: slots stay quarantined until the peer acknowledges"
+                    ),
+                }
+            }
+            if let Some(t) = a.next_escalation_at() {
+                next = Some(next.map_or(t, |n| n.min(t)));
+            }
+        }
+        self.state().next_escalation = next;
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,521 @@
+//! The adapter over `MockNixlEngine`s that behave as badly as real NIXL: release
+//! that "succeeds" while writes continue, `IN_PROG` forever, every error collapsed
+//! to -2, a notification lost when a request is released early. Two mocks share an
+//! in-memory "wire" for the notifications, so both sides of a transfer run.
+
+use super::*;
+use crate::engine::{NixlError, NixlOp, Notification, Status};
+use crate::MockNixlEngine;
+use futures::FutureExt;
+use kv_transfer_core::{EscalationLadder, HostRegion};
+use std::collections::HashSet;
+
+const SLOT: usize = 4096;
+
+fn backend_err(op: NixlOp) -> EngineError {
+    EngineError::Nixl(NixlError { op, status: Status::Backend })
+}
+
+/// How the mock NIC behaves for each request.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Behaviour {
+    /// `InProgress` for this many polls, then `Done`.
+    DoneAfter(u32),
+    /// `InProgress` for this many polls, then -2.
+    FailAfter(u32),
+    /// `InProgress` forever.
+    Forever,
+}
+
+#[derive(Default)]
+struct Req {
+    notif: Option<Vec<u8>>,
+    polls: u32,
+    done: bool,
+    failed: bool,
+    released: bool,
+    remote_agent: String,
+}
+
+/// Shared state of both mocks: requests of the initiator, notification queues.
+#[derive(Default)]
+struct Sim {
+    next: u64,
+    reqs: HashMap<u64, Req>,
+    behaviour: Option<Behaviour>,
+    /// Release calls on requests whose last status was not terminal.
+    early_releases: u32,
+    releases: Vec<u64>,
+    /// Pool `leased` gauge seen by each release (must still hold the lease).
+    leased_at_release: Vec<u64>,
+    watch_pool: Option<SlotPool>,
+    /// Notifications to each agent.
+    inbox: HashMap<String, VecDeque<Notification>>,
+    /// Every gen_notif: (from, to, msg).
+    sent: Vec<(String, String, Vec<u8>)>,
+    post_fails: bool,
+    create_fails: bool,
+    notifs_fail: bool,
+    deregistered: u32,
+    invalidated: u32,
+}
+
+type Shared = Arc<Mutex<Sim>>;
+
+fn lock(s: &Shared) -> MutexGuard<'_, Sim> {
+    s.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A mock engine named `name` on the shared wire; `peer` is the agent its
+/// `load_remote_metadata` returns.
+fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine {
+    let mut m = MockNixlEngine::new();
+    m.expect_agent_name().return_const(name.to_string());
+    m.expect_register_dram().returning(|_| Ok(RegId(1)));
+    m.expect_local_metadata().returning(move || Ok(name.as_bytes().to_vec()));
+    m.expect_load_remote_metadata().returning(move |_| Ok(peer.to_string()));
+    let s = sim.clone();
+    m.expect_deregister().returning(move |_| {
+        lock(&s).deregistered += 1;
+        Ok(())
+    });
+    let s = sim.clone();
+    m.expect_invalidate_remote_metadata().returning(move |_| {
+        lock(&s).invalidated += 1;
+        Ok(())
+    });
+    let s = sim.clone();
+    m.expect_create_xfer().returning(move |spec| {
+        let mut g = lock(&s);
+        if g.create_fails {
+            return Err(backend_err(NixlOp::CreateXferReq));
+        }
+        g.next += 1;
+        let id = g.next;
+        g.reqs.insert(id, Req { notif: spec.notif.clone(), remote_agent: spec.remote_agent.clone(), ..Req::default() });
+        Ok(ReqId(id))
+    });
+    let s = sim.clone();
+    m.expect_post_xfer().returning(move |id| {
+        if lock(&s).post_fails {
+            return Err(EngineError::PostFailed { id, source: NixlError { op: NixlOp::PostXferReq, status: Status::Backend } });
+        }
+        Ok(XferState::InProgress)
+    });
+    let s = sim.clone();
+    m.expect_xfer_status().returning(move |id| {
+        let mut guard = lock(&s);
+        let g = &mut *guard;
+        let b = g.behaviour.unwrap_or(Behaviour::DoneAfter(0));
+        let Some(r) = g.reqs.get_mut(&id.0) else { return Err(EngineError::UnknownRequest(id)) };
+        if r.released {
+            return Err(EngineError::UnknownRequest(id));
+        }
+        r.polls += 1;
+        match b {
+            Behaviour::DoneAfter(n) if r.polls > n => {
+                if !r.done {
+                    r.done = true;
+                    // NIXL sends the notification once the data is flushed, while polled.
+                    if let Some(msg) = r.notif.clone() {
+                        let to = r.remote_agent.clone();
+                        g.inbox.entry(to).or_default().push_back(Notification { agent: name.into(), msg });
+                    }
+                }
+                Ok(XferState::Done)
+            }
+            Behaviour::FailAfter(n) if r.polls > n => {
+                r.failed = true;
+                Err(backend_err(NixlOp::GetXferStatus))
+            }
+            _ => Ok(XferState::InProgress),
+        }
+    });
+    let s = sim.clone();
+    m.expect_release_xfer().returning(move |id| {
+        let mut guard = lock(&s);
+        let g = &mut *guard;
+        let leased = g.watch_pool.as_ref().map_or(0, |p| p.metrics().leased);
+        g.leased_at_release.push(leased);
+        g.releases.push(id.0);
+        let Some(r) = g.reqs.get_mut(&id.0) else { return Err(EngineError::UnknownRequest(id)) };
+        // Raw NIXL: release "succeeds" whatever the state; an in-progress request
+        // keeps writing and its notification is lost.
+        let early = !(r.done || r.failed);
+        r.released = true;
+        if early {
+            r.notif = None;
+            g.early_releases += 1;
+        }
+        Ok(())
+    });
+    let s = sim.clone();
+    m.expect_get_notifs().returning(move || {
+        let mut g = lock(&s);
+        if g.notifs_fail {
+            return Err(backend_err(NixlOp::GetNotifs));
+        }
+        Ok(g.inbox.get_mut(name).map(|q| q.drain(..).collect()).unwrap_or_default())
+    });
+    let s = sim.clone();
+    m.expect_gen_notif().returning(move |to, msg| {
+        let mut g = lock(&s);
+        g.sent.push((name.into(), to.into(), msg.to_vec()));
+        g.inbox.entry(to.into()).or_default().push_back(Notification { agent: name.into(), msg: msg.to_vec() });
+        Ok(())
+    });
+    m
+}
+
+fn fast() -> AdapterConfig {
+    AdapterConfig {
+        poll_min: Duration::from_micros(50),
+        poll_max: Duration::from_millis(1),
+        spin: Duration::ZERO,
+        notif_interval: Duration::from_micros(200),
+        idle_interval: Duration::from_millis(2),
+        teardown_timeout: Duration::from_millis(500),
+        ..AdapterConfig::default()
+    }
+}
+
+struct Pair {
+    sim: Shared,
+    ini: NixlTransfer,
+    tgt: NixlTransfer,
+    src: SlotPool,
+    dst: SlotPool,
+    /// The target's id for the initiator.
+    ini_peer: PeerId,
+}
+
+fn pair(behaviour: Behaviour, ladder: EscalationLadder) -> Pair {
+    let sim: Shared = Arc::default();
+    lock(&sim).behaviour = Some(behaviour);
+    let ini = NixlTransfer::new(Arc::new(mock(&sim, "ini", "tgt")), fast()).expect("ini");
+    let tgt = NixlTransfer::new(Arc::new(mock(&sim, "tgt", "ini")), fast()).expect("tgt");
+    let src = ini.register_pool(Arc::new(HostRegion::new(8 * SLOT).expect("region")), PoolConfig::new(SLOT)).expect("pool");
+    let dst = tgt
+        .register_pool(Arc::new(HostRegion::new(8 * SLOT).expect("region")), PoolConfig::new(SLOT).with_ladder(ladder))
+        .expect("pool");
+    lock(&sim).watch_pool = Some(src.clone());
+    ini.add_peer(b"tgt").expect("peer");
+    let ini_peer = tgt.add_peer(b"ini").expect("peer");
+    Pair { sim, ini, tgt, src, dst, ini_peer }
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    f()
+}
+
+fn write(p: &Pair, n: usize, notify: bool) -> (TransferHandle, SlotLease<Exposed>, RemoteSlots) {
+    let (exposed, remote) = p.tgt.expose(p.dst.reserve(n).expect("reserve"), p.ini_peer).expect("expose");
+    let lease = p.src.reserve(n).expect("reserve");
+    let h = futures::executor::block_on(p.ini.write(lease, &remote, TransferOptions::notify(notify))).expect("post");
+    (h, exposed, remote)
+}
+
+#[test]
+fn released_only_after_terminal_and_lease_only_after_release() {
+    let p = pair(Behaviour::DoneAfter(30), EscalationLadder::default());
+    let (h, exposed, _) = write(&p, 2, true);
+    assert!(p.ini.metrics().in_flight == 1);
+    let out = futures::executor::block_on(h).expect("not abandoned");
+    assert_eq!(out.result, Ok(()));
+    {
+        let g = lock(&p.sim);
+        assert_eq!(g.early_releases, 0, "released while in progress");
+        assert_eq!(g.releases.len(), 1);
+        assert_eq!(g.leased_at_release, vec![2], "lease returned before release");
+        assert!(g.reqs[&1].polls > 30);
+    }
+    // The notification reached the target only because the request was polled to
+    // its end: the exposure settles from it.
+    let settled = futures::executor::block_on(exposed.settled());
+    assert_eq!(p.tgt.take_events().len(), 1);
+    settled.release();
+    out.lease.release();
+    assert_eq!(p.src.metrics().free, 8);
+    assert_eq!(p.dst.metrics().free, 8);
+    assert_eq!(p.tgt.metrics().settled_by_message, 2);
+}
+
+#[test]
+fn dropped_handle_is_parked_until_terminal_then_released_then_returned() {
+    let p = pair(Behaviour::DoneAfter(40), EscalationLadder::default());
+    let (h, exposed, _) = write(&p, 3, true);
+    h.cancel();
+    drop(h);
+    assert_eq!(p.src.metrics().leased, 3, "a dropped handle must not free the lease");
+    assert!(wait_until(Duration::from_secs(5), || p.src.metrics().free == 8));
+    let g = lock(&p.sim);
+    assert_eq!(g.early_releases, 0);
+    assert_eq!(g.leased_at_release, vec![3]);
+    drop(g);
+    // Canceled but it succeeded with the notification attached: W settles the target.
+    assert!(futures::executor::block_on(exposed.settled()).len() == 3);
+}
+
+#[test]
+fn in_prog_forever_never_releases_never_frees() {
+    let p = pair(Behaviour::Forever, EscalationLadder::default());
+    let (mut h, exposed, _) = write(&p, 2, true);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!((&mut h).now_or_never().is_none(), "resolved without a terminal status");
+    h.cancel();
+    drop(h);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(lock(&p.sim).releases.is_empty(), "released an IN_PROG request");
+    assert_eq!(p.src.metrics().leased, 2);
+    let m = p.ini.metrics();
+    assert_eq!(m.in_flight, 1);
+    assert!(m.oldest_in_flight.is_some_and(|d| d >= Duration::from_millis(100)));
+    // Shutdown cannot finish it: nothing is released or deregistered, the memory
+    // is leaked and the lease quarantined.
+    let r = p.ini.shutdown(Duration::from_millis(100));
+    assert_eq!(r.in_flight_left, 1);
+    assert_eq!(r.leaked, 1);
+    assert_eq!(r.deregistered, 0);
+    assert!(lock(&p.sim).releases.is_empty());
+    assert_eq!(lock(&p.sim).deregistered, 0);
+    assert_eq!(p.src.metrics().quarantined, 2);
+    assert_eq!(p.src.metrics().free, 6);
+    drop(exposed);
+}
+
+#[test]
+fn errors_collapsed_to_minus_two_are_errors_and_tell_the_target() {
+    let p = pair(Behaviour::FailAfter(5), EscalationLadder::default());
+    let (h, exposed, remote) = write(&p, 2, true);
+    let out = futures::executor::block_on(h).expect("not abandoned");
+    match &out.result {
+        Err(TransferError::Engine { engine, code, .. }) => {
+            assert_eq!(*engine, "nixl");
+            assert_eq!(*code, -2);
+        }
+        other => panic!("expected an engine error, got {other:?}"),
+    }
+    assert_eq!(lock(&p.sim).early_releases, 0);
+    // The failed notifying write is acknowledged with slot and generation (K),
+    // which settles the target; its tenancies are never posted to again.
+    let settled = futures::executor::block_on(exposed.settled());
+    let ev = p.tgt.take_events();
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0].kind, MsgKind::AbortAck);
+    assert_eq!(ev[0].tenancies, remote.tenancies());
+    let again = futures::executor::block_on(p.ini.write(out.lease.into_reserved(), &remote, TransferOptions::default()));
+    match again {
+        Err(PostError { kind: PostErrorKind::Descriptor(_), lease }) => lease.release(),
+        other => panic!("post to a handed-back tenancy accepted: {other:?}"),
+    }
+    assert_eq!(p.ini.metrics().refused_tombstoned, 1);
+    settled.release();
+}
+
+#[test]
+fn create_failure_returns_lease_unexposed_and_post_failure_waits_for_terminal() {
+    let p = pair(Behaviour::DoneAfter(10), EscalationLadder::default());
+    let (exposed, remote) = p.tgt.expose(p.dst.reserve(1).expect("reserve"), p.ini_peer).expect("expose");
+    lock(&p.sim).create_fails = true;
+    let lease = p.src.reserve(1).expect("reserve");
+    let e = futures::executor::block_on(p.ini.write(lease, &remote, TransferOptions::notify(false))).unwrap_err();
+    assert!(matches!(e.kind, PostErrorKind::Engine(_)), "{e:?}");
+    assert_eq!(p.src.metrics().exposures, 0, "a failed create must not expose the lease");
+    e.lease.release();
+    lock(&p.sim).create_fails = false;
+    lock(&p.sim).post_fails = true;
+    let lease = p.src.reserve(1).expect("reserve");
+    // A failed post may have posted part of the request: the handle resolves only
+    // after a terminal status, with the post's error.
+    let h = futures::executor::block_on(p.ini.write(lease, &remote, TransferOptions::notify(false))).expect("handle");
+    let out = futures::executor::block_on(h).expect("not abandoned");
+    assert!(matches!(out.result, Err(TransferError::Engine { code: -2, .. })), "{:?}", out.result);
+    let g = lock(&p.sim);
+    assert_eq!(g.early_releases, 0);
+    assert!(g.reqs[&1].polls > 10);
+    drop(g);
+    drop(exposed);
+}
+
+#[test]
+fn unknown_status_codes_and_notif_errors_are_errors_not_success() {
+    let mut m = MockNixlEngine::new();
+    m.expect_agent_name().return_const("ini".to_string());
+    m.expect_register_dram().returning(|_| Ok(RegId(1)));
+    m.expect_load_remote_metadata().returning(|_| Ok("tgt".into()));
+    m.expect_create_xfer().returning(|_| Ok(ReqId(1)));
+    m.expect_post_xfer().returning(|_| Ok(XferState::InProgress));
+    m.expect_xfer_status()
+        .returning(|_| Err(EngineError::Nixl(NixlError { op: NixlOp::GetXferStatus, status: Status::Unknown(7) })));
+    m.expect_release_xfer().times(1).returning(|_| Ok(()));
+    m.expect_get_notifs().returning(|| Err(backend_err(NixlOp::GetNotifs)));
+    m.expect_gen_notif().returning(|_, _| Err(backend_err(NixlOp::GenNotif)));
+    m.expect_deregister().returning(|_| Ok(()));
+    let ini = NixlTransfer::new(Arc::new(m), fast()).expect("ini");
+    let pool = ini.register_pool(Arc::new(HostRegion::new(SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
+    ini.add_peer(b"tgt").expect("peer");
+    let remote = RemoteSlots {
+        endpoint: "tgt".into(),
+        pool: PoolId(999_999),
+        key: 1,
+        slot_size: SLOT as u64,
+        slots: vec![kv_transfer_core::RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0x10000 }],
+    };
+    let h = futures::executor::block_on(ini.write(pool.reserve(1).expect("r"), &remote, TransferOptions::default()))
+        .expect("post");
+    let out = futures::executor::block_on(h).expect("not abandoned");
+    assert!(matches!(out.result, Err(TransferError::Engine { code: 7, .. })), "{:?}", out.result);
+    out.lease.release();
+    assert!(wait_until(Duration::from_secs(2), || ini.metrics().notif_errors > 0));
+    assert_eq!(ini.shutdown(Duration::from_millis(500)).deregistered, 1);
+}
+
+#[test]
+fn stale_malformed_and_foreign_notifications_are_dropped_and_counted() {
+    let p = pair(Behaviour::DoneAfter(0), EscalationLadder::default());
+    let (exposed, remote) = p.tgt.expose(p.dst.reserve(2).expect("reserve"), p.ini_peer).expect("expose");
+    let pool = remote.pool;
+    let t = remote.tenancies();
+    let old = Tenancy::new(t[0].slot, Generation(t[0].generation.0 - 1));
+    let push = |agent: &str, msg: Vec<u8>| {
+        lock(&p.sim).inbox.entry("tgt".into()).or_default().push_back(Notification { agent: agent.into(), msg });
+    };
+    push("ini", wire::encode(MsgKind::Written, pool, &[old]));
+    push("ini", b"kvt1 W 1 nonsense".to_vec());
+    push("ini", b"kvt1 Q".to_vec());
+    push("ini", vec![0xff; 64]);
+    push("stranger", wire::encode(MsgKind::Written, pool, &t));
+    push("ini", wire::encode(MsgKind::Written, PoolId(u64::MAX), &t));
+    assert!(wait_until(Duration::from_secs(2), || p.tgt.metrics().malformed == 2));
+    let m = p.tgt.metrics();
+    assert_eq!(m.foreign, 2);
+    assert_eq!(m.stale, 3);
+    assert!(p.dst.metrics().stale_rejected >= 1);
+    let exposed = exposed.try_settled().expect_err("settled by a stale or foreign message");
+    // The right message settles it.
+    push("ini", wire::encode(MsgKind::Written, pool, &t));
+    let settled = futures::executor::block_on(exposed.settled());
+    // The same message again is stale.
+    push("ini", wire::encode(MsgKind::Written, pool, &t));
+    assert!(wait_until(Duration::from_secs(2), || p.tgt.metrics().stale == 5));
+    settled.release();
+}
+
+#[test]
+fn abort_asks_the_initiator_who_acks_only_after_terminal() {
+    let ladder = EscalationLadder {
+        drain: Duration::from_millis(50),
+        revoke: Duration::from_millis(50),
+        fence: Duration::from_millis(50),
+    };
+    let p = pair(Behaviour::DoneAfter(150), ladder);
+    let (h, exposed, remote) = write(&p, 2, false);
+    // The decode side gives up while the write is in flight.
+    exposed.abort();
+    assert_eq!(p.dst.metrics().quarantined, 2);
+    assert!(wait_until(Duration::from_secs(2), || p.ini.metrics().aborts_received == 1));
+    // A new post to the aborted tenancies is refused at once.
+    let e = futures::executor::block_on(p.ini.write(p.src.reserve(2).expect("r"), &remote, TransferOptions::default()))
+        .unwrap_err();
+    assert!(matches!(e.kind, PostErrorKind::Descriptor(_)));
+    e.lease.release();
+    let out = futures::executor::block_on(h).expect("not abandoned");
+    assert_eq!(out.result, Ok(()));
+    // The ack left only after the request was terminal, and it reclaims the slots.
+    assert!(wait_until(Duration::from_secs(2), || p.dst.metrics().free == 8));
+    let g = lock(&p.sim);
+    let ack_at = g.sent.iter().position(|(from, _, m)| from == "ini" && m.starts_with(b"kvt1 K")).expect("ack sent");
+    let abort = g.sent.iter().find(|(from, _, _)| from == "tgt").expect("abort sent");
+    assert_eq!(abort.2, wire::encode(MsgKind::Abort, remote.pool, &remote.tenancies()));
+    assert!(g.reqs[&1].done && g.reqs[&1].released);
+    assert_eq!(g.early_releases, 0);
+    drop(g);
+    assert!(ack_at > 0);
+    assert_eq!(p.dst.metrics().quarantine_stuck, 0);
+    out.lease.release();
+}
+
+#[test]
+fn without_an_ack_revoke_and_fence_make_no_proof_and_slots_stay_quarantined() {
+    let ladder = EscalationLadder {
+        drain: Duration::from_millis(20),
+        revoke: Duration::from_millis(20),
+        fence: Duration::from_millis(20),
+    };
+    let p = pair(Behaviour::Forever, ladder);
+    let (h, exposed, _) = write(&p, 1, true);
+    exposed.abort();
+    assert!(wait_until(Duration::from_secs(3), || p.dst.metrics().quarantine_stuck == 1));
+    let m = p.tgt.metrics();
+    assert_eq!(m.unsupported_escalations, 2);
+    assert_eq!(m.aborts_sent, 3, "ABORT re-sent at Revoke and Fence");
+    assert_eq!(p.dst.metrics().quarantined, 1);
+    assert_eq!(p.dst.metrics().free, 7);
+    // The initiator never answers: its request is still in progress.
+    assert!(lock(&p.sim).sent.iter().all(|(from, _, _)| from != "ini"));
+    // Teardown refuses to invalidate the peer or deregister under the exposure.
+    let e = p.tgt.remove_peer(p.ini_peer, Duration::from_millis(50)).unwrap_err();
+    assert!(matches!(e, AdapterError::Busy { exposed: 1, .. }), "{e:?}");
+    assert_eq!(lock(&p.sim).invalidated, 0);
+    let r = p.tgt.shutdown(Duration::from_millis(50));
+    assert_eq!((r.exposed_left, r.leaked, r.deregistered), (1, 1, 0));
+    drop(h);
+}
+
+#[test]
+fn layered_writes_defer_the_notification_until_all_are_terminal() {
+    let p = pair(Behaviour::DoneAfter(20), EscalationLadder::default());
+    let (exposed, remote) = p.tgt.expose(p.dst.reserve(1).expect("reserve"), p.ini_peer).expect("expose");
+    let h1 = futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::notify(false)))
+        .expect("post 1");
+    let h2 = futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::notify(true)))
+        .expect("post 2");
+    // A third write while the notifying one runs is refused: the slot is being handed back.
+    let e = futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::notify(false)))
+        .unwrap_err();
+    e.lease.release();
+    {
+        let g = lock(&p.sim);
+        assert!(g.reqs[&2].notif.is_none(), "notification attached while another write to the slot was in flight");
+    }
+    let o1 = futures::executor::block_on(h1).expect("1");
+    let o2 = futures::executor::block_on(h2).expect("2");
+    let settled = futures::executor::block_on(exposed.settled());
+    assert_eq!(p.ini.metrics().deferred_notifs_sent, 1);
+    let seen: HashSet<u64> = lock(&p.sim).releases.iter().copied().collect();
+    assert_eq!(seen.len(), 2);
+    for l in [o1.lease, o2.lease] {
+        l.release();
+    }
+    settled.release();
+    p.ini.remove_peer(PeerId(0), Duration::from_millis(200)).expect("peer idle");
+    assert_eq!(lock(&p.sim).invalidated, 1);
+}
+
+#[test]
+fn foreign_pool_and_unknown_peer_hand_the_lease_back() {
+    let p = pair(Behaviour::DoneAfter(0), EscalationLadder::default());
+    let (other, _) = SlotPool::new(Arc::new(HostRegion::new(SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
+    let (exposed, mut remote) = p.tgt.expose(p.dst.reserve(1).expect("reserve"), p.ini_peer).expect("expose");
+    let e = futures::executor::block_on(p.ini.write(other.reserve(1).expect("r"), &remote, TransferOptions::default()))
+        .unwrap_err();
+    assert_eq!(e.kind, PostErrorKind::ForeignPool);
+    remote.endpoint = "nobody".into();
+    let e = futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::default()))
+        .unwrap_err();
+    assert!(matches!(e.kind, PostErrorKind::Peer(_)));
+    e.lease.release();
+    let e = futures::executor::block_on(p.ini.write(p.src.reserve(2).expect("r"), &remote, TransferOptions::default()))
+        .unwrap_err();
+    assert!(matches!(e.kind, PostErrorKind::Descriptor(_)));
+    e.lease.release();
+    assert_eq!(p.src.metrics().free, 8);
+    drop(exposed);
+}

@@ -1,0 +1,459 @@
+//! One side of a prefill/decode pair over NIXL, for the two-process tests.
+//!
+//! ```text
+//! nixl_peer <decode|prefill> <dir> <raw|adapter|roundtrip> <MiB>
+//! ```
+//!
+//! The two processes meet through files in `<dir>` (written to a temporary name,
+//! then renamed): `decode.md` and `prefill.md` (NIXL metadata), `remote.txt` (the
+//! slots the decode side exposes), `released` (the prefill side let go of its
+//! request), `exit` (the decode side is done watching). Every wait is bounded
+//! (`KVT_PEER_TIMEOUT_S`, default 60 s). The decode side prints one line starting
+//! with `RESULT`, the prefill side one starting with `PREFILL`.
+//!
+//! - `raw`: the hazard's positive control over NIXL's raw API: the prefill side
+//!   posts a WRITE of the whole buffer, releases it at once (NIXL says success
+//!   while it is `IN_PROG`); the decode side then hands the slot to a new tenant,
+//!   fills it, and counts the old bytes that land afterwards.
+//! - `adapter`: the same through `NixlTransfer`: the prefill side cancels and drops
+//!   its handle at once; the decode side aborts its exposure and hands the slot to
+//!   a new tenant as soon as the pool gives it out again.
+//! - `roundtrip`: a byte-checked WRITE into 4 exposed slots and a READ out of 4
+//!   others, settled by the adapter's notifications.
+//!
+//! Run with `UCX_TLS=tcp` for the hazard (with shared memory transports the write
+//! completes inside the post).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use backend_nixl::adapter::{AdapterConfig, NixlTransfer};
+use backend_nixl::engine::{Agent, AgentConfig, HostBuffer, MemRegion, NixlLibrary, XferOp, XferState};
+use kv_transfer_core::{
+    Generation, HostRegion, PoolConfig, PoolId, Region, RemoteSlot, RemoteSlots, SlotId, Transfer, TransferOptions,
+};
+
+const OLD: u8 = 0xA5;
+const NEW: u8 = 0x5A;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn timeout() -> Duration {
+    Duration::from_secs(std::env::var("KVT_PEER_TIMEOUT_S").ok().and_then(|v| v.parse().ok()).unwrap_or(60))
+}
+
+fn put(dir: &Path, name: &str, data: &[u8]) -> Res<()> {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, data)?;
+    std::fs::rename(tmp, dir.join(name))?;
+    Ok(())
+}
+
+fn get(dir: &Path, name: &str) -> Res<Vec<u8>> {
+    let path: PathBuf = dir.join(name);
+    let start = Instant::now();
+    loop {
+        if let Ok(d) = std::fs::read(&path) {
+            return Ok(d);
+        }
+        if start.elapsed() > timeout() {
+            return Err(format!("timed out waiting for {}", path.display()).into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn encode_remote(r: &RemoteSlots) -> String {
+    let slots: Vec<String> = r.slots.iter().map(|s| format!("{}:{}:{}", s.slot.0, s.generation.0, s.addr)).collect();
+    format!("{} {} {} {} {}", r.endpoint, r.pool.0, r.key, r.slot_size, slots.join(","))
+}
+
+fn decode_remote(s: &[u8]) -> Res<RemoteSlots> {
+    let s = std::str::from_utf8(s)?;
+    let f: Vec<&str> = s.split(' ').collect();
+    let [endpoint, pool, key, slot_size, slots] = f.as_slice() else {
+        return Err(format!("bad descriptor {s:?}").into());
+    };
+    let mut out = Vec::new();
+    for item in slots.split(',') {
+        let p: Vec<&str> = item.split(':').collect();
+        let [slot, gen, addr] = p.as_slice() else {
+            return Err(format!("bad slot {item:?}").into());
+        };
+        out.push(RemoteSlot { slot: SlotId(slot.parse()?), generation: Generation(gen.parse()?), addr: addr.parse()? });
+    }
+    Ok(RemoteSlots {
+        endpoint: (*endpoint).to_string(),
+        pool: PoolId(pool.parse()?),
+        key: key.parse()?,
+        slot_size: slot_size.parse()?,
+        slots: out,
+    })
+}
+
+/// Counts `byte` at 65,536 evenly spread offsets (cheap, for watching).
+fn sample(read: &dyn Fn(usize, &mut [u8]), len: usize, byte: u8) -> usize {
+    let step = (len / 65_536).max(1);
+    let mut one = [0u8; 1];
+    let mut n = 0;
+    let mut off = 0;
+    while off < len {
+        read(off, &mut one);
+        n += usize::from(one[0] == byte);
+        off += step;
+    }
+    n
+}
+
+/// Counts `byte` in the whole range, 1 MiB at a time (uniform chunks are
+/// compared with `memcmp`, which is fast even unoptimised).
+fn count(read: &dyn Fn(usize, &mut [u8]), len: usize, byte: u8) -> usize {
+    let mut buf = vec![0u8; 1 << 20];
+    let all = vec![byte; 1 << 20];
+    let mut n = 0;
+    let mut off = 0;
+    while off < len {
+        let k = buf.len().min(len - off);
+        read(off, &mut buf[..k]);
+        n += if buf[..k] == all[..k] {
+            k
+        } else if !buf[..k].contains(&byte) {
+            0
+        } else {
+            buf[..k].iter().filter(|&&b| b == byte).count()
+        };
+        off += k;
+    }
+    n
+}
+
+/// Watches until the sampled count of `OLD` stops changing for 500 ms (bounded):
+/// returns (last change after `t0`, still changing at the end).
+fn watch(read: &dyn Fn(usize, &mut [u8]), len: usize, t0: Instant) -> (Duration, bool) {
+    let mut last = usize::MAX;
+    let mut stable_since = Instant::now();
+    let mut last_change = Duration::ZERO;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(10));
+        let n = sample(read, len, OLD);
+        if n != last {
+            last = n;
+            last_change = t0.elapsed();
+            stable_since = Instant::now();
+        } else if stable_since.elapsed() > Duration::from_millis(500) {
+            return (last_change, false);
+        }
+    }
+    (last_change, true)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 12) as u8)).collect()
+}
+
+fn adapter(role: &str) -> Res<NixlTransfer> {
+    let name = format!("{role}-{}", std::process::id());
+    Ok(NixlTransfer::new_real(&name, AdapterConfig::default())?)
+}
+
+fn decode_raw(dir: &Path, len: usize) -> Res<()> {
+    let lib = NixlLibrary::load()?;
+    let tgt = Agent::new(&lib, &format!("decode-{}", std::process::id()), &AgentConfig::default())?;
+    let tb = tgt.create_backend("UCX", &[])?;
+    let mut slot = HostBuffer::new(len)?;
+    // SAFETY: `slot` is leaked below together with the registration (never freed
+    // while the peer may write it).
+    let reg = unsafe { tgt.register_dram(&[slot.region()], Some(&tb)) }?;
+    put(dir, "decode.md", &tgt.local_metadata()?)?;
+    let ini = tgt.load_remote_metadata(&get(dir, "prefill.md")?)?;
+    put(dir, "remote.txt", format!("{} {}", slot.addr(), slot.len()).as_bytes())?;
+    let how = get(dir, "released")?;
+    let t0 = Instant::now();
+    // The slot goes back to the pool at once; a new tenant fills it.
+    slot.fill(NEW);
+    let read = |off: usize, out: &mut [u8]| {
+        let _ = slot.read(off, out);
+    };
+    let (last_change, changing) = watch(&read, len, t0);
+    let late = count(&read, len, OLD);
+    let notif = tgt.get_notifs()?.iter().any(|n| n.agent == ini);
+    println!(
+        "RESULT mode=raw prefill={} late_old_bytes={late} len={len} last_change_ms={} still_changing={changing} \
+         notif={notif}",
+        String::from_utf8_lossy(&how),
+        last_change.as_millis()
+    );
+    put(dir, "exit", b"")?;
+    reg.leak();
+    std::mem::forget(slot);
+    std::mem::forget(Arc::clone(&tgt));
+    Ok(())
+}
+
+fn prefill_raw(dir: &Path, len: usize) -> Res<()> {
+    let lib = NixlLibrary::load()?;
+    let ini = Agent::new(&lib, &format!("prefill-{}", std::process::id()), &AgentConfig::default())?;
+    let ib = ini.create_backend("UCX", &[])?;
+    let mut src = HostBuffer::new(len)?;
+    src.fill(OLD);
+    // SAFETY: leaked below with the buffer.
+    let reg = unsafe { ini.register_dram(&[src.region()], Some(&ib)) }?;
+    let name = ini.load_remote_metadata(&get(dir, "decode.md")?)?;
+    put(dir, "prefill.md", &ini.local_metadata()?)?;
+    let remote = String::from_utf8(get(dir, "remote.txt")?)?;
+    let mut it = remote.split(' ').map(str::parse::<usize>);
+    let (Some(Ok(addr)), Some(Ok(rlen))) = (it.next(), it.next()) else {
+        return Err("bad remote".into());
+    };
+    let mut req = ini.create_xfer(
+        XferOp::Write,
+        &[src.region()],
+        &[MemRegion::new(addr, rlen.min(len))],
+        &name,
+        Some(b"old tenant done"),
+        Some(&ib),
+    )?;
+    let posted = req.post()?;
+    let st = req.status()?;
+    let how = if st == XferState::Done {
+        "done-before-release"
+    } else {
+        // The raw release: success while IN_PROG.
+        req.release().map_err(|(_, e)| e)?;
+        "released-in-prog"
+    };
+    put(dir, "released", how.as_bytes())?;
+    println!("PREFILL mode=raw posted={posted:?} status={st:?} {how}");
+    let _ = get(dir, "exit");
+    reg.leak();
+    std::mem::forget(src);
+    Ok(())
+}
+
+fn decode_adapter(dir: &Path, len: usize) -> Res<()> {
+    let t = adapter("decode")?;
+    let region = Arc::new(HostRegion::new(len)?);
+    let pool = t.register_pool(region.clone(), PoolConfig::new(len))?;
+    put(dir, "decode.md", &t.local_metadata()?)?;
+    let peer = t.add_peer(&get(dir, "prefill.md")?)?;
+    let (exposed, remote) = t.expose(pool.reserve(1)?, peer).map_err(|e| e.kind.to_string())?;
+    put(dir, "remote.txt", encode_remote(&remote).as_bytes())?;
+    let how = get(dir, "released")?;
+    let t0 = Instant::now();
+    // The request is aborted: the exposure goes to quarantine, not to the free list.
+    exposed.abort();
+    let quarantined = pool.metrics().quarantined;
+    // A new tenant gets the slot as soon as the pool gives it out again.
+    let mut lease = loop {
+        match pool.reserve(1) {
+            Ok(l) => break l,
+            Err(_) if t0.elapsed() < timeout() => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) => return Err(format!("slot never came back: {e}").into()),
+        }
+    };
+    let waited = t0.elapsed();
+    let chunk = vec![NEW; 1 << 20];
+    let mut off = 0;
+    while off < len {
+        let k = chunk.len().min(len - off);
+        lease.write_at(0, off, &chunk[..k])?;
+        off += k;
+    }
+    let filled = t0.elapsed();
+    let read = |off: usize, out: &mut [u8]| {
+        let _ = region.read(off, out);
+    };
+    let (_, changing) = watch(&read, len, t0);
+    let late = count(&read, len, OLD);
+    let m = t.metrics();
+    println!(
+        "RESULT mode=adapter prefill={} late_old_bytes={late} len={len} quarantined_at_abort={quarantined} \
+         slot_back_after_ms={} filled_ms={} still_changing={changing} aborts_sent={} settled_by_message={} \
+         stale={}",
+        String::from_utf8_lossy(&how),
+        waited.as_millis(),
+        filled.as_millis(),
+        m.aborts_sent,
+        m.settled_by_message,
+        m.stale
+    );
+    lease.release();
+    put(dir, "exit", b"")?;
+    let r = t.shutdown(Duration::from_secs(10));
+    eprintln!("decode shutdown: {r:?}");
+    Ok(())
+}
+
+fn prefill_adapter(dir: &Path, len: usize) -> Res<()> {
+    let t = adapter("prefill")?;
+    let pool = t.register_pool(Arc::new(HostRegion::new(len)?), PoolConfig::new(len))?;
+    let mut lease = pool.reserve(1)?;
+    let chunk = vec![OLD; 1 << 20];
+    let mut off = 0;
+    while off < len {
+        let k = chunk.len().min(len - off);
+        lease.write_at(0, off, &chunk[..k])?;
+        off += k;
+    }
+    t.add_peer(&get(dir, "decode.md")?)?;
+    put(dir, "prefill.md", &t.local_metadata()?)?;
+    let remote = decode_remote(&get(dir, "remote.txt")?)?;
+    let h = futures_lite_block_on(t.write(lease, &remote, TransferOptions::default())).map_err(|e| e.kind.to_string())?;
+    // Let go at once: cancel and drop the handle (NIXL itself has no cancel).
+    h.cancel();
+    drop(h);
+    put(dir, "released", b"handle-dropped")?;
+    let _ = get(dir, "exit");
+    let r = t.shutdown(Duration::from_secs(20));
+    let m = t.metrics();
+    println!(
+        "PREFILL mode=adapter shutdown={r:?} acks_sent={} aborts_received={} completed_ok={} completed_err={} free={}",
+        m.acks_sent,
+        m.aborts_received,
+        m.completed_ok,
+        m.completed_err,
+        pool.metrics().free
+    );
+    Ok(())
+}
+
+const RT_SLOT: usize = 1 << 20;
+
+fn decode_roundtrip(dir: &Path) -> Res<()> {
+    let t = adapter("decode")?;
+    let pool = t.register_pool(Arc::new(HostRegion::new(8 * RT_SLOT)?), PoolConfig::new(RT_SLOT))?;
+    put(dir, "decode.md", &t.local_metadata()?)?;
+    let peer = t.add_peer(&get(dir, "prefill.md")?)?;
+    // WRITE target: 4 slots. READ source: 4 slots filled here.
+    let (w_exposed, w_remote) = t.expose(pool.reserve(4)?, peer).map_err(|e| e.kind.to_string())?;
+    let mut r_lease = pool.reserve(4)?;
+    for i in 0..4 {
+        r_lease.write_at(i, 0, &pattern(RT_SLOT, 100 + i as u8))?;
+    }
+    let (r_exposed, r_remote) = t.expose(r_lease, peer).map_err(|e| e.kind.to_string())?;
+    put(dir, "remote.txt", format!("{}\n{}", encode_remote(&w_remote), encode_remote(&r_remote)).as_bytes())?;
+    let settle = |mut e: kv_transfer_core::SlotLease<kv_transfer_core::Exposed>| -> Res<_> {
+        let start = Instant::now();
+        loop {
+            match e.try_settled() {
+                Ok(s) => return Ok(s),
+                Err(back) if start.elapsed() < timeout() => {
+                    e = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(_) => return Err("exposure never settled".into()),
+            }
+        }
+    };
+    let written = settle(w_exposed)?;
+    let mut ok = true;
+    for i in 0..4 {
+        let mut got = vec![0u8; RT_SLOT];
+        written.read_at(i, 0, &mut got)?;
+        ok &= got == pattern(RT_SLOT, 1 + i as u8);
+    }
+    let read = settle(r_exposed)?;
+    let events = t.take_events();
+    println!(
+        "RESULT mode=roundtrip write_bytes_ok={ok} events={:?} settled_by_message={} stale={}",
+        events.iter().map(|e| e.kind).collect::<Vec<_>>(),
+        t.metrics().settled_by_message,
+        t.metrics().stale
+    );
+    written.release();
+    read.release();
+    put(dir, "exit", b"")?;
+    let r = t.shutdown(Duration::from_secs(10));
+    eprintln!("decode shutdown: {r:?}");
+    Ok(())
+}
+
+fn prefill_roundtrip(dir: &Path) -> Res<()> {
+    let t = adapter("prefill")?;
+    let pool = t.register_pool(Arc::new(HostRegion::new(8 * RT_SLOT)?), PoolConfig::new(RT_SLOT))?;
+    let peer = t.add_peer(&get(dir, "decode.md")?)?;
+    put(dir, "prefill.md", &t.local_metadata()?)?;
+    let remote = String::from_utf8(get(dir, "remote.txt")?)?;
+    let mut lines = remote.lines();
+    let (Some(w), Some(r)) = (lines.next(), lines.next()) else {
+        return Err("bad remote file".into());
+    };
+    let (w, r) = (decode_remote(w.as_bytes())?, decode_remote(r.as_bytes())?);
+    let mut lease = pool.reserve(4)?;
+    for i in 0..4 {
+        lease.write_at(i, 0, &pattern(RT_SLOT, 1 + i as u8))?;
+    }
+    let h = futures_lite_block_on(t.write(lease, &w, TransferOptions::default())).map_err(|e| e.kind.to_string())?;
+    let out = futures_lite_block_on(h).map_err(|e| e.to_string())?;
+    let write_ok = out.result.is_ok();
+    let h = futures_lite_block_on(t.read(out.lease.into_reserved(), &r, TransferOptions::default()))
+        .map_err(|e| e.kind.to_string())?;
+    let out = futures_lite_block_on(h).map_err(|e| e.to_string())?;
+    let mut read_ok = out.result.is_ok();
+    for i in 0..4 {
+        let mut got = vec![0u8; RT_SLOT];
+        out.lease.read_at(i, 0, &mut got)?;
+        read_ok &= got == pattern(RT_SLOT, 100 + i as u8);
+    }
+    out.lease.release();
+    let _ = get(dir, "exit");
+    t.remove_peer(peer, Duration::from_secs(5))?;
+    let rep = t.shutdown(Duration::from_secs(5));
+    println!("PREFILL mode=roundtrip write_ok={write_ok} read_bytes_ok={read_ok} shutdown={rep:?}");
+    Ok(())
+}
+
+/// A minimal `block_on` (the bin has no async runtime dependency).
+fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Th(std::thread::Thread);
+    impl Wake for Th {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Th(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park_timeout(Duration::from_millis(100));
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let usage = "usage: nixl_peer <decode|prefill> <dir> <raw|adapter|roundtrip> <MiB>";
+    let (Some(role), Some(dir), Some(mode)) = (args.get(1), args.get(2), args.get(3)) else {
+        eprintln!("{usage}");
+        std::process::exit(2);
+    };
+    let mib: usize = args.get(4).and_then(|m| m.parse().ok()).unwrap_or(256);
+    let dir = Path::new(dir);
+    let len = mib << 20;
+    let r = match (role.as_str(), mode.as_str()) {
+        ("decode", "raw") => decode_raw(dir, len),
+        ("prefill", "raw") => prefill_raw(dir, len),
+        ("decode", "adapter") => decode_adapter(dir, len),
+        ("prefill", "adapter") => prefill_adapter(dir, len),
+        ("decode", "roundtrip") => decode_roundtrip(dir),
+        ("prefill", "roundtrip") => prefill_roundtrip(dir),
+        _ => Err(usage.into()),
+    };
+    let code = match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("nixl_peer {role} {mode}: error: {e}");
+            1
+        }
+    };
+    // NIXL and UCX leave threads behind; leave without running their exit handlers
+    // on state that may still be in use (raw mode leaks live requests on purpose).
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    std::process::exit(code);
+}
