@@ -206,3 +206,45 @@ fn v1_peers_never_settle_by_notification() {
     exposed.abort();
     assert_eq!(decode.pool.metrics().quarantined, 1);
 }
+
+/// A completion for a tenancy exposed to someone else settles nothing.
+#[test]
+fn completion_from_another_peer_is_dropped() {
+    const SLOT: usize = 4096;
+    let decode = side(1, SLOT);
+    let p = side(1, SLOT);
+    let q = side(1, SLOT);
+    let pid = decode.a.add_peer(p.a.segment_name()).unwrap();
+    decode.a.add_peer(q.a.segment_name()).unwrap();
+    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), pid).unwrap();
+    // Q writes into P's exposure (it got the descriptor somehow) and notifies.
+    let out = block_on(block_on(q.a.write(q.pool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap())
+        .unwrap();
+    out.result.unwrap();
+    out.lease.release();
+    wait_until("wrong peer counted", Duration::from_secs(5), || decode.a.metrics().wrong_peer == 1);
+    let exposed = exposed.try_settled().expect_err("Q's word settles nothing exposed to P");
+    // P's own completion settles it.
+    let out = block_on(block_on(p.a.write(p.pool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap())
+        .unwrap();
+    out.result.unwrap();
+    block_on(exposed.settled()).release();
+}
+
+/// The reusable bench runs the full safe cycle and reports figures.
+#[test]
+fn bench_runs_and_reports() {
+    let cfg = backend_mooncake::bench::BenchConfig {
+        duration: Duration::from_millis(300),
+        threads: 2,
+        batch: 4,
+        block: 64 << 10,
+        workers: 2,
+        drivers: 2,
+        ..Default::default()
+    };
+    let r = backend_mooncake::bench::run(&cfg).unwrap();
+    assert!(r.bytes > 0 && r.gbps > 0.0 && r.latency.count > 0, "{r}");
+    assert_eq!(r.bytes, r.latency.count * 4 * (64 << 10));
+    assert_eq!(r.proto, ProtoVersion::V2);
+}

@@ -63,9 +63,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kv_transfer_core::{
-    async_trait, check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId, PoolConfig,
-    PoolError, PoolId, PostError, PostErrorKind, Region, RemoteSlots, Reserved, SettlementAuthority, SlotId, SlotLease,
-    SlotPool, Tenancy, Transfer, TransferError, TransferHandle, TransferOptions,
+    async_trait, check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId,
+    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, Region, RemoteSlots, Reserved, SettlementAuthority,
+    SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle, TransferOptions,
 };
 
 use crate::engine::IoEngine;
@@ -715,9 +715,7 @@ fn local_tenancies(op: &OpState) -> Vec<Tenancy> {
 fn finish(inner: Option<&Inner>, op: &Arc<OpState>, proof: kv_transfer_core::Settlement) {
     let result = match lock(&op.error).take() {
         None => Ok(()),
-        Some((code, message)) => {
-            Err(TransferError::Engine { engine: BACKEND, code: i64::from(code.raw()), message })
-        }
+        Some((code, message)) => Err(TransferError::Engine { engine: BACKEND, code: i64::from(code.raw()), message }),
     };
     if let Some(inner) = inner {
         let mut acks = Vec::new();

@@ -79,7 +79,11 @@ fn engine(cap: &Arc<Captured>, uid_start: u64, f: impl FnOnce(&mut MockIoEngine)
     Arc::new(e)
 }
 
-fn setup(e: Arc<MockIoEngine>, slots: usize, ladder: EscalationLadder) -> (MoriTransfer, SlotPool, kv_transfer_core::PeerId) {
+fn setup(
+    e: Arc<MockIoEngine>,
+    slots: usize,
+    ladder: EscalationLadder,
+) -> (MoriTransfer, SlotPool, kv_transfer_core::PeerId) {
     let t = MoriTransfer::new(e).expect("adapter");
     let region = Arc::new(HostRegion::new(slots * SLOT).unwrap());
     let pool = t.register_pool(region, PoolConfig::new(SLOT).with_ladder(ladder)).expect("pool");
@@ -100,9 +104,16 @@ fn remote(n: usize) -> RemoteSlots {
     }
 }
 
+struct Noop;
+
+impl std::task::Wake for Noop {
+    fn wake(self: Arc<Self>) {}
+}
+
 fn poll_for(h: &mut TransferHandle, timeout: Duration) -> Option<TransferOutcome> {
     let deadline = Instant::now() + timeout;
-    let mut cx = Context::from_waker(Waker::noop());
+    let waker = Waker::from(Arc::new(Noop));
+    let mut cx = Context::from_waker(&waker);
     loop {
         if let Poll::Ready(out) = Pin::new(&mut *h).poll(&mut cx) {
             return Some(out.expect("not abandoned"));
@@ -145,8 +156,8 @@ fn in_progress_forever_never_resolves_and_keeps_the_slots() {
             .returning(|reqs| reqs.iter().map(|r| TransferStatus::in_progress_forever(r.uid, r.tag)).collect());
     });
     let (t, pool, _) = setup(e, 4, slow());
-    let mut h = futures_lite_block(t.write(pool.reserve(2).unwrap(), &remote(2), TransferOptions::default()))
-        .expect("post");
+    let mut h =
+        futures_lite_block(t.write(pool.reserve(2).unwrap(), &remote(2), TransferOptions::default())).expect("post");
     assert!(poll_for(&mut h, Duration::from_millis(300)).is_none(), "IN_PROGRESS is not terminal");
     let m = pool.metrics();
     assert_eq!((m.leased, m.free), (2, 2));
@@ -189,8 +200,8 @@ fn late_terminal_statuses_complete_across_uid_wrap_and_ack_the_abort() {
         });
     });
     let (t, pool, _) = setup(e, 4, slow());
-    let mut h = futures_lite_block(t.write(pool.reserve(4).unwrap(), &remote(4), TransferOptions::default()))
-        .expect("post");
+    let mut h =
+        futures_lite_block(t.write(pool.reserve(4).unwrap(), &remote(4), TransferOptions::default())).expect("post");
     assert_eq!(*lock(&seen_uids), vec![u64::MAX - 1, u64::MAX, 0, 1]);
     let hook = lock(&cap.message).clone().expect("message hook");
     hook(EngineKey::new("peer"), crate::adapter::tests_support::abort_bytes(5, &remote(4).tenancies()));
@@ -304,9 +315,7 @@ fn inbound_statuses_settle_only_current_terminal_tenancies() {
     let (t, pool, peer) = setup(e, 4, slow());
     let (exposed, remote) = t.expose(pool.reserve(3).unwrap(), peer).expect("expose");
     let ts = remote.tenancies();
-    let tag = |slot: u32, gen: u64, settle: bool| {
-        Tag::new(if settle { 1 << 63 } else { 0 } | u64::from(slot), gen)
-    };
+    let tag = |slot: u32, gen: u64, settle: bool| Tag::new(if settle { 1 << 63 } else { 0 } | u64::from(slot), gen);
     let status = |uid: u64, code: StatusCode, tag: Tag| InboundStatus {
         remote: EngineKey::new("peer"),
         uid,

@@ -1003,7 +1003,9 @@ impl Inner {
                             hook(from, bytes);
                         }
                     }
-                    None => tracing::debug!(engine = %self.key, n = messages.len(), "control messages dropped: no hook"),
+                    None => {
+                        tracing::debug!(engine = %self.key, n = messages.len(), "control messages dropped: no hook")
+                    }
                 }
             }
             if !filed.is_empty() {

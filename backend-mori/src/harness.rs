@@ -115,10 +115,7 @@ pub struct SimPair {
 
 /// Builds and connects a prefill side and a decode side.
 pub fn sim_pair(cfg: &PairConfig) -> Result<SimPair, AdapterError> {
-    let len = cfg
-        .slots
-        .checked_mul(cfg.slot_size)
-        .ok_or_else(|| AdapterError::Region("pool too large".to_owned()))?;
+    let len = cfg.slots.checked_mul(cfg.slot_size).ok_or_else(|| AdapterError::Region("pool too large".to_owned()))?;
     let region = |_: ()| -> Result<Arc<dyn Region>, AdapterError> {
         Ok(Arc::new(HostRegion::new(len).map_err(|e| AdapterError::Engine(EngineError::InvalidArgs(e.to_string())))?))
     };

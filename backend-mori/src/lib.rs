@@ -1,7 +1,18 @@
-//! MORI-IO semantics in Rust, over a pluggable transport.
+//! MORI-IO semantics in Rust, over a pluggable transport, and kv-transfer's
+//! MORI backend on top of them.
+//!
+//! Three layers:
+//!
+//! - [`MoriTransfer`] ([`adapter`]): kv-transfer-core's `Transfer` over any
+//!   [`IoEngine`], with target-side exposure, settlement from inbound
+//!   statuses, ABORT / ABORT_ACK and the escalation ladder.
+//! - [`SimTransport`] ([`sim`]): a [`MoriTransport`] over the TCP simulator's
+//!   fabric, so engine and adapter run on a real wire in CI; [`harness`] builds
+//!   connected prefill/decode sides on it and [`bench`](mod@bench) measures it.
+//! - The engine layer below, described here.
 //!
 //! MORI-IO is AMD's KV-cache transfer engine (SGLang's MORI backend). This crate
-//! is the *engine layer* of kv-transfer's MORI backend: an [`IoEngine`] shaped
+//! holds the *engine layer* of kv-transfer's MORI backend: an [`IoEngine`] shaped
 //! like MORI-IO's `IOEngine` (engine keys and descriptors exchanged out of band,
 //! memory registration returning serializable [`MemoryDesc`]s, per-engine
 //! transfer ids, `read`/`write` and batch variants returning a
@@ -44,7 +55,13 @@
 //! implements it, a transport that cannot refuses with a typed error),
 //! [`IoEngine::wait_inbound_status`] and [`IoEngine::set_inbound_hook`] (so the
 //! target need not spin on `pop_inbound_status`), and
-//! [`TransferStatus::on_complete`] (so an initiator can wake a future).
+//! [`TransferStatus::on_complete`] (so an initiator can wake a future),
+//! [`IoEngine::send_message`] / [`IoEngine::set_message_hook`] (control
+//! messages: the adapter's ABORT / ABORT_ACK), and per-slot access grants
+//! [`IoEngine::grant_access`] / [`IoEngine::withdraw_access`] /
+//! [`IoEngine::revoke_access`] (no-ops or refusals on MORI-like transports;
+//! the simulator's NIC binds, checks and revokes generations). Every
+//! [`WorkRequest`] carries its transfer's [`Tag`].
 //!
 //! # For the adapter
 //!
@@ -92,10 +109,10 @@ mod adapter_mock_tests;
 #[cfg(test)]
 mod mock_tests;
 
+pub use adapter::{AdapterError, AdapterStats, ExposeError, ExposeErrorKind, MoriTransfer};
 pub use engine::{wait_all, EngineConfig, EngineStats, InboundHook, IoEngine, IoSession, MessageHook, MoriEngine};
 #[cfg(any(test, feature = "mock"))]
 pub use engine::{MockIoEngine, MockIoSession};
-pub use adapter::{AdapterError, AdapterStats, ExposeError, ExposeErrorKind, MoriTransfer};
 pub use error::{EngineError, TransportError};
 pub use sim::{SimTransport, SimTransportConfig};
 pub use status::{StatusCode, StatusUpdater, TransferStatus, ERR_BEGIN};

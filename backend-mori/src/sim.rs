@@ -44,7 +44,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::thread;
 use std::time::Duration;
 
-use backend_tcp_sim::{NicConfig, RawAccess, RawHandle, SimNic};
+use backend_tcp_sim::{ExposeErrorKind, NicConfig, NicError, RawAccess, RawHandle, SimNic};
 use bytes::Bytes;
 use kv_transfer_core::{
     Exposed, Generation, MemoryKind, PeerId, PoolConfig, Region, RegionError, Reserved, SlotId, SlotLease, SlotPool,
@@ -131,7 +131,9 @@ impl Region for SimMem {
                 // SAFETY: in bounds (checked); `MemoryRegion::external`'s
                 // contract keeps the memory valid while it is registered, and
                 // registration outlives every access through this transport.
-                unsafe { std::ptr::copy_nonoverlapping((*addr as usize + offset) as *const u8, dst.as_mut_ptr(), dst.len()) }
+                unsafe {
+                    std::ptr::copy_nonoverlapping((*addr as usize + offset) as *const u8, dst.as_mut_ptr(), dst.len())
+                }
                 Ok(())
             }
             Mem::Host(b) => b.read_at(offset as u64, dst).map_err(|e| RegionError::Access(e.to_string())),
@@ -242,6 +244,8 @@ pub struct SimTransport {
     shared: Arc<Shared>,
     regions: RwLock<HashMap<MemoryId, Arc<SimRegionEntry>>>,
     peers: Mutex<HashMap<EngineKey, PeerEntry>>,
+    /// Connection last used per peer (checked again when the NIC refuses it).
+    peer_cache: RwLock<HashMap<EngineKey, PeerId>>,
     ctl_out: Mutex<HashMap<EngineKey, Arc<Mutex<TcpStream>>>>,
 }
 
@@ -260,6 +264,7 @@ impl SimTransport {
             shared: Arc::new(Shared::default()),
             regions: RwLock::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
+            peer_cache: RwLock::new(HashMap::new()),
             ctl_out: Mutex::new(HashMap::new()),
         })
     }
@@ -281,6 +286,19 @@ impl SimTransport {
     /// the engine with the smaller key opens it and the other waits for it
     /// (bounded) before opening one itself.
     fn peer_id(&self, remote: &EngineKey) -> Result<PeerId, TransportError> {
+        if let Some(p) = self.peer_cache.read().unwrap_or_else(|p| p.into_inner()).get(remote) {
+            return Ok(*p);
+        }
+        let p = self.resolve_peer(remote)?;
+        self.peer_cache.write().unwrap_or_else(|p| p.into_inner()).insert(remote.clone(), p);
+        Ok(p)
+    }
+
+    fn forget_peer(&self, remote: &EngineKey) {
+        self.peer_cache.write().unwrap_or_else(|p| p.into_inner()).remove(remote);
+    }
+
+    fn resolve_peer(&self, remote: &EngineKey) -> Result<PeerId, TransportError> {
         let att = self.att()?;
         if let Some(p) = att.nic.peer_by_name(remote.as_str()) {
             return Ok(p);
@@ -380,7 +398,9 @@ fn ctl_reader(shared: Arc<Shared>, stream: TcpStream) {
         }
         match kind {
             FRAME_NOTIFY => match decode_notification(&body) {
-                Some(notification) => shared.push_event(TransportEvent::Notification { from: from.clone(), notification }),
+                Some(notification) => {
+                    shared.push_event(TransportEvent::Notification { from: from.clone(), notification })
+                }
                 None => break,
             },
             FRAME_MESSAGE => shared.push_event(TransportEvent::Message { from: from.clone(), bytes: body }),
@@ -500,6 +520,7 @@ impl MoriTransport for SimTransport {
         };
         lock(&self.peers)
             .insert(remote.key.clone(), PeerEntry { sim_endpoint: sim.to_owned(), ctl_endpoint: ctl.to_owned() });
+        self.forget_peer(&remote.key);
         let att = self.att()?;
         if att.key < remote.key {
             att.nic.connect(sim).map_err(|e| TransportError::Remote(format!("connect {}: {e}", remote.key)))?;
@@ -508,6 +529,7 @@ impl MoriTransport for SimTransport {
     }
 
     fn disconnect(&self, remote: &EngineKey) -> Result<(), TransportError> {
+        self.forget_peer(remote);
         if let Some(s) = lock(&self.ctl_out).remove(remote) {
             let _ = lock(&s).shutdown(Shutdown::Both);
         }
@@ -549,13 +571,7 @@ impl MoriTransport for SimTransport {
         }
         regions.insert(
             id,
-            Arc::new(SimRegionEntry {
-                rkey,
-                mem,
-                pool,
-                shadow: Mutex::new(shadow),
-                busy: AtomicUsize::new(0),
-            }),
+            Arc::new(SimRegionEntry { rkey, mem, pool, shadow: Mutex::new(shadow), busy: AtomicUsize::new(0) }),
         );
         Ok(rkey)
     }
@@ -586,7 +602,6 @@ impl MoriTransport for SimTransport {
         let off = usize::try_from(wr.local_offset).map_err(|_| TransportError::OutOfBounds)?;
         region.mem.check(off, len).map_err(|_| TransportError::OutOfBounds)?;
         let raw_len = u32::try_from(len).map_err(|_| TransportError::OutOfBounds)?;
-        let peer = self.peer_id(&wr.remote.engine_key)?;
         let addr = wr.remote.addr.checked_add(wr.remote_offset).ok_or(TransportError::OutOfBounds)?;
         let access = RawAccess {
             key: wr.remote.rkey,
@@ -594,24 +609,39 @@ impl MoriTransport for SimTransport {
             slot: SlotId((wr.tag.slot & 0xFFFF_FFFF) as u32),
             generation: Generation(wr.tag.generation),
         };
+        let data = match wr.op {
+            OpKind::Write => Some(match &region.mem.0 {
+                Mem::External { addr, .. } => {
+                    Bytes::from_owner(MemSlice { ptr: *addr as usize + off, len, _keep: region.clone() })
+                }
+                Mem::Host(b) => {
+                    let mut v = vec![0u8; len];
+                    b.read_at(off as u64, &mut v)?;
+                    Bytes::from(v)
+                }
+            }),
+            OpKind::Read => None,
+        };
+        let submit = |peer: PeerId| match &data {
+            Some(d) => att.nic.write_raw(peer, access, d.clone()).map(|h| (h, None)),
+            None => att.nic.read_raw(peer, access, raw_len).map(|h| (h, Some((off, len)))),
+        };
         region.busy.fetch_add(1, Ordering::AcqRel);
-        let posted = match wr.op {
-            OpKind::Write => {
-                let data = match &region.mem.0 {
-                    Mem::External { addr, .. } => Bytes::from_owner(MemSlice {
-                        ptr: *addr as usize + off,
-                        len,
-                        _keep: region.clone(),
-                    }),
-                    Mem::Host(b) => {
-                        let mut v = vec![0u8; len];
-                        b.read_at(off as u64, &mut v)?;
-                        Bytes::from(v)
-                    }
-                };
-                att.nic.write_raw(peer, access, data).map(|h| (h, None))
+        let remote = &wr.remote.engine_key;
+        let posted = match self.peer_id(remote).map(|p| (p, submit(p))) {
+            Ok((_, Err(NicError::UnknownPeer(_)))) => {
+                // The cached connection is gone (fenced, lost): resolve again, once.
+                self.forget_peer(remote);
+                self.peer_id(remote).map(submit)
             }
-            OpKind::Read => att.nic.read_raw(peer, access, raw_len).map(|h| (h, Some((off, len)))),
+            other => other.map(|(_, r)| r),
+        };
+        let posted = match posted {
+            Ok(r) => r,
+            Err(e) => {
+                region.busy.fetch_sub(1, Ordering::AcqRel);
+                return Err(e);
+            }
         };
         match posted {
             Ok((handle, read_into)) => {
@@ -646,6 +676,7 @@ impl MoriTransport for SimTransport {
 
     fn fence(&self, remote: &EngineKey) -> Result<(), TransportError> {
         let att = self.att()?;
+        self.forget_peer(remote);
         if let Some(s) = lock(&self.ctl_out).remove(remote) {
             let _ = lock(&s).shutdown(Shutdown::Both);
         }
@@ -703,7 +734,21 @@ impl MoriTransport for SimTransport {
                 }
             };
         }
-        match att.nic.expose(lease, peer) {
+        let exposed = match att.nic.expose(lease, peer) {
+            Err(e) if matches!(e.kind, ExposeErrorKind::UnknownPeer(_)) => {
+                // The cached connection is gone: resolve again, once.
+                self.forget_peer(remote);
+                match self.peer_id(remote) {
+                    Ok(p) => att.nic.expose(e.lease, p),
+                    Err(err) => {
+                        *entry = Shadow::Reserved(e.lease);
+                        return Err(err);
+                    }
+                }
+            }
+            other => other,
+        };
+        match exposed {
             Ok((exposed, _)) => {
                 *entry = Shadow::Exposed(exposed);
                 Ok(())

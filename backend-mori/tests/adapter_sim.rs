@@ -14,8 +14,8 @@ use backend_mori::harness::{sim_pair, MoriSide, PairConfig, SimPair};
 use backend_mori::{EngineConfig, IoEngine, MoriEngine, SimTransport, SimTransportConfig, StatusCode, Tag};
 use backend_tcp_sim::{block_on, Gate};
 use kv_transfer_core::{
-    EscalationLadder, Exposed, MetricsSnapshot, Settled, SlotLease, SlotPool, Transfer, TransferHandle, TransferOptions,
-    TransferOutcome,
+    EscalationLadder, Exposed, MetricsSnapshot, Settled, SlotLease, SlotPool, Transfer, TransferHandle,
+    TransferOptions, TransferOutcome,
 };
 
 const LONG: Duration = Duration::from_secs(10);
@@ -25,10 +25,17 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
+struct Noop;
+
+impl std::task::Wake for Noop {
+    fn wake(self: Arc<Self>) {}
+}
+
 /// Polls `h` until it resolves or `timeout` passes.
 fn wait_handle(h: &mut TransferHandle, timeout: Duration) -> Option<TransferOutcome> {
     let deadline = Instant::now() + timeout;
-    let mut cx = Context::from_waker(Waker::noop());
+    let waker = Waker::from(Arc::new(Noop));
+    let mut cx = Context::from_waker(&waker);
     loop {
         if let Poll::Ready(out) = Pin::new(&mut *h).poll(&mut cx) {
             return Some(out.expect("not abandoned"));
@@ -78,8 +85,8 @@ fn gated_pair(slots: usize, ladder: EscalationLadder) -> (SimPair, Gate) {
     gated.nic.faults.gate = Some(gate.clone());
     let region = || Arc::new(kv_transfer_core::HostRegion::new(slots * SLOT).expect("region"));
     let pool = kv_transfer_core::PoolConfig::new(SLOT).with_ladder(ladder);
-    let prefill = MoriSide::on_sim("prefill", region(), pool.clone(), plain.transport, plain.engine.clone())
-        .expect("prefill");
+    let prefill =
+        MoriSide::on_sim("prefill", region(), pool.clone(), plain.transport, plain.engine.clone()).expect("prefill");
     let decode = MoriSide::on_sim("decode", region(), pool, gated, plain.engine).expect("decode");
     let (decode_at_prefill, prefill_at_decode) = prefill.connect(&decode).expect("connect");
     (SimPair { prefill, decode, decode_at_prefill, prefill_at_decode }, gate)
@@ -142,8 +149,9 @@ fn foreign_pool_and_bad_descriptor_hand_the_lease_back() {
     let (_exposed, remote) =
         p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
     // The decode pool is not the prefill adapter's.
-    let err = block_on(p.prefill.transfer.write(p.decode.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
-        .expect_err("foreign");
+    let err =
+        block_on(p.prefill.transfer.write(p.decode.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
+            .expect_err("foreign");
     assert_eq!(err.kind, kv_transfer_core::PostErrorKind::ForeignPool);
     err.lease.release();
     let mut bad = remote.clone();
@@ -165,8 +173,9 @@ fn stale_inbound_status_is_dropped_and_counted() {
     let (exposed, remote) =
         p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
     let old = remote.slots[0];
-    let mut h = block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
-        .expect("post");
+    let mut h =
+        block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
+            .expect("post");
     wait_handle(&mut h, LONG).expect("done").lease.release();
     wait_settled(exposed, LONG).expect("settled").release();
 
@@ -200,8 +209,9 @@ fn stale_inbound_status_is_dropped_and_counted() {
     // The current exposure is untouched by the stale status...
     let exposed = exposed.try_settled().expect_err("not settled by a stale status");
     // ...and settles with its own write.
-    let mut h = block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
-        .expect("post");
+    let mut h =
+        block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
+            .expect("post");
     assert_eq!(wait_handle(&mut h, LONG).expect("done").result, Ok(()));
     wait_settled(exposed, LONG).expect("settled").release();
 }
@@ -335,4 +345,48 @@ fn wrap_around_of_uids_and_sequence_numbers() {
     }
     let e = p.decode.engine.stats();
     assert_eq!((e.notifications_received, e.notifications_duplicate, e.notifications_skipped), (12, 0, 0));
+}
+
+#[test]
+fn a_late_write_after_revocation_never_lands_in_the_next_tenancy() {
+    let ladder = EscalationLadder {
+        drain: Duration::from_millis(100),
+        revoke: Duration::from_secs(30),
+        fence: Duration::from_secs(30),
+    };
+    let (p, gate) = gated_pair(2, ladder);
+    // Request 1: decode exposes its only slot; prefill's write is held in flight.
+    let (exposed, remote1) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    let mut a = p.prefill.pool.reserve(1).unwrap();
+    a.write_at(0, 0, &vec![0xAA; SLOT]).unwrap();
+    let mut late = block_on(p.prefill.transfer.write(a, &remote1, TransferOptions::default())).expect("post");
+    assert!(gate.wait_for_waiting(1, LONG));
+
+    // Request 1 is aborted. The initiator cannot ack (its write is not
+    // terminal), so the ladder revokes: the NIC confirms, the slot is free.
+    exposed.abort();
+    let m = wait_metrics(&p.decode.pool, LONG, |m| m.free == 2);
+    assert_eq!((m.free, m.settled_revoked), (2, 1), "{m:?}");
+
+    // Request 2 gets the same slot under a new generation and its own write.
+    let (exposed2, remote2) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    assert_eq!(remote2.slots[0].slot, remote1.slots[0].slot);
+    let mut b = p.prefill.pool.reserve(1).unwrap();
+    b.write_at(0, 0, &vec![0xBB; SLOT]).unwrap();
+    let mut fresh = block_on(p.prefill.transfer.write(b, &remote2, TransferOptions::default())).expect("post");
+
+    // The late write arrives first: the NIC rejects its stale generation.
+    gate.open();
+    let out = wait_handle(&mut late, LONG).expect("late write terminal");
+    assert!(out.result.is_err(), "the late write failed honestly: {:?}", out.result);
+    out.lease.release();
+    let out = wait_handle(&mut fresh, LONG).expect("fresh write terminal");
+    assert_eq!(out.result, Ok(()));
+    out.lease.release();
+    let s = wait_settled(exposed2, LONG).expect("request 2 settles");
+    assert_eq!(s.bytes().unwrap(), vec![0xBB; SLOT], "request 2 never sees request 1's bytes");
+    s.release();
+    assert!(p.decode.transport.nic().unwrap().stats().rejected_stale_generation >= 1);
 }

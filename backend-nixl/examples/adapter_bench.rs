@@ -15,7 +15,8 @@
 //!   the raw loops), notify off (the raw loops send none);
 //! - adapter qd4: four writes in flight at once (informational).
 //!
-//! The target runs NIXL's progress thread in every case. Both rigs (raw agents and
+//! The target runs NIXL's progress thread in every case, with the adapter's
+//! default delay (`AdapterConfig::agent_progress_delay`) in both rigs. Both rigs (raw agents and
 //! adapters) are built once per size and measured in `KVT_BENCH_ROUNDS` (default
 //! 6) alternating rounds of `KVT_BENCH_SECS` (default 0.5) per case; medians are
 //! reported, and the ratio is the median over rounds of adapter qd1 divided by
@@ -48,7 +49,11 @@ impl RawRig {
         let pid = std::process::id();
         let no_thread = AgentConfig { progress_thread: false, ..Default::default() };
         let ini = Agent::new(lib, &format!("rb-ini-{pid}-{block}"), &no_thread)?;
-        let tgt = Agent::new(lib, &format!("rb-tgt-{pid}-{block}"), &AgentConfig::default())?;
+        // The same target progress-thread delay as the adapter's target (an idle
+        // rig must not spin while the other one is measured).
+        let delay = AdapterConfig::default().agent_progress_delay.as_micros() as u64;
+        let tgt_cfg = AgentConfig { progress_delay_us: delay, ..Default::default() };
+        let tgt = Agent::new(lib, &format!("rb-tgt-{pid}-{block}"), &tgt_cfg)?;
         let ib = ini.create_backend("UCX", &[])?;
         let tb = tgt.create_backend("UCX", &[])?;
         let mut src = HostBuffer::new(block)?;

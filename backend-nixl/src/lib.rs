@@ -1,4 +1,4 @@
-//! kv-transfer backend over NIXL: the **engine layer**.
+//! kv-transfer backend over NIXL: the **engine layer** and the **adapter**.
 //!
 //! NIXL's C API (`libnixl_capi.so`, from the `nixl-cu12==1.5.1` wheel) is opened at
 //! run time with `libloading`; nothing links against it at build time. Search order
@@ -27,17 +27,27 @@
 //! The layer is the trait [`engine::NixlEngine`] (mockable: `MockNixlEngine` with
 //! the `mock` feature), its real implementation [`engine::RealNixlEngine`], and
 //! the raw handle wrappers in [`engine::raw`]. `unsafe` stays inside this module
-//! tree; the adapter implementing `kv-transfer-core`'s `Transfer` is built on top.
+//! tree (and one `register_dram` call in the adapter).
+//!
+//! The adapter, [`adapter::NixlTransfer`], implements `kv-transfer-core`'s
+//! `Transfer` over any [`engine::NixlEngine`]: requests are released only after a
+//! terminal status and leases returned only after release; target exposures settle
+//! from notifications carrying slot and generation (format in [`adapter::wire`]);
+//! aborts are drained and acknowledged (ABORT / ABORT_ACK); teardown waits for
+//! every request to or from a peer to be terminal. NIXL offers no per-tenancy
+//! revoke and no confirmed per-peer fence, so those escalation steps produce no
+//! proof and such slots stay quarantined. The `nixl_peer` binary runs one side of
+//! a prefill/decode pair for the two-process tests.
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod adapter;
 pub mod engine;
 
+pub use adapter::{AdapterConfig, AdapterError, AdapterMetrics, NixlEvent, NixlTransfer, Progress, ShutdownReport};
 #[cfg(any(test, feature = "mock"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub use engine::MockNixlEngine;
-pub use adapter::{AdapterConfig, AdapterError, AdapterMetrics, NixlEvent, NixlTransfer, Progress, ShutdownReport};
 pub use engine::{
     EngineConfig, EngineError, LoadError, MemRegion, NixlEngine, Notification, RealNixlEngine, RegId, ReqId, Status,
     XferOp, XferSpec, XferState,

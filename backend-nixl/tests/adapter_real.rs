@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use backend_nixl::adapter::wire::MsgKind;
 use backend_nixl::adapter::{AdapterConfig, NixlTransfer, Progress};
 use futures::executor::block_on;
-use kv_transfer_core::{Exposed, HostRegion, PoolConfig, Region, SlotLease, Settled, Transfer, TransferOptions};
+use kv_transfer_core::{Exposed, HostRegion, PoolConfig, Region, Settled, SlotLease, Transfer, TransferOptions};
 
 const SLOT: usize = 256 << 10;
 

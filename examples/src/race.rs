@@ -15,7 +15,8 @@
 //!    with a proof under `safe`), a next tenant reserves slots (the free list
 //!    is LIFO: the same slots) and gets its bytes from prefill worker 1,
 //!    either pulled (a READ by decode, which lands before the gate opens) or
-//!    pushed (a WRITE, which races the held ones at the gate).
+//!    pushed (a WRITE, which races the held ones at the gate); one path per
+//!    round.
 //! 5. The gate opens, every prefill operation is awaited (bounded), and
 //!    every consumer checks every byte it reads against its own tag.
 //!
@@ -372,8 +373,11 @@ impl Run<'_> {
             if !wait_until(self.wait, || dpool.metrics().quarantined == 0) {
                 self.rep.timeouts += 1;
             }
+            // One path per round: a pushed write held at the gate would hold
+            // a pulled READ's response behind it on the same connection.
+            let pull = self.rng.chance(0.5);
             for _ in 0..n_aborted {
-                nexts.push(self.next_tenant()?);
+                nexts.push(self.next_tenant(pull)?);
             }
             if held {
                 for f in firsts.iter_mut().filter(|f| f.aborted) {
@@ -458,7 +462,7 @@ impl Run<'_> {
         Ok(())
     }
 
-    fn next_tenant(&mut self) -> Result<Next, RaceError> {
+    fn next_tenant(&mut self, pull: bool) -> Result<Next, RaceError> {
         let (k, size) = (self.cfg.slots_per_request, self.cfg.slot_size);
         let id = self.id();
         let lease = self.rig.dpool.reserve(k).map_err(step_err)?;
@@ -466,7 +470,7 @@ impl Run<'_> {
             lease.tenancies().iter().map(|t| Tag::new(id, t.slot.0, t.generation.0)).collect();
         let mut src = self.rig.p1pool.reserve(k).map_err(step_err)?;
         fill_lease(&mut src, &tags, size)?;
-        if self.rng.chance(0.5) {
+        if pull {
             // Pull: decode READs prefill 1's slots; lands before the gate opens.
             let (source, sremote) = self.rig.p1.expose(src, self.rig.decode_at_p1).map_err(|e| step_err(e.kind))?;
             let mut h = block_on(self.rig.decode.read(lease, &sremote, TransferOptions::default()))

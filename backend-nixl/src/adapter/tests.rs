@@ -98,7 +98,10 @@ fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine 
     let s = sim.clone();
     m.expect_post_xfer().returning(move |id| {
         if lock(&s).post_fails {
-            return Err(EngineError::PostFailed { id, source: NixlError { op: NixlOp::PostXferReq, status: Status::Backend } });
+            return Err(EngineError::PostFailed {
+                id,
+                source: NixlError { op: NixlOp::PostXferReq, status: Status::Backend },
+            });
         }
         Ok(XferState::InProgress)
     });
@@ -194,7 +197,8 @@ fn pair(behaviour: Behaviour, ladder: EscalationLadder) -> Pair {
     lock(&sim).behaviour = Some(behaviour);
     let ini = NixlTransfer::new(Arc::new(mock(&sim, "ini", "tgt")), fast()).expect("ini");
     let tgt = NixlTransfer::new(Arc::new(mock(&sim, "tgt", "ini")), fast()).expect("tgt");
-    let src = ini.register_pool(Arc::new(HostRegion::new(8 * SLOT).expect("region")), PoolConfig::new(SLOT)).expect("pool");
+    let src =
+        ini.register_pool(Arc::new(HostRegion::new(8 * SLOT).expect("region")), PoolConfig::new(SLOT)).expect("pool");
     let dst = tgt
         .register_pool(Arc::new(HostRegion::new(8 * SLOT).expect("region")), PoolConfig::new(SLOT).with_ladder(ladder))
         .expect("pool");
@@ -310,7 +314,8 @@ fn errors_collapsed_to_minus_two_are_errors_and_tell_the_target() {
     assert_eq!(ev.len(), 1);
     assert_eq!(ev[0].kind, MsgKind::AbortAck);
     assert_eq!(ev[0].tenancies, remote.tenancies());
-    let again = futures::executor::block_on(p.ini.write(out.lease.into_reserved(), &remote, TransferOptions::default()));
+    let again =
+        futures::executor::block_on(p.ini.write(out.lease.into_reserved(), &remote, TransferOptions::default()));
     match again {
         Err(PostError { kind: PostErrorKind::Descriptor(_), lease }) => lease.release(),
         other => panic!("post to a handed-back tenancy accepted: {other:?}"),
@@ -473,13 +478,16 @@ fn without_an_ack_revoke_and_fence_make_no_proof_and_slots_stay_quarantined() {
 fn layered_writes_defer_the_notification_until_all_are_terminal() {
     let p = pair(Behaviour::DoneAfter(20), EscalationLadder::default());
     let (exposed, remote) = p.tgt.expose(p.dst.reserve(1).expect("reserve"), p.ini_peer).expect("expose");
-    let h1 = futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::notify(false)))
-        .expect("post 1");
-    let h2 = futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::notify(true)))
-        .expect("post 2");
+    let h1 =
+        futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::notify(false)))
+            .expect("post 1");
+    let h2 =
+        futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::notify(true)))
+            .expect("post 2");
     // A third write while the notifying one runs is refused: the slot is being handed back.
-    let e = futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::notify(false)))
-        .unwrap_err();
+    let e =
+        futures::executor::block_on(p.ini.write(p.src.reserve(1).expect("r"), &remote, TransferOptions::notify(false)))
+            .unwrap_err();
     e.lease.release();
     {
         let g = lock(&p.sim);

@@ -300,7 +300,8 @@ fn prefill_adapter(dir: &Path, len: usize) -> Res<()> {
     t.add_peer(&get(dir, "decode.md")?)?;
     put(dir, "prefill.md", &t.local_metadata()?)?;
     let remote = decode_remote(&get(dir, "remote.txt")?)?;
-    let h = futures_lite_block_on(t.write(lease, &remote, TransferOptions::default())).map_err(|e| e.kind.to_string())?;
+    let h =
+        futures_lite_block_on(t.write(lease, &remote, TransferOptions::default())).map_err(|e| e.kind.to_string())?;
     // Let go at once: cancel and drop the handle (NIXL itself has no cancel).
     h.cancel();
     drop(h);

@@ -19,7 +19,7 @@ workload under the naive and the safe release policy, side by side.
 
 usage: demo [--requests N] [--abort-rate F] [--hold-rate F] [--seed S] [--policy naive|safe|both] [--json]
 
-  --requests N      requests served per policy (default 4000)
+  --requests N      requests served per policy (default 10000)
   --abort-rate F    share of requests aborted while their writes are in flight (default 0.3)
   --hold-rate F     share of rounds whose writes are held at the decode NIC past their aborts (default 0.5)
   --seed S          seed of the schedule (default 1)
@@ -33,7 +33,7 @@ struct Args {
 }
 
 fn parse() -> Result<Option<Args>, String> {
-    let mut cfg = RaceConfig { requests: 4000, ..RaceConfig::default() };
+    let mut cfg = RaceConfig { requests: 10_000, ..RaceConfig::default() };
     let mut policies = vec![ReleasePolicy::Naive, ReleasePolicy::Safe];
     let mut json = false;
     let mut it = std::env::args().skip(1);
