@@ -37,7 +37,10 @@
 //! remote tenancy at a time and refuses a second post to a tenancy whose
 //! transfer asked the target to settle or that the target aborted, so no
 //! other operation of this initiator can still be aimed at it. An inbound
-//! status with an unknown code settles nothing.
+//! status with an unknown code settles nothing. Settlement is about memory
+//! safety, not data: a slot settled from a failure does not hold the peer's
+//! bytes, and [`MoriTransfer::settled_by_failure`] says so (and
+//! [`AdapterStats::inbound_failed`] counts it).
 //!
 //! # Escalation
 //!
@@ -71,7 +74,9 @@ use kv_transfer_core::{
 use crate::engine::IoEngine;
 use crate::error::EngineError;
 use crate::status::{StatusCode, TransferStatus};
-use crate::types::{BatchRequest, EngineDesc, EngineKey, MemoryDesc, MemoryLocation, MemoryRegion, Segment, Tag};
+use crate::types::{
+    BatchRequest, EngineDesc, EngineKey, InboundStatus, MemoryDesc, MemoryLocation, MemoryRegion, Segment, Tag,
+};
 use crate::util::lock;
 
 /// Name of this backend in [`Transfer::backend`].
@@ -185,6 +190,9 @@ pub struct AdapterStats {
     pub inbound_stale: u64,
     /// Target: inbound statuses with an unknown code (settle nothing).
     pub inbound_unknown: u64,
+    /// Target: of the settled ones, those whose transfer failed (the slot is
+    /// settled, its bytes are not the peer's data; see [`MoriTransfer::settled_by_failure`]).
+    pub inbound_failed: u64,
     /// Target: inbound statuses of transfers posted without `notify`.
     pub inbound_no_settle: u64,
     /// Target: ABORT messages sent.
@@ -199,6 +207,8 @@ pub struct AdapterStats {
     pub revoked: u64,
     /// Peers fenced (escalation or unknown status).
     pub fences: u64,
+    /// Peers whose connection the transport reported lost (settled `Fenced`).
+    pub peers_lost: u64,
     /// Posts refused because the remote tenancy was tombstoned or busy.
     pub posts_refused_tombstone: u64,
 }
@@ -214,6 +224,7 @@ struct Counters {
     inbound_settled: AtomicU64,
     inbound_stale: AtomicU64,
     inbound_unknown: AtomicU64,
+    inbound_failed: AtomicU64,
     inbound_no_settle: AtomicU64,
     aborts_sent: AtomicU64,
     abort_acks_received: AtomicU64,
@@ -221,6 +232,7 @@ struct Counters {
     abort_acks_sent: AtomicU64,
     revoked: AtomicU64,
     fences: AtomicU64,
+    peers_lost: AtomicU64,
     posts_refused_tombstone: AtomicU64,
 }
 
@@ -285,6 +297,10 @@ struct PoolEntry {
 }
 
 impl PoolEntry {
+    fn is_exposed(&self, t: Tenancy, peer: PeerId) -> bool {
+        lock(&self.exposures).get(&t.slot.0) == Some(&(t.generation.0, peer))
+    }
+
     /// Removes the exposure of `t` to `peer` if it is the current one; the
     /// caller then settles it.
     fn take_exposure(&self, t: Tenancy, peer: Option<PeerId>) -> bool {
@@ -348,7 +364,9 @@ impl OpTable {
 }
 
 enum Job {
+    PeerLost(EngineKey),
     Inbound(EngineKey, u64),
+    Filed(InboundStatus),
     Message(EngineKey, Vec<u8>),
     Fence(Arc<OpState>),
     Send(EngineKey, Vec<u8>),
@@ -369,8 +387,14 @@ struct Jobs {
 
 impl Jobs {
     fn push(&self, j: Job) {
-        lock(&self.m).q.push_back(j);
-        self.cv.notify_all();
+        let mut q = lock(&self.m);
+        let was_empty = q.q.is_empty();
+        q.q.push_back(j);
+        drop(q);
+        // The driver waits only on an empty queue.
+        if was_empty {
+            self.cv.notify_all();
+        }
     }
     fn kick(&self) {
         lock(&self.m).kicked = true;
@@ -385,7 +409,16 @@ struct PeerTable {
     next: u32,
 }
 
+/// Tenancies the target settled from a *failed* inbound status, remembered
+/// (bounded) so the application can tell settled-but-not-written slots.
+#[derive(Default)]
+struct FailedSet {
+    set: HashSet<(PoolId, Tenancy)>,
+    order: VecDeque<(PoolId, Tenancy)>,
+}
+
 struct Inner {
+    failed: Mutex<FailedSet>,
     engine: Arc<dyn IoEngine>,
     pools: RwLock<Vec<Arc<PoolEntry>>>,
     peers: RwLock<PeerTable>,
@@ -412,6 +445,7 @@ impl Drop for Owner {
     fn drop(&mut self) {
         self.inner.engine.set_inbound_hook(None);
         self.inner.engine.set_message_hook(None);
+        self.inner.engine.set_peer_lost_hook(None);
         lock(&self.inner.jobs.m).shutdown = true;
         self.inner.jobs.cv.notify_all();
     }
@@ -430,6 +464,7 @@ impl MoriTransfer {
     pub fn new(engine: Arc<dyn IoEngine>) -> Result<Self, AdapterError> {
         let jobs = Arc::new(Jobs::default());
         let inner = Arc::new(Inner {
+            failed: Mutex::default(),
             engine,
             pools: RwLock::new(Vec::new()),
             peers: RwLock::new(PeerTable { next: 1, ..PeerTable::default() }),
@@ -439,9 +474,30 @@ impl MoriTransfer {
             counters: Counters::default(),
         });
         let j = jobs.clone();
-        inner.engine.set_inbound_hook(Some(Arc::new(move |from, uid, _tag| j.push(Job::Inbound(from, uid)))));
+        let engine = Arc::downgrade(&inner.engine);
+        let weak_inner = Arc::downgrade(&inner);
+        inner.engine.set_inbound_hook(Some(Arc::new(move |from, uid, tag| {
+            if tag.slot & TAG_SETTLE == 0 {
+                // Nothing to settle: take the status off the engine's queue
+                // here (a short lock, no blocking) instead of waking the driver.
+                if let (Some(e), Some(i)) = (engine.upgrade(), weak_inner.upgrade()) {
+                    // Bounded: each turn pops one filed status.
+                    while let Some(st) = e.pop_inbound_status(&from, uid) {
+                        if st.tag.slot & TAG_SETTLE == 0 {
+                            inc(&i.counters.inbound_no_settle);
+                        } else {
+                            j.push(Job::Filed(st));
+                        }
+                    }
+                    return;
+                }
+            }
+            j.push(Job::Inbound(from, uid))
+        })));
         let j = jobs.clone();
         inner.engine.set_message_hook(Some(Arc::new(move |from, bytes| j.push(Job::Message(from, bytes)))));
+        let j = jobs.clone();
+        inner.engine.set_peer_lost_hook(Some(Arc::new(move |peer| j.push(Job::PeerLost(peer)))));
         let weak = Arc::downgrade(&inner);
         thread::Builder::new()
             .name(format!("mori-adapter-{}", inner.engine.key()))
@@ -551,6 +607,7 @@ impl MoriTransfer {
             inbound_settled: l(&c.inbound_settled),
             inbound_stale: l(&c.inbound_stale),
             inbound_unknown: l(&c.inbound_unknown),
+            inbound_failed: l(&c.inbound_failed),
             inbound_no_settle: l(&c.inbound_no_settle),
             aborts_sent: l(&c.aborts_sent),
             abort_acks_received: l(&c.abort_acks_received),
@@ -558,8 +615,17 @@ impl MoriTransfer {
             abort_acks_sent: l(&c.abort_acks_sent),
             revoked: l(&c.revoked),
             fences: l(&c.fences),
+            peers_lost: l(&c.peers_lost),
             posts_refused_tombstone: l(&c.posts_refused_tombstone),
         }
+    }
+
+    /// Whether tenancy `t` of `pool` was settled from a *failed* inbound
+    /// status: the slot is safe to reuse or read (no NIC touches it), but it
+    /// does not hold the peer's data. Settlement is about memory safety, not
+    /// data validity; the last 65536 such tenancies are remembered.
+    pub fn settled_by_failure(&self, pool: &SlotPool, t: Tenancy) -> bool {
+        lock(&self.inner.failed).set.contains(&(pool.id(), t))
     }
 
     /// Wakes the driver now (after advancing a manual clock).
@@ -799,34 +865,52 @@ impl Inner {
     }
 
     fn on_inbound(&self, from: &EngineKey, uid: u64) {
-        let peer = self.peer_id(from);
         // Bounded: each turn pops one filed status.
         while let Some(s) = self.engine.pop_inbound_status(from, uid) {
-            let (settle, mem, t) = unpack_tag(s.tag);
-            let c = &self.counters;
-            if !settle {
-                inc(&c.inbound_no_settle);
-                continue;
+            self.on_status(s);
+        }
+    }
+
+    fn on_status(&self, s: InboundStatus) {
+        let c = &self.counters;
+        let (settle, mem, t) = unpack_tag(s.tag);
+        if !settle {
+            inc(&c.inbound_no_settle);
+            return;
+        }
+        if !s.code.is_terminal() {
+            inc(&c.inbound_unknown);
+            tracing::warn!(peer = %s.remote, uid = s.uid, code = %s.code, "inbound status proves nothing");
+            return;
+        }
+        let Some(entry) = self.pool_by_mem(mem) else {
+            inc(&c.inbound_stale);
+            return;
+        };
+        match self.peer_id(&s.remote) {
+            Some(p) => {
+                if !s.code.is_success() && entry.is_exposed(t, p) {
+                    // Recorded before the proof, so the application sees it
+                    // as soon as the slot is settled.
+                    inc(&c.inbound_failed);
+                    let mut f = lock(&self.failed);
+                    let k = (entry.pool.id(), t);
+                    if f.set.insert(k) {
+                        f.order.push_back(k);
+                        if f.order.len() > TOMBSTONES {
+                            if let Some(old) = f.order.pop_front() {
+                                f.set.remove(&old);
+                            }
+                        }
+                    }
+                }
+                let (ok, stale) = self.settle_from_peer(&entry, Some(p), &[t]);
+                c.inbound_settled.fetch_add(ok as u64, Ordering::Relaxed);
+                c.inbound_stale.fetch_add(stale as u64, Ordering::Relaxed);
             }
-            if !s.code.is_terminal() {
-                inc(&c.inbound_unknown);
-                tracing::warn!(peer = %from, uid, code = %s.code, "inbound status proves nothing");
-                continue;
-            }
-            let Some(entry) = self.pool_by_mem(mem) else {
+            None => {
                 inc(&c.inbound_stale);
-                continue;
-            };
-            match peer {
-                Some(p) => {
-                    let (ok, stale) = self.settle_from_peer(&entry, Some(p), &[t]);
-                    c.inbound_settled.fetch_add(ok as u64, Ordering::Relaxed);
-                    c.inbound_stale.fetch_add(stale as u64, Ordering::Relaxed);
-                }
-                None => {
-                    inc(&c.inbound_stale);
-                    entry.authority.record_stale(1);
-                }
+                entry.authority.record_stale(1);
             }
         }
     }
@@ -881,16 +965,22 @@ impl Inner {
         }
     }
 
+    /// The connection to `peer` is torn down (and the transport confirmed
+    /// it): `Fenced` for every exposure to it, in every pool.
+    fn fenced(&self, peer: PeerId) {
+        for e in self.all_pools() {
+            lock(&e.exposures).retain(|_, (_, p)| *p != peer);
+            e.authority.deliver(e.authority.fenced(peer));
+        }
+    }
+
     /// Fences `peer`; on success delivers `Fenced` to every pool.
     fn fence(&self, peer: PeerId) -> bool {
         let Some(key) = self.peer_key(peer) else { return false };
         match self.engine.fence_remote_engine(&key) {
             Ok(()) => {
                 inc(&self.counters.fences);
-                for e in self.all_pools() {
-                    lock(&e.exposures).retain(|_, (_, p)| *p != peer);
-                    e.authority.deliver(e.authority.fenced(peer));
-                }
+                self.fenced(peer);
                 true
             }
             Err(e) => {
@@ -982,7 +1072,14 @@ fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
         let Some(inner) = weak.upgrade() else { return };
         for job in batch {
             match job {
+                Job::PeerLost(key) => {
+                    if let Some(peer) = inner.peer_id(&key) {
+                        inc(&inner.counters.peers_lost);
+                        inner.fenced(peer);
+                    }
+                }
                 Job::Inbound(from, uid) => inner.on_inbound(&from, uid),
+                Job::Filed(st) => inner.on_status(st),
                 Job::Message(from, bytes) => inner.on_message(&from, &bytes),
                 Job::Send(to, bytes) => inner.send(&to, bytes),
                 Job::Fence(op) => {

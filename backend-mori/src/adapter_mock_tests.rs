@@ -54,6 +54,7 @@ fn engine(cap: &Arc<Captured>, uid_start: u64, f: impl FnOnce(&mut MockIoEngine)
     e.expect_set_inbound_hook().returning(move |h| *lock(&c.inbound) = h);
     let c = cap.clone();
     e.expect_set_message_hook().returning(move |h| *lock(&c.message) = h);
+    e.expect_set_peer_lost_hook().returning(|_| ());
     e.expect_register_memory().returning(|r| {
         Ok(MemoryDesc {
             engine_key: EngineKey::new("me"),
@@ -337,11 +338,16 @@ fn inbound_statuses_settle_only_current_terminal_tenancies() {
         hook(EngineKey::new("peer"), uid, tag);
     }
     let deadline = Instant::now() + LONG;
-    while t.stats().inbound_no_settle == 0 && Instant::now() < deadline {
+    let handled =
+        |s: crate::AdapterStats| s.inbound_settled + s.inbound_unknown + s.inbound_stale + s.inbound_no_settle;
+    while handled(t.stats()) < 5 && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(2));
     }
     let s = t.stats();
     assert_eq!((s.inbound_settled, s.inbound_unknown, s.inbound_stale, s.inbound_no_settle), (2, 1, 1, 1));
+    assert_eq!(s.inbound_failed, 1);
+    assert!(!t.settled_by_failure(&pool, ts[0]));
+    assert!(t.settled_by_failure(&pool, ts[1]), "settled, but its transfer failed");
     assert!(pool.metrics().stale_rejected >= 1);
     let exposed = exposed.try_settled().expect_err("slot 2 is not proven");
     // The last one settles with its own status.

@@ -132,6 +132,13 @@ pub trait IoEngine: Send + Sync {
     /// thread with no engine lock held; keep it short and do not block in it.
     fn set_message_hook(&self, hook: Option<MessageHook>);
 
+    /// Installs (or with `None` removes) the hook called with a peer's key
+    /// when the transport reports the connection to it lost
+    /// ([`TransportEvent::PeerLost`]: a fence the transport confirmed). The
+    /// peer is then treated as fenced (new transfers refused until it is
+    /// registered again). Runs on the progress thread; do not block in it.
+    fn set_peer_lost_hook(&self, hook: Option<PeerLostHook>);
+
     /// Grants a registered peer access to one slot of local memory under
     /// `generation` (see [`MoriTransport::grant`]; a no-op on transports
     /// without per-slot checks, as on MORI).
@@ -151,6 +158,9 @@ pub type InboundHook = Arc<dyn Fn(EngineKey, TransferUniqueId, Tag) + Send + Syn
 
 /// The hook of [`IoEngine::set_message_hook`]: `(remote engine, bytes)`.
 pub type MessageHook = Arc<dyn Fn(EngineKey, Vec<u8>) + Send + Sync>;
+
+/// The hook of [`IoEngine::set_peer_lost_hook`]: the lost peer.
+pub type PeerLostHook = Arc<dyn Fn(EngineKey) + Send + Sync>;
 
 /// A session between one local and one remote region (MORI's `IOEngineSession`).
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
@@ -335,6 +345,7 @@ struct Inner {
     inbound_cv: Condvar,
     inbound_hook: std::sync::Mutex<Option<InboundHook>>,
     message_hook: std::sync::Mutex<Option<MessageHook>>,
+    peer_lost_hook: std::sync::Mutex<Option<PeerLostHook>>,
     shutdown: AtomicBool,
 }
 
@@ -382,6 +393,7 @@ impl MoriEngine {
             inbound_cv: Condvar::new(),
             inbound_hook: std::sync::Mutex::new(None),
             message_hook: std::sync::Mutex::new(None),
+            peer_lost_hook: std::sync::Mutex::new(None),
             shutdown: AtomicBool::new(false),
         });
         let worker = Arc::clone(&inner);
@@ -545,6 +557,10 @@ impl IoEngine for MoriEngine {
 
     fn set_message_hook(&self, hook: Option<MessageHook>) {
         *lock(&self.inner.message_hook) = hook;
+    }
+
+    fn set_peer_lost_hook(&self, hook: Option<PeerLostHook>) {
+        *lock(&self.inner.peer_lost_hook) = hook;
     }
 
     fn grant_access(
@@ -966,6 +982,7 @@ impl Inner {
             let mut finished = Vec::new();
             let mut filed = Vec::new();
             let mut messages = Vec::new();
+            let mut lost = Vec::new();
             let mut state = lock(&self.state);
             for event in events {
                 match event {
@@ -992,9 +1009,24 @@ impl Inner {
                         }
                     }
                     TransportEvent::Message { from, bytes } => messages.push((from, bytes)),
+                    TransportEvent::PeerLost { peer } => {
+                        if let Some(p) = state.peers.get_mut(&peer) {
+                            p.fenced = true;
+                            tracing::info!(engine = %self.key, peer = %peer, "connection to peer lost (fenced)");
+                            lost.push(peer);
+                        }
+                    }
                 }
             }
             drop(state);
+            if !lost.is_empty() {
+                let hook = lock(&self.peer_lost_hook).clone();
+                if let Some(hook) = hook {
+                    for peer in lost {
+                        hook(peer);
+                    }
+                }
+            }
             if !messages.is_empty() {
                 let hook = lock(&self.message_hook).clone();
                 match hook {

@@ -28,7 +28,8 @@ use kv_transfer_core::{EscalationLadder, HostRegion, PeerId, PoolConfig, Region,
 use crate::adapter::{AdapterError, MoriTransfer};
 use crate::engine::{EngineConfig, IoEngine, MoriEngine};
 use crate::error::EngineError;
-use crate::sim::{SimTransport, SimTransportConfig};
+use crate::sim::{SimTransport, SimTransportConfig, TCP_SIM};
+use crate::types::{EngineDesc, EngineKey};
 
 /// One side: engine, transport, adapter and its pool.
 #[derive(Clone, Debug)]
@@ -69,6 +70,23 @@ impl MoriSide {
     }
 }
 
+/// The descriptor of a peer that is only a simulator connection (a raw
+/// wire client that sent a HELLO named `name`, announcing `sim_endpoint`):
+/// registering it with [`MoriTransfer::add_peer`] lets the adapter expose
+/// slots to that connection. It has no control channel (its endpoint refuses),
+/// so ABORT never reaches it and its exposures settle by revocation or fence.
+pub fn raw_sim_peer_desc(name: &str, sim_endpoint: &str) -> EngineDesc {
+    EngineDesc {
+        key: EngineKey::new(name),
+        hostname: "raw".to_owned(),
+        host: "127.0.0.1".to_owned(),
+        port: 0,
+        transport: TCP_SIM.to_owned(),
+        transport_info: format!("{sim_endpoint}\n127.0.0.1:9").into_bytes(),
+        notif_seq_start: 0,
+    }
+}
+
 /// What [`sim_pair`] builds.
 #[derive(Clone, Debug)]
 pub struct PairConfig {
@@ -84,6 +102,9 @@ pub struct PairConfig {
     pub engine: EngineConfig,
     /// Engine keys: (prefill, decode).
     pub keys: (String, String),
+    /// A gate on the decode side's NIC: holds incoming writes while closed
+    /// (`Gate::hold` / `Gate::open`).
+    pub decode_gate: Option<backend_tcp_sim::Gate>,
 }
 
 impl PairConfig {
@@ -96,6 +117,7 @@ impl PairConfig {
             transport: SimTransportConfig::default(),
             engine: EngineConfig::default(),
             keys: ("prefill".to_owned(), "decode".to_owned()),
+            decode_gate: None,
         }
     }
 }
@@ -121,7 +143,11 @@ pub fn sim_pair(cfg: &PairConfig) -> Result<SimPair, AdapterError> {
     };
     let pool = PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder);
     let prefill = MoriSide::on_sim(&cfg.keys.0, region(())?, pool.clone(), cfg.transport.clone(), cfg.engine.clone())?;
-    let decode = MoriSide::on_sim(&cfg.keys.1, region(())?, pool, cfg.transport.clone(), cfg.engine.clone())?;
+    let mut dt = cfg.transport.clone();
+    if let Some(g) = &cfg.decode_gate {
+        dt.nic.faults.gate = Some(g.clone());
+    }
+    let decode = MoriSide::on_sim(&cfg.keys.1, region(())?, pool, dt, cfg.engine.clone())?;
     let (decode_at_prefill, prefill_at_decode) = prefill.connect(&decode)?;
     Ok(SimPair { prefill, decode, decode_at_prefill, prefill_at_decode })
 }

@@ -110,7 +110,9 @@ mod adapter_mock_tests;
 mod mock_tests;
 
 pub use adapter::{AdapterError, AdapterStats, ExposeError, ExposeErrorKind, MoriTransfer};
-pub use engine::{wait_all, EngineConfig, EngineStats, InboundHook, IoEngine, IoSession, MessageHook, MoriEngine};
+pub use engine::{
+    wait_all, EngineConfig, EngineStats, InboundHook, IoEngine, IoSession, MessageHook, MoriEngine, PeerLostHook,
+};
 #[cfg(any(test, feature = "mock"))]
 pub use engine::{MockIoEngine, MockIoSession};
 pub use error::{EngineError, TransportError};

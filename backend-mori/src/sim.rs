@@ -29,10 +29,13 @@
 //! - **Fence** tears down every simulator connection to the peer (joined;
 //!   in-flight raw operations fail) and drops the control connection to it.
 //!
-//! Completions: one reaper thread per transport waits (bounded) on the raw
-//! handles in posting order and turns them into
-//! [`TransportEvent::Completion`]s (head-of-line blocking across peers is
-//! accepted for a CI transport).
+//! Completions: the engine's progress thread, in [`MoriTransport::poll`],
+//! waits (bounded by the poll timeout) on the oldest pending raw handle and
+//! turns finished handles into [`TransportEvent::Completion`]s in posting
+//! order, so no extra thread sits between the NIC and the engine. While an
+//! operation is pending, control events wait for the handle or the poll
+//! timeout (the engine's `poll_interval`, 5 ms by default); head-of-line
+//! blocking across peers is accepted for a CI transport.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -42,9 +45,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use backend_tcp_sim::{ExposeErrorKind, NicConfig, NicError, RawAccess, RawHandle, SimNic};
+use backend_tcp_sim::{ExposeErrorKind, InboundEvent, NicConfig, NicError, RawAccess, RawHandle, SimNic};
 use bytes::Bytes;
 use kv_transfer_core::{
     Exposed, Generation, MemoryKind, PeerId, PoolConfig, Region, RegionError, Reserved, SlotId, SlotLease, SlotPool,
@@ -58,8 +61,6 @@ use crate::util::lock;
 /// Name the simulator transport publishes in [`EngineDesc::transport`].
 pub const TCP_SIM: &str = "tcp-sim";
 
-/// How long one bounded wait of the reaper lasts.
-const REAP_TICK: Duration = Duration::from_millis(50);
 /// Largest control frame accepted.
 const MAX_FRAME: usize = 1 << 20;
 
@@ -220,14 +221,19 @@ struct Shared {
     events: Mutex<VecDeque<TransportEvent>>,
     events_cv: Condvar,
     pending: Mutex<VecDeque<PendingOp>>,
-    pending_cv: Condvar,
     closed: AtomicBool,
 }
 
 impl Shared {
     fn push_event(&self, e: TransportEvent) {
-        lock(&self.events).push_back(e);
-        self.events_cv.notify_all();
+        let mut q = lock(&self.events);
+        let was_empty = q.is_empty();
+        q.push_back(e);
+        drop(q);
+        // A poller waits on the condvar only while the queue is empty.
+        if was_empty {
+            self.events_cv.notify_all();
+        }
     }
 }
 
@@ -246,7 +252,9 @@ pub struct SimTransport {
     peers: Mutex<HashMap<EngineKey, PeerEntry>>,
     /// Connection last used per peer (checked again when the NIC refuses it).
     peer_cache: RwLock<HashMap<EngineKey, PeerId>>,
-    ctl_out: Mutex<HashMap<EngineKey, Arc<Mutex<TcpStream>>>>,
+    /// Engine key of each simulator connection (from the NIC's events).
+    sim_names: Mutex<HashMap<PeerId, EngineKey>>,
+    ctl_out: Mutex<HashMap<EngineKey, Arc<CtlOut>>>,
 }
 
 impl fmt::Debug for SimTransport {
@@ -265,6 +273,7 @@ impl SimTransport {
             regions: RwLock::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
             peer_cache: RwLock::new(HashMap::new()),
+            sim_names: Mutex::new(HashMap::new()),
             ctl_out: Mutex::new(HashMap::new()),
         })
     }
@@ -272,6 +281,26 @@ impl SimTransport {
     /// The simulated NIC (for its counters and fault controls), once attached.
     pub fn nic(&self) -> Option<&SimNic> {
         self.attached.get().map(|a| &a.nic)
+    }
+
+    /// The simulator connection this transport uses towards `remote` (for
+    /// raw accesses in tests: [`SimNic::write_raw`]).
+    pub fn sim_peer(&self, remote: &EngineKey) -> Result<PeerId, TransportError> {
+        self.peer_id(remote)
+    }
+
+    /// Simulates the process dying: the NIC crashes (sockets shut, no
+    /// goodbyes, no proof minted here) and the control channel goes silent
+    /// in both directions. Peers see the connection drop and fence it.
+    pub fn crash(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        for (_, s) in lock(&self.ctl_out).drain() {
+            s.close();
+        }
+        if let Some(att) = self.attached.get() {
+            att.nic.crash();
+            let _ = TcpStream::connect(&att.ctl_endpoint);
+        }
     }
 
     fn att(&self) -> Result<&Attached, TransportError> {
@@ -292,6 +321,33 @@ impl SimTransport {
         let p = self.resolve_peer(remote)?;
         self.peer_cache.write().unwrap_or_else(|p| p.into_inner()).insert(remote.clone(), p);
         Ok(p)
+    }
+
+    /// Turns the NIC's connection events into [`TransportEvent::PeerLost`]:
+    /// the NIC reports a connection lost only after its teardown joined the
+    /// connection's threads and failed its operations (its `Fenced`). A peer
+    /// counts as lost only when no live connection to it remains.
+    fn nic_events(&self) -> Vec<TransportEvent> {
+        let mut out = Vec::new();
+        let Some(att) = self.attached.get() else { return out };
+        // Bounded: the NIC keeps at most a few thousand events.
+        while let Some(e) = att.nic.next_event(Duration::ZERO) {
+            match e {
+                InboundEvent::PeerConnected { peer, name, .. } => {
+                    lock(&self.sim_names).insert(peer, EngineKey::new(name));
+                }
+                InboundEvent::PeerLost { peer } => {
+                    let Some(key) = lock(&self.sim_names).remove(&peer) else { continue };
+                    self.forget_peer(&key);
+                    let known = lock(&self.peers).contains_key(&key);
+                    if known && att.nic.peer_by_name(key.as_str()).is_none() {
+                        out.push(TransportEvent::PeerLost { peer: key });
+                    }
+                }
+                _ => {}
+            }
+        }
+        out
     }
 
     fn forget_peer(&self, remote: &EngineKey) {
@@ -315,8 +371,11 @@ impl SimTransport {
         att.nic.connect(&endpoint).map_err(|e| TransportError::Remote(format!("connect {remote}: {e}")))
     }
 
-    fn ctl_stream(&self, to: &EngineKey) -> Result<Arc<Mutex<TcpStream>>, TransportError> {
-        if let Some(s) = lock(&self.ctl_out).get(to) {
+    fn ctl_stream(&self, to: &EngineKey) -> Result<Arc<CtlOut>, TransportError> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(TransportError::Closed);
+        }
+        if let Some(s) = lock(&self.ctl_out).get(to).filter(|s| !lock(&s.q).dead) {
             return Ok(s.clone());
         }
         let att = self.att()?;
@@ -324,31 +383,93 @@ impl SimTransport {
             .get(to)
             .map(|p| p.ctl_endpoint.clone())
             .ok_or_else(|| TransportError::UnknownPeer(to.clone()))?;
-        let mut s = TcpStream::connect(&endpoint).map_err(|e| TransportError::Remote(format!("control: {e}")))?;
+        let s = TcpStream::connect(&endpoint).map_err(|e| TransportError::Remote(format!("control: {e}")))?;
         let _ = s.set_nodelay(true);
-        write_frame(&mut s, FRAME_HELLO, att.key.as_str().as_bytes())?;
-        let s = Arc::new(Mutex::new(s));
-        let mut out = lock(&self.ctl_out);
-        Ok(out.entry(to.clone()).or_insert(s).clone())
+        let shut = s.try_clone().map_err(|e| TransportError::Remote(format!("control: {e}")))?;
+        let out = Arc::new(CtlOut { q: Mutex::default(), stream: Mutex::new(s), shut });
+        append_frame(&mut lock(&out.q).buf, FRAME_HELLO, att.key.as_str().as_bytes())?;
+        let mut map = lock(&self.ctl_out);
+        if let Some(old) = map.insert(to.clone(), out.clone()) {
+            old.close();
+        }
+        Ok(out)
     }
 
-    fn send_ctl(&self, to: &EngineKey, kind: u8, payload: &[u8]) -> Result<(), TransportError> {
-        let s = self.ctl_stream(to)?;
-        let res = write_frame(&mut lock(&s), kind, payload);
-        if res.is_err() {
-            lock(&self.ctl_out).remove(to);
+    /// Queues a frame for `to`; with `flush` it is written now, otherwise at
+    /// the start of the next `poll` (so the notifications of one batch of
+    /// completions leave in one write, and no syscall runs under the
+    /// engine's lock).
+    fn send_ctl(&self, to: &EngineKey, kind: u8, payload: &[u8], flush: bool) -> Result<(), TransportError> {
+        let out = self.ctl_stream(to)?;
+        {
+            let mut q = lock(&out.q);
+            if q.dead || q.closed {
+                return Err(TransportError::Remote("control connection lost".into()));
+            }
+            append_frame(&mut q.buf, kind, payload)?;
         }
-        res
+        if flush {
+            out.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush_all(&self) {
+        let outs: Vec<Arc<CtlOut>> = lock(&self.ctl_out).values().cloned().collect();
+        for o in outs {
+            if let Err(e) = o.flush() {
+                tracing::debug!(error = %e, "control frames lost");
+            }
+        }
     }
 }
 
-fn write_frame(s: &mut TcpStream, kind: u8, payload: &[u8]) -> Result<(), TransportError> {
+#[derive(Default)]
+struct CtlQueue {
+    buf: Vec<u8>,
+    closed: bool,
+    dead: bool,
+}
+
+/// The sending half of a control connection: frames queue here and are
+/// written by whoever flushes (in order: the stream lock is held from taking
+/// the queue to the end of the write).
+struct CtlOut {
+    q: Mutex<CtlQueue>,
+    stream: Mutex<TcpStream>,
+    shut: TcpStream,
+}
+
+impl CtlOut {
+    fn close(&self) {
+        lock(&self.q).closed = true;
+        let _ = self.shut.shutdown(Shutdown::Both);
+    }
+
+    fn flush(&self) -> Result<(), TransportError> {
+        let mut stream = lock(&self.stream);
+        let buf = {
+            let mut q = lock(&self.q);
+            if q.buf.is_empty() || q.dead {
+                return Ok(());
+            }
+            std::mem::take(&mut q.buf)
+        };
+        if let Err(e) = stream.write_all(&buf) {
+            lock(&self.q).dead = true;
+            let _ = self.shut.shutdown(Shutdown::Both);
+            return Err(TransportError::Remote(format!("control: {e}")));
+        }
+        Ok(())
+    }
+}
+
+fn append_frame(buf: &mut Vec<u8>, kind: u8, payload: &[u8]) -> Result<(), TransportError> {
     let len = u32::try_from(payload.len() + 1).map_err(|_| TransportError::OutOfBounds)?;
-    let mut buf = Vec::with_capacity(payload.len() + 5);
     buf.extend_from_slice(&len.to_le_bytes());
     buf.push(kind);
     buf.extend_from_slice(payload);
-    s.write_all(&buf).map_err(|e| TransportError::Remote(format!("control: {e}")))
+    Ok(())
 }
 
 fn read_frame(r: &mut impl Read) -> Option<(u8, Vec<u8>)> {
@@ -423,51 +544,29 @@ fn ctl_acceptor(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
-fn reaper(shared: Arc<Shared>) {
-    loop {
-        let op = {
-            let mut q = lock(&shared.pending);
-            loop {
-                if let Some(op) = q.pop_front() {
-                    break Some(op);
-                }
-                if shared.closed.load(Ordering::Acquire) {
-                    break None;
-                }
-                q = shared.pending_cv.wait_timeout(q, REAP_TICK).unwrap_or_else(|e| e.into_inner()).0;
+/// The completion of a finished raw operation (a read's bytes are copied
+/// into the local region first).
+fn completion(op: PendingOp, res: Result<Option<Bytes>, kv_transfer_core::TransferError>) -> TransportEvent {
+    let result = match res {
+        Ok(data) => match (op.read_into, data) {
+            (Some((off, len)), Some(bytes)) if bytes.len() == len => {
+                op.region.mem.write(off, &bytes).map_err(|e| TransportError::Remote(e.to_string()))
             }
-        };
-        let Some(op) = op else { return };
-        match op.handle.wait(REAP_TICK) {
-            None => {
-                // Still in flight: keep it at the head (completions on one
-                // connection come in order).
-                lock(&shared.pending).push_front(op);
-            }
-            Some(res) => {
-                let result = match res {
-                    Ok(data) => match (op.read_into, data) {
-                        (Some((off, len)), Some(bytes)) if bytes.len() == len => {
-                            op.region.mem.write(off, &bytes).map_err(|e| TransportError::Remote(e.to_string()))
-                        }
-                        (Some(_), _) => Err(TransportError::Remote("read returned an unexpected length".into())),
-                        (None, _) => Ok(()),
-                    },
-                    Err(e) => Err(TransportError::Remote(e.to_string())),
-                };
-                op.region.busy.fetch_sub(1, Ordering::AcqRel);
-                shared.push_event(TransportEvent::Completion(Completion { wr_id: op.wr_id, result }));
-            }
-        }
-    }
+            (Some(_), _) => Err(TransportError::Remote("read returned an unexpected length".into())),
+            (None, _) => Ok(()),
+        },
+        Err(e) => Err(TransportError::Remote(e.to_string())),
+    };
+    op.region.busy.fetch_sub(1, Ordering::AcqRel);
+    TransportEvent::Completion(Completion { wr_id: op.wr_id, result })
 }
 
 impl Drop for SimTransport {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
-        self.shared.pending_cv.notify_all();
+        self.flush_all();
         for (_, s) in lock(&self.ctl_out).drain() {
-            let _ = lock(&s).shutdown(Shutdown::Both);
+            s.close();
         }
         if let Some(att) = self.attached.get() {
             att.nic.shutdown();
@@ -497,11 +596,6 @@ impl MoriTransport for SimTransport {
             .name(format!("mori-sim-accept-{local}"))
             .spawn(move || ctl_acceptor(sh, listener))
             .map_err(|e| TransportError::State(format!("cannot start control acceptor: {e}")))?;
-        let sh = self.shared.clone();
-        thread::Builder::new()
-            .name(format!("mori-sim-reaper-{local}"))
-            .spawn(move || reaper(sh))
-            .map_err(|e| TransportError::State(format!("cannot start reaper: {e}")))?;
         let info = format!("{}\n{}", nic.endpoint(), ctl_endpoint).into_bytes();
         self.attached
             .set(Attached { key: local.clone(), nic, ctl_endpoint })
@@ -531,7 +625,7 @@ impl MoriTransport for SimTransport {
     fn disconnect(&self, remote: &EngineKey) -> Result<(), TransportError> {
         self.forget_peer(remote);
         if let Some(s) = lock(&self.ctl_out).remove(remote) {
-            let _ = lock(&s).shutdown(Shutdown::Both);
+            s.close();
         }
         lock(&self.peers).remove(remote);
         Ok(())
@@ -645,8 +739,19 @@ impl MoriTransport for SimTransport {
         };
         match posted {
             Ok((handle, read_into)) => {
-                lock(&self.shared.pending).push_back(PendingOp { wr_id: wr.wr_id, handle, region, read_into });
-                self.shared.pending_cv.notify_one();
+                let was_empty = {
+                    let mut p = lock(&self.shared.pending);
+                    let was_empty = p.is_empty();
+                    p.push_back(PendingOp { wr_id: wr.wr_id, handle, region, read_into });
+                    was_empty
+                };
+                // A poller waits on the event condvar only while nothing is
+                // pending (it checks under the events lock, which is taken
+                // here, so the wake-up is not lost).
+                if was_empty {
+                    let _g = lock(&self.shared.events);
+                    self.shared.events_cv.notify_all();
+                }
                 Ok(())
             }
             Err(e) => {
@@ -657,28 +762,53 @@ impl MoriTransport for SimTransport {
     }
 
     fn notify(&self, to: &EngineKey, notification: Notification) -> Result<(), TransportError> {
-        self.send_ctl(to, FRAME_NOTIFY, &encode_notification(&notification))
+        self.send_ctl(to, FRAME_NOTIFY, &encode_notification(&notification), false)
     }
 
+    /// Flushes queued control frames, then returns finished raw operations
+    /// (in posting order) and control events. While an operation is
+    /// pending it waits on that operation's completion (control events then
+    /// wait at most `timeout`); otherwise on the event queue.
     fn poll(&self, max: usize, timeout: Duration) -> Vec<TransportEvent> {
-        let mut events = lock(&self.shared.events);
-        if events.is_empty() {
-            events = self
-                .shared
-                .events_cv
-                .wait_timeout_while(events, timeout, |e| e.is_empty())
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+        self.flush_all();
+        let max = max.max(1);
+        let deadline = Instant::now() + timeout;
+        let mut out = self.nic_events();
+        let front = |sh: &Shared| lock(&sh.pending).front().map(|p| p.handle.clone());
+        // Bounded: every turn either returns or waits until the deadline.
+        loop {
+            while out.len() < max {
+                let Some(h) = front(&self.shared) else { break };
+                let Some(res) = h.wait(Duration::ZERO) else { break };
+                let Some(op) = lock(&self.shared.pending).pop_front() else { break };
+                out.push(completion(op, res));
+            }
+            {
+                let mut events = lock(&self.shared.events);
+                while out.len() < max {
+                    let Some(e) = events.pop_front() else { break };
+                    out.push(e);
+                }
+                let now = Instant::now();
+                if !out.is_empty() || now >= deadline {
+                    return out;
+                }
+                if lock(&self.shared.pending).is_empty() {
+                    let _ = self.shared.events_cv.wait_timeout(events, deadline - now);
+                    continue;
+                }
+            }
+            if let Some(h) = front(&self.shared) {
+                let _ = h.wait(deadline.saturating_duration_since(Instant::now()));
+            }
         }
-        let n = events.len().min(max.max(1));
-        events.drain(..n).collect()
     }
 
     fn fence(&self, remote: &EngineKey) -> Result<(), TransportError> {
         let att = self.att()?;
         self.forget_peer(remote);
         if let Some(s) = lock(&self.ctl_out).remove(remote) {
-            let _ = lock(&s).shutdown(Shutdown::Both);
+            s.close();
         }
         // Bounded: one turn per live connection to the peer.
         for p in att.nic.peers().into_iter().filter(|p| p.name == remote.as_str()) {
@@ -691,7 +821,7 @@ impl MoriTransport for SimTransport {
         if bytes.len() >= MAX_FRAME {
             return Err(TransportError::OutOfBounds);
         }
-        self.send_ctl(to, FRAME_MESSAGE, &bytes)
+        self.send_ctl(to, FRAME_MESSAGE, &bytes, true)
     }
 
     fn grant(&self, id: MemoryId, remote: &EngineKey, slot: u32, generation: u64) -> Result<(), TransportError> {

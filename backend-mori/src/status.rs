@@ -147,6 +147,9 @@ struct State {
     code: StatusCode,
     message: String,
     listeners: Vec<Listener>,
+    /// Threads blocked in `wait`/`wait_for` (the condvar is signalled only
+    /// when someone waits: a syscall saved per transfer otherwise).
+    waiters: usize,
 }
 
 struct Shared {
@@ -198,7 +201,12 @@ impl TransferStatus {
         let shared = Arc::new(Shared {
             uid,
             tag,
-            state: Mutex::new(State { code: StatusCode::Init, message: String::new(), listeners: Vec::new() }),
+            state: Mutex::new(State {
+                code: StatusCode::Init,
+                message: String::new(),
+                listeners: Vec::new(),
+                waiters: 0,
+            }),
             cv: Condvar::new(),
         });
         (Self { shared: Arc::clone(&shared) }, StatusUpdater { shared })
@@ -266,7 +274,9 @@ impl TransferStatus {
     pub fn wait(&self) -> StatusCode {
         let mut state = lock(&self.shared.state);
         while state.code.is_pending() {
+            state.waiters += 1;
             state = self.shared.cv.wait(state).unwrap_or_else(|e| e.into_inner());
+            state.waiters -= 1;
         }
         state.code
     }
@@ -286,7 +296,9 @@ impl TransferStatus {
                 },
                 None => Duration::from_secs(3600),
             };
+            state.waiters += 1;
             state = self.shared.cv.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+            state.waiters -= 1;
         }
         state.code
     }
@@ -338,8 +350,11 @@ impl StatusUpdater {
             state.message = message;
         }
         let listeners = if code.is_pending() { Vec::new() } else { std::mem::take(&mut state.listeners) };
+        let waiters = state.waiters > 0;
         drop(state);
-        self.shared.cv.notify_all();
+        if waiters {
+            self.shared.cv.notify_all();
+        }
         for listener in listeners {
             listener(code);
         }

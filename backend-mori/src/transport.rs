@@ -129,6 +129,14 @@ pub enum TransportEvent {
         /// The message.
         notification: Notification,
     },
+    /// The connection to a peer was lost and the transport confirms, as
+    /// for a completed [`MoriTransport::fence`], that nothing between the
+    /// two engines can touch memory any more (the receiving side is joined,
+    /// or the queue pair is in error and flushed). Not in MORI.
+    PeerLost {
+        /// The peer.
+        peer: EngineKey,
+    },
     /// A control message from a remote engine arrived (not in MORI; see
     /// [`MoriTransport::send_message`]).
     Message {

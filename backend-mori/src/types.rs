@@ -18,14 +18,17 @@ use crate::util::lock;
 pub type TransferUniqueId = u64;
 
 /// The name of an engine, unique in a deployment (MORI's `EngineKey`).
+///
+/// Shared text (`Arc<str>`): the engine keys every transfer, notification
+/// and inbound status by it, so cloning must not allocate.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct EngineKey(pub String);
+pub struct EngineKey(Arc<str>);
 
 impl EngineKey {
     /// Builds a key.
     pub fn new(key: impl Into<String>) -> Self {
-        Self(key.into())
+        Self(Arc::from(key.into()))
     }
 
     /// The key as text.
@@ -42,13 +45,13 @@ impl fmt::Display for EngineKey {
 
 impl From<&str> for EngineKey {
     fn from(key: &str) -> Self {
-        Self(key.to_owned())
+        Self(Arc::from(key))
     }
 }
 
 impl From<String> for EngineKey {
     fn from(key: String) -> Self {
-        Self(key)
+        Self(Arc::from(key))
     }
 }
 

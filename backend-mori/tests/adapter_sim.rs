@@ -390,3 +390,83 @@ fn a_late_write_after_revocation_never_lands_in_the_next_tenancy() {
     s.release();
     assert!(p.decode.transport.nic().unwrap().stats().rejected_stale_generation >= 1);
 }
+
+#[test]
+fn a_crashed_peer_is_fenced_when_its_connection_is_lost() {
+    let gate = Gate::new();
+    let mut cfg = PairConfig::new(4, SLOT);
+    cfg.ladder = slow_ladder();
+    cfg.decode_gate = Some(gate.clone());
+    let p = sim_pair(&cfg).expect("pair");
+    gate.hold();
+    let (exposed, remote) =
+        p.decode.transfer.expose(p.decode.pool.reserve(4).unwrap(), p.prefill_at_decode).expect("expose");
+    let _h =
+        block_on(p.prefill.transfer.write(p.prefill.pool.reserve(4).unwrap(), &remote, TransferOptions::default()))
+            .expect("post");
+    assert!(gate.wait_for_waiting(1, LONG));
+    exposed.abort();
+    assert_eq!(p.decode.pool.metrics().quarantined, 4);
+    // The prefill process dies; the decode NIC sees the connection drop,
+    // tears it down (joined) and the adapter settles with `Fenced`.
+    p.prefill.transport.crash();
+    gate.open();
+    let m = wait_metrics(&p.decode.pool, LONG, |m| m.free == 4);
+    assert_eq!((m.free, m.quarantined, m.settled_fenced), (4, 0, 4), "{m:?}");
+    assert_eq!(p.decode.transfer.stats().peers_lost, 1);
+    // Nothing of the dead peer lands in the next tenancy.
+    let lease = p.decode.pool.reserve(4).unwrap();
+    thread::sleep(Duration::from_millis(50));
+    assert!(lease.tenancies().iter().all(|t| remote.slots.iter().any(|s| s.slot == t.slot)));
+}
+
+#[test]
+fn a_stalled_peer_that_blocks_revocation_is_fenced() {
+    use backend_tcp_sim::wire::{self, AccessHeader, Body};
+    use std::io::{Read, Write};
+
+    let mut cfg = PairConfig::new(2, SLOT);
+    cfg.ladder = EscalationLadder {
+        drain: Duration::from_millis(50),
+        revoke: Duration::from_millis(50),
+        fence: Duration::from_secs(30),
+    };
+    cfg.transport.nic.revoke_wait = Duration::from_millis(200);
+    let p = sim_pair(&cfg).expect("pair");
+    let nic = p.decode.transport.nic().unwrap().clone();
+
+    // A raw wire client says HELLO and becomes a peer of the decode side.
+    let mut s = std::net::TcpStream::connect(nic.endpoint()).unwrap();
+    let hello = wire::encode_head(&Body::Hello { name: "staller".into(), endpoint: "127.0.0.1:9".into() }, 0).unwrap();
+    s.write_all(&hello).unwrap();
+    let mut pre = [0u8; wire::PREFIX_LEN];
+    s.read_exact(&mut pre).unwrap();
+    let mut f = vec![0u8; wire::decode_prefix(&pre).unwrap().fields_len()];
+    s.read_exact(&mut f).unwrap();
+    assert!(nic.wait_for_peer("staller", LONG).is_some());
+    let peer = p.decode.transfer.add_peer(&backend_mori::harness::raw_sim_peer_desc("staller", "127.0.0.1:9")).unwrap();
+
+    // It starts a WRITE into the exposed slot and stalls halfway.
+    let (exposed, remote) = p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), peer).expect("expose");
+    let slot = remote.slots[0];
+    let h = AccessHeader {
+        wr_id: 1,
+        key: remote.key,
+        addr: slot.addr,
+        slot: slot.slot,
+        generation: slot.generation,
+        len: SLOT as u32,
+    };
+    s.write_all(&wire::encode_head(&Body::Write(h), SLOT).unwrap()).unwrap();
+    s.write_all(&vec![0x5a; SLOT / 2]).unwrap();
+    thread::sleep(Duration::from_millis(50));
+
+    // ABORT cannot reach it, revocation cannot drain the half-applied write:
+    // only the fence settles.
+    exposed.abort();
+    let m = wait_metrics(&p.decode.pool, LONG, |m| m.free == 2);
+    assert_eq!((m.free, m.quarantined, m.settled_fenced, m.settled_revoked), (2, 0, 1, 0), "{m:?}");
+    assert_eq!(p.decode.transfer.stats().fences, 1);
+    assert!(nic.stats().revocations_timed_out >= 1);
+    drop(s);
+}

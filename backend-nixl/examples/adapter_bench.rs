@@ -13,14 +13,16 @@
 //! - adapter qd1: `Transfer::write` + `block_on(handle)` per transfer, the driver
 //!   polling (`Progress::Driver`: no agent progress thread on the initiator, as in
 //!   the raw loops), notify off (the raw loops send none);
+//! - adapter qd1+request_cache: the same with `AdapterConfig::request_cache` on
+//!   (completed requests re-posted instead of created and released each time);
 //! - adapter qd4: four writes in flight at once (informational).
 //!
 //! The target runs NIXL's progress thread in every case, with the adapter's
 //! default delay (`AdapterConfig::agent_progress_delay`) in both rigs. Both rigs (raw agents and
 //! adapters) are built once per size and measured in `KVT_BENCH_ROUNDS` (default
 //! 6) alternating rounds of `KVT_BENCH_SECS` (default 0.5) per case; medians are
-//! reported, and the ratio is the median over rounds of adapter qd1 divided by
-//! the better raw loop of the same round.
+//! reported, and each ratio is the median over rounds of an adapter case divided
+//! by the better raw loop of the same round.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -112,13 +114,13 @@ struct AdapterRig {
 }
 
 impl AdapterRig {
-    fn new(block: usize, qd: usize) -> Res<Self> {
+    fn new(block: usize, qd: usize, request_cache: usize) -> Res<Self> {
         let pid = std::process::id();
         let ini = NixlTransfer::new_real(
-            &format!("ab-ini-{pid}-{block}"),
-            AdapterConfig { progress: Progress::Driver, ..AdapterConfig::default() },
+            &format!("ab-ini-{pid}-{block}-{request_cache}"),
+            AdapterConfig { progress: Progress::Driver, request_cache, ..AdapterConfig::default() },
         )?;
-        let tgt = NixlTransfer::new_real(&format!("ab-tgt-{pid}-{block}"), AdapterConfig::default())?;
+        let tgt = NixlTransfer::new_real(&format!("ab-tgt-{pid}-{block}-{request_cache}"), AdapterConfig::default())?;
         let src = ini.register_pool(Arc::new(HostRegion::new(qd * block)?), PoolConfig::new(block))?;
         let dst = tgt.register_pool(Arc::new(HostRegion::new(qd * block)?), PoolConfig::new(block))?;
         ini.add_peer(&tgt.local_metadata()?)?;
@@ -202,25 +204,37 @@ fn main() -> Res<()> {
     );
     for block in [64usize << 10, 16 << 20] {
         let mut raw = RawRig::new(&lib, block)?;
-        let mut ad = AdapterRig::new(block, 4)?;
-        let (mut rr, mut rf, mut a1, mut a4, mut ratio) = (vec![], vec![], vec![], vec![], vec![]);
+        let mut ad = AdapterRig::new(block, 4, 0)?;
+        let mut adc = AdapterRig::new(block, 1, 16)?;
+        let (mut rr, mut rf, mut a1, mut ac, mut a4, mut ratio, mut ratio_c) =
+            (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
         for _ in 0..rounds {
             let r1 = raw.run(budget, true)?;
             let x = ad.run(budget, 1)?;
             let r2 = raw.run(budget, false)?;
+            let c = adc.run(budget, 1)?;
             a4.push(ad.run(budget, 4)?);
             // Against the better raw loop of the same round.
             ratio.push(x / r1.max(r2));
+            ratio_c.push(c / r1.max(r2));
             rr.push(r1);
             rf.push(r2);
             a1.push(x);
+            ac.push(c);
         }
+        let reposted = adc.ini.metrics().reposted;
         ad.finish();
-        let (rr, rf, a1, a4) = (median(rr), median(rf), median(a1), median(a4));
+        adc.finish();
+        let (rr, rf, a1, ac, a4) = (median(rr), median(rf), median(a1), median(ac), median(a4));
         println!(
             "block {block:>8} B: raw/repost {rr:.3} GB/s  raw/fresh {rf:.3} GB/s  adapter qd1 {a1:.3} GB/s  \
-             adapter qd4 {a4:.3} GB/s  | adapter qd1 / best raw (per-round median) = {:.1}%",
-            100.0 * median(ratio)
+             adapter qd1+request_cache {ac:.3} GB/s ({reposted} re-posts)  adapter qd4 {a4:.3} GB/s"
+        );
+        println!(
+            "block {block:>8} B: adapter qd1 / best raw = {:.1}%   adapter qd1+request_cache / best raw = {:.1}%   \
+             (per-round medians)",
+            100.0 * median(ratio),
+            100.0 * median(ratio_c)
         );
     }
     Ok(())

@@ -1,8 +1,8 @@
 //! The adapter over the real library: two agents in one process, UCX on host
 //! memory (`UCX_TLS=tcp` unless set), byte-checked WRITE and READ settled by the
 //! adapter's notifications, an abort while a write is in flight, and teardown.
-//! Runs once with NIXL's progress thread and once with the adapter's driver as the
-//! only progress.
+//! Runs once with NIXL's progress thread, and once with the adapter's driver as the
+//! only progress and the request cache on.
 
 mod common;
 
@@ -30,11 +30,15 @@ fn settle(mut e: SlotLease<Exposed>, limit: Duration) -> SlotLease<Settled> {
     }
 }
 
-fn scenario(progress: Progress) {
-    if std::env::var_os("UCX_TLS").is_none() {
-        std::env::set_var("UCX_TLS", "tcp");
-    }
-    let cfg = AdapterConfig { progress, ..AdapterConfig::default() };
+fn scenario(progress: Progress, request_cache: usize) {
+    // Once, before any agent of this process exists (the tests run in parallel).
+    static TLS: std::sync::Once = std::sync::Once::new();
+    TLS.call_once(|| {
+        if std::env::var_os("UCX_TLS").is_none() {
+            std::env::set_var("UCX_TLS", "tcp");
+        }
+    });
+    let cfg = AdapterConfig { progress, request_cache, ..AdapterConfig::default() };
     let ini = NixlTransfer::new_real(&common::unique("ad-ini"), cfg.clone()).expect("initiator");
     let tgt = NixlTransfer::new_real(&common::unique("ad-tgt"), cfg).expect("target");
     let src = ini.register_pool(Arc::new(HostRegion::new(8 * SLOT).unwrap()), PoolConfig::new(SLOT)).expect("src pool");
@@ -49,6 +53,15 @@ fn scenario(progress: Progress) {
     for i in 0..4 {
         lease.write_at(i, 0, &common::pattern(SLOT, 10 + i as u8)).unwrap();
     }
+    // Layer-wise: three writes without notification (re-posted from the request
+    // cache when it is on), then the notifying one.
+    for _ in 0..3 {
+        let h = block_on(ini.write(lease, &remote, TransferOptions::notify(false))).expect("post write");
+        let out = block_on(h).expect("not abandoned");
+        assert_eq!(out.result, Ok(()));
+        lease = out.lease.into_reserved();
+    }
+    assert_eq!(ini.metrics().reposted, if request_cache > 0 { 2 } else { 0 });
     let h = block_on(ini.write(lease, &remote, TransferOptions::default())).expect("post write");
     let out = block_on(h).expect("not abandoned");
     assert_eq!(out.result, Ok(()));
@@ -135,13 +148,15 @@ fn two_agents_one_process_agent_progress_thread() {
     if common::library_or_skip("two_agents_one_process_agent_progress_thread").is_none() {
         return;
     }
-    scenario(Progress::AgentThread);
+    scenario(Progress::AgentThread, 0);
 }
 
 #[test]
-fn two_agents_one_process_driver_progress() {
-    if common::library_or_skip("two_agents_one_process_driver_progress").is_none() {
+fn two_agents_one_process_driver_progress_request_cache() {
+    if common::library_or_skip("two_agents_one_process_driver_progress_request_cache").is_none() {
         return;
     }
-    scenario(Progress::Driver);
+    // With the request cache on: teardown must release the kept requests first,
+    // or the engine refuses to invalidate and deregister.
+    scenario(Progress::Driver, 8);
 }

@@ -127,6 +127,10 @@ pub struct RaceReport {
     pub naive_releases: u64,
     /// Bounded waits that gave up (a stuck proof or operation).
     pub timeouts: u64,
+    /// Connections the decode NIC fenced (the ladder's last step, or a lost peer).
+    pub fences: u64,
+    /// Times prefill 0 reconnected after a fence.
+    pub reconnects: u64,
     /// Decode pool capacity.
     pub capacity: u64,
     /// Free decode slots at the end (equals `capacity` unless something leaked).
@@ -204,6 +208,7 @@ struct Rig {
     p1_peer: PeerId,
     /// Decode as prefill 1 numbers it.
     decode_at_p1: PeerId,
+    p0name: String,
 }
 
 fn pool(nic: &SimNic, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
@@ -218,16 +223,16 @@ impl Rig {
         let k = cfg.slots_per_request;
         let ladder = EscalationLadder {
             drain: Duration::from_micros(cfg.drain_us),
-            revoke: Duration::from_millis(50),
-            fence: Duration::from_secs(2),
+            revoke: Duration::from_secs(1),
+            fence: Duration::from_secs(5),
         };
         let tag = splitmix64(cfg.seed) % 1_000_000;
         let dname = format!("race-decode-{tag}");
-        let decode = SimNic::start(
-            NicConfig::new(dname.clone())
-                .with_policy(cfg.policy)
-                .with_faults(FaultPlan { seed: cfg.seed, gate: Some(gate.clone()), ..FaultPlan::default() }),
-        )
+        let decode = SimNic::start(NicConfig::new(dname.clone()).with_policy(cfg.policy).with_faults(FaultPlan {
+            seed: cfg.seed,
+            gate: Some(gate.clone()),
+            ..FaultPlan::default()
+        }))
         .map_err(setup_err)?;
         let dpool = pool(&decode, cfg.round * k * 2, cfg.slot_size, ladder)?;
         let delay = if cfg.delay_max_us == 0 {
@@ -236,9 +241,11 @@ impl Rig {
             DelayDist::Uniform { min_us: 0, max_us: cfg.delay_max_us }
         };
         let p0name = format!("race-prefill0-{tag}");
-        let p0 = SimNic::start(
-            NicConfig::new(p0name.clone()).with_faults(FaultPlan { seed: cfg.seed, delay, ..FaultPlan::default() }),
-        )
+        let p0 = SimNic::start(NicConfig::new(p0name.clone()).with_faults(FaultPlan {
+            seed: cfg.seed,
+            delay,
+            ..FaultPlan::default()
+        }))
         .map_err(setup_err)?;
         let p0pool = pool(&p0, cfg.round * k, cfg.slot_size, EscalationLadder::default())?;
         let p1 = SimNic::start(NicConfig::new(format!("race-prefill1-{tag}"))).map_err(setup_err)?;
@@ -248,7 +255,21 @@ impl Rig {
         let p0_peer = decode.wait_for_peer(&p0name, wait).ok_or_else(|| setup_err("prefill 0 did not connect"))?;
         let p1_peer = decode.connect(p1.endpoint()).map_err(setup_err)?;
         let decode_at_p1 = p1.wait_for_peer(&dname, wait).ok_or_else(|| setup_err("decode did not reach prefill 1"))?;
-        Ok(Self { decode, p0, p1, dpool, p0pool, p1pool, gate, p0_peer, p1_peer, decode_at_p1 })
+        Ok(Self { decode, p0, p1, dpool, p0pool, p1pool, gate, p0_peer, p1_peer, decode_at_p1, p0name })
+    }
+
+    fn reconnect_p0(&mut self, wait: Duration) -> Result<(), RaceError> {
+        self.p0.connect_new(self.decode.endpoint()).map_err(setup_err)?;
+        let ok =
+            wait_until(wait, || self.decode.peers().iter().any(|p| p.name == self.p0name && p.peer != self.p0_peer));
+        let peer = self.decode.peers().into_iter().filter(|p| p.name == self.p0name).map(|p| p.peer).max();
+        match peer {
+            Some(p) if ok => {
+                self.p0_peer = p;
+                Ok(())
+            }
+            _ => Err(setup_err("prefill 0 could not reconnect")),
+        }
     }
 }
 
@@ -347,13 +368,32 @@ impl Run<'_> {
                 self.rep.admission_rejected += 1;
                 continue;
             };
-            let (exposed, remote) = self.rig.decode.expose(lease, self.rig.p0_peer).map_err(|e| step_err(e.kind))?;
+            let (exposed, remote) = match self.rig.decode.expose(lease, self.rig.p0_peer) {
+                Ok(x) => x,
+                Err(e) => {
+                    // The connection was fenced (the ladder's last step):
+                    // reconnect, as a serving engine would, and go on.
+                    self.rep.reconnects += 1;
+                    self.rig.reconnect_p0(self.wait)?;
+                    self.rig
+                        .decode
+                        .expose(e.lease, self.rig.p0_peer)
+                        .map_err(|e| step_err(format!("{} (decode NIC: {:?})", e.kind, self.rig.decode.stats())))?
+                }
+            };
             let mut src = self.rig.p0pool.reserve(k).map_err(step_err)?;
             fill_lease(&mut src, &tags_of(id, &remote), size)?;
-            let handle = block_on(self.rig.p0.write(src, &remote, TransferOptions::default()))
-                .map_err(|e| step_err(e.kind))?;
+            let handle =
+                block_on(self.rig.p0.write(src, &remote, TransferOptions::default())).map_err(|e| step_err(e.kind))?;
             let aborted = self.rng.chance(cfg.abort_rate);
-            firsts.push(First { id, exposed: Some(exposed), remote, handle, aborted, reassigned_before_landing: vec![] });
+            firsts.push(First {
+                id,
+                exposed: Some(exposed),
+                remote,
+                handle,
+                aborted,
+                reassigned_before_landing: vec![],
+            });
         }
         if held && !firsts.is_empty() && !self.rig.gate.wait_for_waiting(1, self.wait) {
             self.rep.timeouts += 1;
@@ -398,7 +438,8 @@ impl Run<'_> {
             match poll_until(std::pin::Pin::new(&mut f.handle), self.wait) {
                 Some(Ok(out)) => {
                     if f.aborted && out.result.is_ok() {
-                        self.rep.stale_writes_landed += f.reassigned_before_landing.iter().filter(|r| **r).count() as u64;
+                        self.rep.stale_writes_landed +=
+                            f.reassigned_before_landing.iter().filter(|r| **r).count() as u64;
                     }
                     if matches!(out.result, Err(TransferError::Rejected(_))) && !f.aborted {
                         self.rep.garbage_requests += 1;
@@ -466,8 +507,7 @@ impl Run<'_> {
         let (k, size) = (self.cfg.slots_per_request, self.cfg.slot_size);
         let id = self.id();
         let lease = self.rig.dpool.reserve(k).map_err(step_err)?;
-        let tags: Vec<Tag> =
-            lease.tenancies().iter().map(|t| Tag::new(id, t.slot.0, t.generation.0)).collect();
+        let tags: Vec<Tag> = lease.tenancies().iter().map(|t| Tag::new(id, t.slot.0, t.generation.0)).collect();
         let mut src = self.rig.p1pool.reserve(k).map_err(step_err)?;
         fill_lease(&mut src, &tags, size)?;
         if pull {
@@ -490,8 +530,8 @@ impl Run<'_> {
         } else {
             // Push: prefill 1 WRITEs; races the held writes at the gate.
             let (exposed, remote) = self.rig.decode.expose(lease, self.rig.p1_peer).map_err(|e| step_err(e.kind))?;
-            let handle = block_on(self.rig.p1.write(src, &remote, TransferOptions::default()))
-                .map_err(|e| step_err(e.kind))?;
+            let handle =
+                block_on(self.rig.p1.write(src, &remote, TransferOptions::default())).map_err(|e| step_err(e.kind))?;
             Ok(Next { tags, data: NextData::Pushed { exposed, handle } })
         }
     }
@@ -552,6 +592,7 @@ pub fn run_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<
     rep.rejected_at_nic = s.rejected_stale_generation + s.rejected_wrong_peer;
     rep.stale_notifications = s.notifications_stale;
     rep.naive_releases = s.naive_releases;
+    rep.fences = s.fences;
     rep.abort_to_reclaim = m.abort_to_reclaim;
     rep.settled = [m.settled_completed, m.settled_revoked, m.settled_fenced];
     rep.capacity = m.capacity;
@@ -560,4 +601,59 @@ pub fn run_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<
     rep.requests_per_s = if rep.elapsed_s > 0.0 { rep.requests as f64 / rep.elapsed_s } else { 0.0 };
     drop(rig);
     Ok(rep)
+}
+
+/// `naive` or `safe`.
+pub fn policy_name(p: ReleasePolicy) -> &'static str {
+    match p {
+        ReleasePolicy::Naive => "naive",
+        ReleasePolicy::Safe => "safe",
+    }
+}
+
+/// The reports side by side, one column per run, as an aligned text table.
+pub fn table(reports: &[RaceReport]) -> String {
+    let col = |r: &RaceReport| r.config.as_ref().map_or("?", |c| policy_name(c.policy));
+    type Row = (&'static str, fn(&RaceReport) -> String);
+    let rows: [Row; 12] = [
+        ("requests", |r| r.requests.to_string()),
+        ("aborted with writes in flight", |r| r.aborted.to_string()),
+        ("slots reassigned after abort", |r| r.reassigned.to_string()),
+        ("stale writes landed in a reassigned slot", |r| r.stale_writes_landed.to_string()),
+        ("requests that consumed foreign bytes", |r| r.foreign_requests.to_string()),
+        ("foreign bytes consumed", |r| r.foreign_bytes.to_string()),
+        ("stale writes rejected at the NIC", |r| r.rejected_at_nic.to_string()),
+        ("stale notifications/acks dropped", |r| r.stale_notifications.to_string()),
+        ("peak quarantined slots", |r| r.peak_quarantined.to_string()),
+        ("abort-to-reclaim p50 / p99", |r| format!("{} / {} µs", r.abort_to_reclaim.p50_us, r.abort_to_reclaim.p99_us)),
+        ("throughput", |r| format!("{:.0} req/s", r.requests_per_s)),
+        ("pool whole at the end", |r| {
+            if r.pool_whole() {
+                "yes".into()
+            } else {
+                format!("NO ({} free of {})", r.final_free, r.capacity)
+            }
+        }),
+    ];
+    let w0 = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0);
+    let cells: Vec<Vec<String>> = rows.iter().map(|(_, f)| reports.iter().map(f).collect()).collect();
+    let widths: Vec<usize> = (0..reports.len())
+        .map(|i| cells.iter().map(|c| c[i].chars().count()).chain([col(&reports[i]).len()]).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    let rule = "-".repeat(w0 + widths.iter().map(|w| w + 3).sum::<usize>());
+    out += &format!("{:<w0$}", "");
+    for (i, r) in reports.iter().enumerate() {
+        out += &format!(" | {:>w$}", col(r), w = widths[i]);
+    }
+    out += &format!("\n{rule}\n");
+    for (ri, (label, _)) in rows.iter().enumerate() {
+        out += &format!("{:<w0$}", label, w0 = w0 + label.len() - label.chars().count());
+        for (i, c) in cells[ri].iter().enumerate() {
+            let w = widths[i] + c.len() - c.chars().count();
+            out += &format!(" | {c:>w$}");
+        }
+        out.push('\n');
+    }
+    out
 }

@@ -12,6 +12,12 @@
 //! operation with a `Completed` proof, so the lease comes back settled, to the
 //! handle or (handle dropped) to the pool. A request that never becomes terminal
 //! keeps its lease forever: visible in [`AdapterMetrics::in_flight`], never reused.
+//! With [`AdapterConfig::request_cache`] on, a request without an attached
+//! notification that completed successfully is kept (terminal, unreleased) and
+//! re-posted by the next identical post instead of being released; its lease
+//! still comes back only after the terminal status, and kept requests are
+//! released at eviction, before `invalidate_remote_metadata` and before
+//! `deregister`.
 //!
 //! With `notify`, the request carries a `W`/`R` notification naming the target's
 //! tenancies (see [`wire`]); NIXL sends it only after the data is flushed. If
@@ -19,6 +25,13 @@
 //! not attached but sent by the driver once all of them are terminal. After a
 //! notifying post, or an abort, those tenancies are tombstoned: a later post
 //! naming them (or an older generation of their slots) is refused.
+//!
+//! Why an initiator-observed `Done` is enough for a `Completed` proof on the
+//! target: NIXL's UCX backend ends every posted request with an endpoint flush,
+//! so the request reports success only once the puts are remotely complete, and
+//! the attached notification is sent only after that (read in NIXL's
+//! `ucx_backend.cpp`, `sendXferRange`/`checkXfer`). All descriptors of one of our
+//! requests go to one agent, hence one endpoint.
 //!
 //! **Abort**: NIXL has no cancel. [`TransferHandle::cancel`] (or a failure of a
 //! notifying request) waits for the terminal status, then tells the target with a
@@ -115,6 +128,14 @@ pub struct AdapterConfig {
     pub idle_interval: Duration,
     /// How long [`Drop`] waits for outstanding work before leaking it.
     pub teardown_timeout: Duration,
+    /// Completed requests kept for re-posting (0: off, the default). With it on, a
+    /// request without an attached notification that completed successfully is
+    /// not released at once but kept, terminal, and re-posted by a later post with
+    /// exactly the same descriptors and peer, saving NIXL's create and release per
+    /// transfer. Its lease still comes back only after the terminal status; the
+    /// release itself then happens at eviction or teardown (always before
+    /// `invalidate_remote_metadata` and `deregister`).
+    pub request_cache: usize,
     /// Capacity of the target-side event queue ([`NixlTransfer::take_events`]);
     /// the oldest events are dropped (and counted) beyond it.
     pub event_capacity: usize,
@@ -131,6 +152,7 @@ impl Default for AdapterConfig {
             notif_interval: Duration::from_millis(1),
             idle_interval: Duration::from_millis(10),
             teardown_timeout: Duration::from_secs(5),
+            request_cache: 0,
             event_capacity: 4096,
         }
     }
@@ -183,6 +205,10 @@ pub struct AdapterMetrics {
     pub pending_messages: usize,
     /// Requests posted.
     pub posted: u64,
+    /// Of those, completed requests re-posted from the cache.
+    pub reposted: u64,
+    /// Completed requests kept for re-posting (gauge).
+    pub cached_requests: usize,
     /// Requests that ended in success.
     pub completed_ok: u64,
     /// Requests that ended in an error.
@@ -254,8 +280,19 @@ struct PoolEntry {
     reg: RegId,
 }
 
+/// What a cached request moves: re-posted only for an identical post.
+#[derive(Clone, PartialEq, Eq)]
+struct CacheKey {
+    agent: Arc<str>,
+    op: XferOp,
+    local: Vec<MemRegion>,
+    remote: Vec<MemRegion>,
+}
+
 struct InFlight {
     req: Option<ReqId>,
+    /// Set when the request may be kept for re-posting after a clean completion.
+    key: Option<CacheKey>,
     posted: bool,
     agent: Arc<str>,
     remote_pool: PoolId,
@@ -298,6 +335,8 @@ struct State {
     /// Initiator side: highest generation per remote slot that was handed back.
     tombstones: HashMap<(Arc<str>, PoolId), HashMap<SlotId, Generation>>,
     outgoing: Vec<Outgoing>,
+    /// Completed requests (terminal, unreleased) for re-posting, oldest first.
+    cache: Vec<(CacheKey, ReqId)>,
     events: VecDeque<NixlEvent>,
     next_escalation: Option<Instant>,
     m: AdapterMetrics,
@@ -345,6 +384,8 @@ struct Inner {
     cfg: AdapterConfig,
     state: Mutex<State>,
     changed: Condvar,
+    /// Threads blocked in `wait_changed`.
+    changed_waiters: std::sync::atomic::AtomicUsize,
     wake: Arc<Wake>,
 }
 
@@ -366,6 +407,12 @@ fn engine_error(e: &EngineError) -> TransferError {
         code: e.status().map_or(NO_NIXL_STATUS, |s| i64::from(s.to_raw())),
         message: e.to_string(),
     }
+}
+
+/// `now + timeout`, or about a year from now if that overflows.
+fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(365 * 86_400))
 }
 
 fn slots_overlap(a: &[Tenancy], b: &[Tenancy]) -> bool {
@@ -400,6 +447,7 @@ impl NixlTransfer {
             cfg,
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
+            changed_waiters: std::sync::atomic::AtomicUsize::new(0),
             wake: Arc::new(Wake::new()),
         });
         let d = Arc::clone(&inner);
@@ -529,6 +577,7 @@ impl NixlTransfer {
         m.oldest_in_flight = st.ops.values().map(|o| o.started.elapsed()).max();
         m.exposed_slots = st.exposures.len();
         m.pending_messages = st.outgoing.len();
+        m.cached_requests = st.cache.len();
         m
     }
 
@@ -536,7 +585,7 @@ impl NixlTransfer {
     /// exposure to it and no message for it is outstanding, waiting at most
     /// `timeout`. On timeout nothing is invalidated and the error says what is left.
     pub fn remove_peer(&self, peer: PeerId, timeout: Duration) -> Result<(), AdapterError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let mut st = self.inner.state();
         let name = st.peers.get(&peer).cloned().ok_or(AdapterError::UnknownPeer(peer))?;
         loop {
@@ -556,7 +605,16 @@ impl NixlTransfer {
             }
             st = self.inner.wait_changed(st, deadline - now);
         }
-        // Under the lock, so no post to this peer can start in between.
+        // Under the lock, so no post to this peer can start in between: completed
+        // requests kept for re-posting go first, then the metadata.
+        let (gone, kept): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut st.cache).into_iter().partition(|(k, _)| k.agent == name);
+        st.cache = kept;
+        for (_, req) in gone {
+            if !self.inner.release_cached(req) {
+                st.m.release_failures += 1;
+            }
+        }
         self.inner.engine.invalidate_remote_metadata(&name)?;
         st.peers.remove(&peer);
         st.names.remove(&name);
@@ -571,7 +629,7 @@ impl NixlTransfer {
     /// life of the process (and the engine is kept alive), so nothing is freed
     /// under a NIC. Idempotent.
     pub fn shutdown(&self, timeout: Duration) -> ShutdownReport {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let mut st = self.inner.state();
         st.closing = true;
         self.inner.wake.wake();
@@ -588,6 +646,12 @@ impl NixlTransfer {
         let handle = self.driver.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
             let _ = h.join();
+        }
+        let cached: Vec<ReqId> = std::mem::take(&mut self.inner.state().cache).into_iter().map(|(_, r)| r).collect();
+        for req in cached {
+            if !self.inner.release_cached(req) {
+                self.inner.state().m.release_failures += 1;
+            }
         }
         let mut st = self.inner.state();
         let mut report =
@@ -657,10 +721,23 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Waits (at most 50 ms at a time) for the driver or a completion to change
+    /// the tables. Called with the state lock held.
     fn wait_changed<'a>(&self, g: MutexGuard<'a, State>, d: Duration) -> MutexGuard<'a, State> {
-        match self.changed.wait_timeout(g, d.min(Duration::from_millis(50))) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.changed_waiters.fetch_add(1, SeqCst);
+        let g = match self.changed.wait_timeout(g, d.min(Duration::from_millis(50))) {
             Ok((g, _)) => g,
             Err(p) => p.into_inner().0,
+        };
+        self.changed_waiters.fetch_sub(1, SeqCst);
+        g
+    }
+
+    /// Wakes teardown waiters, if any (a notify is a syscall; the hot path has none).
+    fn notify_changed(&self) {
+        if self.changed_waiters.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            self.changed.notify_all();
         }
     }
 
@@ -677,9 +754,14 @@ impl Inner {
         }
         let local_pool = local.pool().id();
         let remote_t = remote.tenancies();
+        let slot = remote.slot_size as usize;
+        let local_addrs: Vec<u64> = (0..local.len()).filter_map(|i| local.slot_addr(i)).collect();
+        let remote_addrs: Vec<u64> = remote.slots.iter().map(|s| s.addr).collect();
+        let (l, r) = descriptors(&local_addrs, &remote_addrs, slot);
+        let xop = if op == Op::Write { XferOp::Write } else { XferOp::Read };
         // Admission under the lock: peer, tombstones, overlap; then a placeholder
         // that aborts and other posts see.
-        let (op_id, peer, agent, attach) = {
+        let (op_id, peer, agent, attach, cached) = {
             let mut st = self.state();
             if st.closing {
                 return Err(PostError { lease: local, kind: PostErrorKind::ShuttingDown });
@@ -720,10 +802,22 @@ impl Inner {
             let id = st.next_op;
             st.next_op += 1;
             let attach = opts.notify && !overlap;
+            // A completed request with the very same descriptors, peer and no
+            // notification: re-post it instead of creating one.
+            let cached = if attach || st.cache.is_empty() {
+                None
+            } else {
+                let hit = st
+                    .cache
+                    .iter()
+                    .rposition(|(k, _)| k.op == xop && k.agent == agent && k.local == l && k.remote == r);
+                hit.map(|i| st.cache.remove(i).1)
+            };
             st.ops.insert(
                 id,
                 InFlight {
                     req: None,
+                    key: None,
                     posted: false,
                     agent: agent.clone(),
                     remote_pool: remote.pool,
@@ -740,26 +834,32 @@ impl Inner {
                     finishing: false,
                 },
             );
-            (id, peer, agent, attach)
+            (id, peer, agent, attach, cached)
         };
-        let slot = remote.slot_size as usize;
-        let local_addrs: Vec<u64> = (0..local.len()).filter_map(|i| local.slot_addr(i)).collect();
-        let remote_addrs: Vec<u64> = remote.slots.iter().map(|s| s.addr).collect();
-        let (l, r) = descriptors(&local_addrs, &remote_addrs, slot);
         let kind = if op == Op::Write { MsgKind::Written } else { MsgKind::Read };
         let spec = XferSpec {
-            op: if op == Op::Write { XferOp::Write } else { XferOp::Read },
+            op: xop,
             local: l,
             remote: r,
             remote_agent: agent.to_string(),
             notif: attach.then(|| wire::encode(kind, remote.pool, &remote_t)),
         };
+        let key = (self.cfg.request_cache > 0 && !attach).then(|| CacheKey {
+            agent: agent.clone(),
+            op: xop,
+            local: spec.local.clone(),
+            remote: spec.remote.clone(),
+        });
         // Nothing is exposed by creating a request: a failure hands the lease back.
-        let req = match self.engine.create_xfer(&spec) {
+        let created = match cached {
+            Some(r) => Ok(r),
+            None => self.engine.create_xfer(&spec),
+        };
+        let req = match created {
             Ok(r) => r,
             Err(e) => {
                 self.state().ops.remove(&op_id);
-                self.changed.notify_all();
+                self.notify_changed();
                 self.wake.wake();
                 return Err(PostError { lease: local, kind: PostErrorKind::Engine(e.to_string()) });
             }
@@ -769,7 +869,11 @@ impl Inner {
             let mut st = self.state();
             if let Some(o) = st.ops.get_mut(&op_id) {
                 o.req = Some(req);
+                o.key = key;
                 o.completer = Some(completer);
+            }
+            if cached.is_some() {
+                st.m.reposted += 1;
             }
             if opts.notify {
                 let dead = st.tombstones.entry((agent, remote.pool)).or_default();
@@ -783,21 +887,26 @@ impl Inner {
         // From here the request may run: it is finished only at a terminal status.
         let first = self.engine.post_xfer(req);
         let mut st = self.state();
+        let mut claimed = None;
         if let Some(o) = st.ops.get_mut(&op_id) {
             o.posted = true;
             match first {
                 Ok(XferState::InProgress) => {}
-                Ok(XferState::Done) => o.terminal = Some(Ok(())),
+                Ok(XferState::Done) => {
+                    // Completed inside post (CMA on one host): this thread releases
+                    // and completes it; the driver leaves a claimed op alone.
+                    o.terminal = Some(Ok(()));
+                    o.finishing = true;
+                    claimed = Some((o.req, o.forgotten));
+                }
                 // Possibly partly posted: poll to a terminal status, report the post's error.
                 Err(e) => o.post_error = Some(engine_error(&e)),
             }
         }
-        let done_now = st.ops.get(&op_id).is_some_and(|o| o.terminal.is_some());
         drop(st);
-        if done_now {
-            // Completed inside post (CMA on one host): release and complete here.
+        if let Some((req, forgotten)) = claimed {
             // Nothing left for the driver unless a message now waits to be sent.
-            if self.finish_terminal(op_id) && self.state().outgoing.is_empty() {
+            if self.finish_claimed(op_id, req, forgotten) && self.state().outgoing.is_empty() {
                 return Ok(handle);
             }
         }
@@ -818,6 +927,11 @@ impl Inner {
                 _ => return false,
             }
         };
+        self.finish_claimed(op_id, req, forgotten)
+    }
+
+    /// [`finish_terminal`](Self::finish_terminal) for an op this thread claimed.
+    fn finish_claimed(&self, op_id: u64, req: Option<ReqId>, forgotten: bool) -> bool {
         let unclaim = |terminal: bool| {
             if let Some(o) = self.state().ops.get_mut(&op_id) {
                 o.finishing = false;
@@ -826,7 +940,15 @@ impl Inner {
                 }
             }
         };
-        if let (Some(req), false) = (req, forgotten) {
+        // A clean completion of a cacheable request is kept (terminal) for re-posting.
+        let keep = self.cfg.request_cache > 0
+            && !forgotten
+            && self
+                .state()
+                .ops
+                .get(&op_id)
+                .is_some_and(|o| o.key.is_some() && o.post_error.is_none() && matches!(o.terminal, Some(Ok(()))));
+        if let (Some(req), false, false) = (req, forgotten, keep) {
             match self.engine.release_xfer(req) {
                 Ok(()) => {}
                 Err(EngineError::StillInProgress(_)) => {
@@ -845,6 +967,13 @@ impl Inner {
         }
         let mut st = self.state();
         let Some(mut o) = st.ops.remove(&op_id) else { return false };
+        let mut evicted = None;
+        if let (true, Some(req), Some(key)) = (keep, req, o.key.take()) {
+            st.cache.push((key, req));
+            if st.cache.len() > self.cfg.request_cache {
+                evicted = Some(st.cache.remove(0).1);
+            }
+        }
         let mut result = o.terminal.take().unwrap_or(Ok(()));
         if let (Some(pe), Ok(())) = (o.post_error.take(), &result) {
             result = Err(pe);
@@ -880,7 +1009,12 @@ impl Inner {
         }
         let authority = st.pools.get(&o.local_pool).map(|p| p.authority.clone());
         drop(st);
-        self.changed.notify_all();
+        if let Some(req) = evicted {
+            if !self.release_cached(req) {
+                self.state().m.release_failures += 1;
+            }
+        }
+        self.notify_changed();
         if let (Some(c), Some(a)) = (o.completer.take(), authority) {
             let proof = a.completed(c.lease().tenancies());
             if let Err(e) = c.complete(proof, result) {
@@ -892,21 +1026,26 @@ impl Inner {
 
     fn drive(&self) {
         let mut last_activity = Instant::now();
-        let mut backoff = self.cfg.poll_min;
-        let mut last_notif_poll = Instant::now() - self.cfg.idle_interval;
+        // Poll notifications on the first round.
+        let mut last_notif_poll: Option<Instant> = None;
+        // A configuration with `poll_min > poll_max` is taken as the other way round.
+        let (poll_lo, poll_hi) = (self.cfg.poll_min.min(self.cfg.poll_max), self.cfg.poll_max.max(self.cfg.poll_min));
+        let mut backoff = poll_lo;
         let mut escalate_now = true;
         loop {
             let now = Instant::now();
             let mut progressed = false;
             let (posted, exposures, outgoing, stop, youngest, next_esc) = {
                 let st = self.state();
+                // Ops being posted or finished by another thread are not the driver's.
+                let mine = |o: &&InFlight| o.posted && !o.finishing;
                 let posted: Vec<(u64, ReqId, bool)> = st
                     .ops
                     .iter()
-                    .filter(|(_, o)| o.posted)
+                    .filter(|(_, o)| mine(o))
                     .filter_map(|(id, o)| o.req.map(|r| (*id, r, o.terminal.is_some())))
                     .collect();
-                let youngest = st.ops.values().map(|o| now.saturating_duration_since(o.started)).min();
+                let youngest = st.ops.values().filter(mine).map(|o| now.saturating_duration_since(o.started)).min();
                 (posted, !st.exposures.is_empty(), !st.outgoing.is_empty(), st.stop, youngest, st.next_escalation)
             };
             if stop {
@@ -936,8 +1075,8 @@ impl Inner {
                 _ if exposures || outgoing || !posted.is_empty() => self.cfg.notif_interval,
                 _ => self.cfg.idle_interval,
             };
-            if now.saturating_duration_since(last_notif_poll) >= notif_every {
-                last_notif_poll = now;
+            if last_notif_poll.map_or(true, |t| now.saturating_duration_since(t) >= notif_every) {
+                last_notif_poll = Some(now);
                 progressed |= self.poll_notifs();
             }
             if escalate_now || next_esc.is_some_and(|t| t <= now) {
@@ -949,8 +1088,8 @@ impl Inner {
             }
             if progressed {
                 last_activity = Instant::now();
-                backoff = self.cfg.poll_min;
-                self.changed.notify_all();
+                backoff = poll_lo;
+                self.notify_changed();
             }
             let busy = !posted.is_empty() || outgoing || (exposures && self.cfg.progress == Progress::Driver);
             let woke = if busy {
@@ -962,9 +1101,9 @@ impl Inner {
                 }
                 // Sleep at most a sixteenth of the youngest request's age, so a
                 // long transfer is seen done within ~6% of its duration.
-                let cap = youngest.map_or(self.cfg.poll_max, |a| a / 16).clamp(self.cfg.poll_min, self.cfg.poll_max);
+                let cap = youngest.map_or(poll_hi, |a| a / 16).clamp(poll_lo, poll_hi);
                 let d = backoff.min(cap);
-                backoff = (backoff * 2).min(self.cfg.poll_max);
+                backoff = backoff.saturating_mul(2).clamp(poll_lo, poll_hi);
                 self.wake.wait(d)
             } else {
                 let mut d = self.cfg.idle_interval;
@@ -977,7 +1116,7 @@ impl Inner {
                 // A post, a quarantine or a shutdown: look at everything now.
                 escalate_now = true;
                 last_activity = Instant::now();
-                backoff = self.cfg.poll_min;
+                backoff = poll_lo;
             }
         }
     }
@@ -1068,7 +1207,19 @@ impl Inner {
                 st.events.push_back(NixlEvent { peer, pool: m.pool, tenancies: ok.clone(), kind: m.kind });
                 drop(st);
                 authority.deliver(authority.completed(&ok));
-                self.changed.notify_all();
+                self.notify_changed();
+            }
+        }
+    }
+
+    /// Releases a cached (completed, terminal) request.
+    /// Returns whether it worked (the caller counts failures: it may hold the lock).
+    fn release_cached(&self, req: ReqId) -> bool {
+        match self.engine.release_xfer(req) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(%req, error = %e, "releasing a cached request failed");
+                false
             }
         }
     }
@@ -1111,7 +1262,7 @@ impl Inner {
             }
         }
         if sent {
-            self.changed.notify_all();
+            self.notify_changed();
         }
         sent
     }

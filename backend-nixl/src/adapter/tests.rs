@@ -58,6 +58,10 @@ struct Sim {
     notifs_fail: bool,
     deregistered: u32,
     invalidated: u32,
+    /// ABORT_ACKs sent while some request was not terminal.
+    acks_while_in_flight: u32,
+    /// Order of posts, releases, invalidations, deregistrations.
+    log: Vec<String>,
 }
 
 type Shared = Arc<Mutex<Sim>>;
@@ -76,11 +80,13 @@ fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine 
     m.expect_load_remote_metadata().returning(move |_| Ok(peer.to_string()));
     let s = sim.clone();
     m.expect_deregister().returning(move |_| {
+        lock(&s).log.push("deregister".into());
         lock(&s).deregistered += 1;
         Ok(())
     });
     let s = sim.clone();
     m.expect_invalidate_remote_metadata().returning(move |_| {
+        lock(&s).log.push("invalidate".into());
         lock(&s).invalidated += 1;
         Ok(())
     });
@@ -97,7 +103,14 @@ fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine 
     });
     let s = sim.clone();
     m.expect_post_xfer().returning(move |id| {
-        if lock(&s).post_fails {
+        let mut g = lock(&s);
+        g.log.push(format!("post {}", id.0));
+        if let Some(r) = g.reqs.get_mut(&id.0) {
+            // A re-post starts the request over.
+            r.polls = 0;
+            r.done = false;
+        }
+        if g.post_fails {
             return Err(EngineError::PostFailed {
                 id,
                 source: NixlError { op: NixlOp::PostXferReq, status: Status::Backend },
@@ -141,6 +154,7 @@ fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine 
         let leased = g.watch_pool.as_ref().map_or(0, |p| p.metrics().leased);
         g.leased_at_release.push(leased);
         g.releases.push(id.0);
+        g.log.push(format!("release {}", id.0));
         let Some(r) = g.reqs.get_mut(&id.0) else { return Err(EngineError::UnknownRequest(id)) };
         // Raw NIXL: release "succeeds" whatever the state; an in-progress request
         // keeps writing and its notification is lost.
@@ -163,6 +177,9 @@ fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine 
     let s = sim.clone();
     m.expect_gen_notif().returning(move |to, msg| {
         let mut g = lock(&s);
+        if msg.starts_with(b"kvt1 K") && g.reqs.values().any(|r| !(r.done || r.failed)) {
+            g.acks_while_in_flight += 1;
+        }
         g.sent.push((name.into(), to.into(), msg.to_vec()));
         g.inbox.entry(to.into()).or_default().push_back(Notification { agent: name.into(), msg: msg.to_vec() });
         Ok(())
@@ -441,6 +458,7 @@ fn abort_asks_the_initiator_who_acks_only_after_terminal() {
     assert_eq!(abort.2, wire::encode(MsgKind::Abort, remote.pool, &remote.tenancies()));
     assert!(g.reqs[&1].done && g.reqs[&1].released);
     assert_eq!(g.early_releases, 0);
+    assert_eq!(g.acks_while_in_flight, 0, "ABORT_ACK sent while the request was in flight");
     drop(g);
     assert!(ack_at > 0);
     assert_eq!(p.dst.metrics().quarantine_stuck, 0);
@@ -526,4 +544,71 @@ fn foreign_pool_and_unknown_peer_hand_the_lease_back() {
     e.lease.release();
     assert_eq!(p.src.metrics().free, 8);
     drop(exposed);
+}
+
+#[test]
+fn cancel_waits_for_terminal_then_acks_with_slot_and_generation() {
+    let p = pair(Behaviour::DoneAfter(60), EscalationLadder::default());
+    let (h, exposed, remote) = write(&p, 2, false);
+    h.cancel();
+    let out = futures::executor::block_on(h).expect("not abandoned");
+    // NIXL has no cancel: the request ran to its end.
+    assert_eq!(out.result, Ok(()));
+    let settled = futures::executor::block_on(exposed.settled());
+    let g = lock(&p.sim);
+    let acks: Vec<&Vec<u8>> = g.sent.iter().filter(|(from, _, _)| from == "ini").map(|(_, _, m)| m).collect();
+    assert_eq!(acks, vec![&wire::encode(MsgKind::AbortAck, remote.pool, &remote.tenancies())]);
+    assert_eq!(g.acks_while_in_flight, 0);
+    assert!(g.reqs[&1].polls > 60);
+    drop(g);
+    assert_eq!(p.tgt.take_events()[0].kind, MsgKind::AbortAck);
+    assert_eq!(p.ini.metrics().acks_sent, 1);
+    settled.release();
+    out.lease.release();
+}
+
+#[test]
+fn request_cache_reposts_only_completed_requests_and_releases_them_before_teardown() {
+    let sim: Shared = Arc::default();
+    lock(&sim).behaviour = Some(Behaviour::DoneAfter(5));
+    let cfg = AdapterConfig { request_cache: 2, ..fast() };
+    let ini = NixlTransfer::new(Arc::new(mock(&sim, "ini", "tgt")), cfg).expect("ini");
+    let tgt = NixlTransfer::new(Arc::new(mock(&sim, "tgt", "ini")), fast()).expect("tgt");
+    let src = ini.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
+    let dst = tgt.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
+    let to_tgt = ini.add_peer(b"tgt").expect("peer");
+    let to_ini = tgt.add_peer(b"ini").expect("peer");
+    let (exposed, remote) = tgt.expose(dst.reserve(1).expect("r"), to_ini).expect("expose");
+    let mut lease = src.reserve(1).expect("r");
+    for _ in 0..3 {
+        let h = futures::executor::block_on(ini.write(lease, &remote, TransferOptions::notify(false))).expect("post");
+        let out = futures::executor::block_on(h).expect("not abandoned");
+        assert_eq!(out.result, Ok(()));
+        lease = out.lease.into_reserved();
+    }
+    {
+        let g = lock(&sim);
+        // One request created, posted three times, never released, never early.
+        assert_eq!(g.next, 1);
+        assert_eq!(g.log.iter().filter(|l| *l == "post 1").count(), 3);
+        assert!(g.releases.is_empty());
+        assert_eq!(g.early_releases, 0);
+    }
+    let m = ini.metrics();
+    assert_eq!((m.reposted, m.cached_requests, m.in_flight), (2, 1, 0));
+    // A notifying post is never served from the cache (its message differs).
+    let h = futures::executor::block_on(ini.write(lease, &remote, TransferOptions::notify(true))).expect("post");
+    let out = futures::executor::block_on(h).expect("not abandoned");
+    assert_eq!(lock(&sim).next, 2);
+    futures::executor::block_on(exposed.settled()).release();
+    out.lease.release();
+    // Teardown: the cached request is released before the peer is invalidated,
+    // and everything before memory is deregistered.
+    ini.remove_peer(to_tgt, Duration::from_secs(1)).expect("remove peer");
+    let r = ini.shutdown(Duration::from_secs(1));
+    assert_eq!((r.deregistered, r.leaked), (1, 0));
+    let g = lock(&sim);
+    let at = |what: &str| g.log.iter().position(|l| l == what).unwrap_or(usize::MAX);
+    assert!(at("release 1") < at("invalidate"), "{:?}", g.log);
+    assert!(at("invalidate") < at("deregister"), "{:?}", g.log);
 }

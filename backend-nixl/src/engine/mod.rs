@@ -64,7 +64,9 @@ pub trait NixlEngine: Send + Sync {
     /// exposed to the NIC yet; releasing it is always safe.
     fn create_xfer(&self, spec: &XferSpec) -> Result<ReqId, EngineError>;
 
-    /// Posts a created request (`post_xfer_req`). A failure is
+    /// Posts a created request (`post_xfer_req`), or re-posts one whose last
+    /// observed state is `Done` (NIXL re-posts a completed request; the real engine
+    /// refuses one that may be in progress or failed). A failure is
     /// [`EngineError::PostFailed`]; the request then still exists and must be polled
     /// and released by the caller.
     fn post_xfer(&self, id: ReqId) -> Result<XferState, EngineError>;

@@ -192,8 +192,10 @@ impl NixlEngine for RealNixlEngine {
     fn post_xfer(&self, id: ReqId) -> Result<XferState, EngineError> {
         let mut t = self.tables();
         let e = t.reqs.get_mut(&id).ok_or(EngineError::UnknownRequest(id))?;
-        if e.req.is_posted() {
-            return Err(EngineError::InvalidArgument(format!("{id} already posted")));
+        // A request may be re-posted once it completed (NIXL allows it); never
+        // while it may be in progress, nor after an error.
+        if e.req.is_posted() && e.last != Some(Ok(XferState::Done)) {
+            return Err(EngineError::InvalidArgument(format!("{id} already posted and not completed")));
         }
         match e.req.post() {
             Ok(st) => {

@@ -10,7 +10,7 @@
 //! ```
 
 use backend_tcp_sim::ReleasePolicy;
-use kv_transfer_examples::race::{run_race, RaceConfig, RaceReport};
+use kv_transfer_examples::race::{policy_name as name, run_race, table, RaceConfig};
 use std::process::ExitCode;
 
 const USAGE: &str = "\
@@ -60,54 +60,6 @@ fn parse() -> Result<Option<Args>, String> {
     Ok(Some(Args { cfg, policies, json }))
 }
 
-fn name(p: ReleasePolicy) -> &'static str {
-    match p {
-        ReleasePolicy::Naive => "naive",
-        ReleasePolicy::Safe => "safe",
-    }
-}
-
-fn table(reports: &[(ReleasePolicy, RaceReport)]) -> String {
-    type Row = (&'static str, fn(&RaceReport) -> String);
-    let rows: [Row; 12] = [
-        ("requests", |r| r.requests.to_string()),
-        ("aborted with writes in flight", |r| r.aborted.to_string()),
-        ("slots reassigned after abort", |r| r.reassigned.to_string()),
-        ("stale writes landed in a reassigned slot", |r| r.stale_writes_landed.to_string()),
-        ("requests that consumed foreign bytes", |r| r.foreign_requests.to_string()),
-        ("foreign bytes consumed", |r| r.foreign_bytes.to_string()),
-        ("stale writes rejected at the NIC", |r| r.rejected_at_nic.to_string()),
-        ("stale notifications/acks dropped", |r| r.stale_notifications.to_string()),
-        ("peak quarantined slots", |r| r.peak_quarantined.to_string()),
-        ("abort-to-reclaim p50 / p99", |r| {
-            format!("{} / {} µs", r.abort_to_reclaim.p50_us, r.abort_to_reclaim.p99_us)
-        }),
-        ("throughput", |r| format!("{:.0} req/s", r.requests_per_s)),
-        ("pool whole at the end", |r| if r.pool_whole() { "yes".into() } else { format!("NO ({} free of {})", r.final_free, r.capacity) }),
-    ];
-    let w0 = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0);
-    let cells: Vec<Vec<String>> = rows.iter().map(|(_, f)| reports.iter().map(|(_, r)| f(r)).collect()).collect();
-    let widths: Vec<usize> = (0..reports.len())
-        .map(|i| cells.iter().map(|c| c[i].chars().count()).chain([name(reports[i].0).len()]).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    let rule: String = std::iter::repeat_n('-', w0 + widths.iter().map(|w| w + 3).sum::<usize>()).collect();
-    out += &format!("{:<w0$}", "");
-    for (i, (p, _)) in reports.iter().enumerate() {
-        out += &format!(" | {:>w$}", name(*p), w = widths[i]);
-    }
-    out += &format!("\n{rule}\n");
-    for (ri, (label, _)) in rows.iter().enumerate() {
-        out += &format!("{:<w0$}", label, w0 = w0 + label.len() - label.chars().count());
-        for (i, c) in cells[ri].iter().enumerate() {
-            let w = widths[i] + c.len() - c.chars().count();
-            out += &format!(" | {c:>w$}");
-        }
-        out.push('\n');
-    }
-    out
-}
-
 fn main() -> ExitCode {
     let args = match parse() {
         Ok(Some(a)) => a,
@@ -150,7 +102,8 @@ fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
-    print!("{}", table(&reports));
+    let rs: Vec<_> = reports.iter().map(|(_, r)| r.clone()).collect();
+    print!("{}", table(&rs));
     for (p, r) in &reports {
         match p {
             ReleasePolicy::Naive if r.corrupted() => println!(

@@ -1,1 +1,59 @@
-fn main() {}
+//! A prefill worker in its own process, for the peer-crash scenario: it
+//! connects a simulated NIC to the decode side and, for every command read
+//! from stdin (one JSON object per line:
+//! `{"remote": RemoteSlots, "request": N, "repeat": R}`), WRITEs request N's
+//! tagged payload into the remote slots R times back to back. The test kills
+//! it mid-transfer.
+//!
+//! usage: prefill-worker DECODE_ENDPOINT NAME SLOT_SIZE
+
+use backend_tcp_sim::{block_on, NicConfig, SimNic};
+use kv_transfer_core::{HostRegion, PoolConfig, RemoteSlots, Transfer, TransferOptions};
+use kv_transfer_examples::wait::poll_until;
+use kv_transfer_tests::sim::fill_tagged;
+use std::io::BufRead;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn run() -> Result<(), String> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [endpoint, name, slot_size] = args.as_slice() else {
+        return Err("usage: prefill-worker DECODE_ENDPOINT NAME SLOT_SIZE".into());
+    };
+    let slot_size: usize = slot_size.parse().map_err(|e| format!("SLOT_SIZE: {e}"))?;
+    let nic = SimNic::start(NicConfig::new(name.clone())).map_err(|e| e.to_string())?;
+    let region = HostRegion::new(64 * slot_size).map_err(|e| e.to_string())?;
+    let pool = nic.register_pool(Arc::new(region), PoolConfig::new(slot_size)).map_err(|e| e.to_string())?;
+    nic.connect(endpoint).map_err(|e| e.to_string())?;
+    for line in std::io::stdin().lock().lines().take(10_000) {
+        let line = line.map_err(|e| e.to_string())?;
+        let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| e.to_string())?;
+        let remote: RemoteSlots =
+            serde_json::from_value(v.get("remote").cloned().unwrap_or_default()).map_err(|e| e.to_string())?;
+        let request = v.get("request").and_then(serde_json::Value::as_u64).unwrap_or(0);
+        let repeat = v.get("repeat").and_then(serde_json::Value::as_u64).unwrap_or(1).clamp(1, 16);
+        let mut handles = Vec::new();
+        for _ in 0..repeat {
+            let mut src = pool.reserve(remote.slots.len()).map_err(|e| e.to_string())?;
+            fill_tagged(&mut src, &remote, request).map_err(|e| e.0)?;
+            handles.push(block_on(nic.write(src, &remote, TransferOptions::default())).map_err(|e| e.to_string())?);
+        }
+        for mut h in handles {
+            if let Some(Ok(out)) = poll_until(std::pin::Pin::new(&mut h), Duration::from_secs(30)) {
+                out.lease.release();
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("prefill-worker: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! `kvt bench`: throughput and per-batch latency of one-sided operations.
+//!
+//! Loopback WRITE runs `backend_tcp_sim::bench::run_write_bench` (the
+//! simulator's own loop). READ, and the target / initiator modes across
+//! processes, run [`run_loop`] (the same loop shape, generic over the
+//! operation) because the simulator's bench module only covers in-process
+//! WRITE.
+//!
+//! Target / initiator control protocol (one JSON object per line, on the
+//! target's `--listen` address; the data moves over the simulated NIC):
+//!
+//! ```text
+//! initiator -> {"name": "...", "block_size": N, "slots": M}
+//! target    -> {"nic": "127.0.0.1:PORT"}        (a NIC started for this session)
+//! initiator    connects its NIC there
+//! target    -> {"remote": RemoteSlots}          (M slots exposed to that peer)
+//! initiator    runs the loop, then -> {"done": true}
+//! target       revokes, releases, drops the session's NIC
+//! ```
+
+use anyhow::{anyhow, bail, Context as _};
+use backend_tcp_sim::bench::{run_write_bench, BenchConfig};
+use backend_tcp_sim::{block_on, NicConfig, SimNic};
+use kv_transfer_core::{HostRegion, Op, PoolConfig, RemoteSlots, SlotPool, Transfer, TransferOptions};
+use kv_transfer_examples::wait::poll_until;
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+/// Largest registered memory one run may ask for.
+const MAX_BYTES: usize = 4 << 30;
+/// Bound on one operation's terminal status.
+const OP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct Params {
+    /// READ or WRITE.
+    pub op: Op,
+    /// Bytes per operation (one slot).
+    pub block_size: usize,
+    /// Operations posted before waiting for them all.
+    pub batch: usize,
+    /// Posting threads.
+    pub threads: usize,
+    /// Measured time.
+    pub duration: Duration,
+    /// Unmeasured time before it.
+    pub warmup: Duration,
+}
+
+impl Params {
+    fn slots(&self) -> anyhow::Result<usize> {
+        let slots = self.threads.checked_mul(self.batch).ok_or_else(|| anyhow!("threads × batch overflows"))?;
+        let bytes = slots.checked_mul(self.block_size).ok_or_else(|| anyhow!("registered memory overflows"))?;
+        if slots == 0 {
+            bail!("--batch and --threads must be at least 1");
+        }
+        if bytes > MAX_BYTES {
+            bail!("threads × batch × block size = {bytes} B exceeds the {MAX_BYTES} B this tool registers");
+        }
+        Ok(slots)
+    }
+}
+
+/// One measured configuration.
+#[derive(Clone, Debug, Serialize)]
+pub struct Outcome {
+    /// Backend name.
+    pub backend: String,
+    /// `loopback` or `initiator`.
+    pub mode: String,
+    /// `read` or `write`.
+    pub op: String,
+    /// Bytes per operation.
+    pub block_size: usize,
+    /// Operations per batch.
+    pub batch: usize,
+    /// Threads.
+    pub threads: usize,
+    /// Bytes moved in the measured time.
+    pub bytes: u64,
+    /// Measured time, s.
+    pub elapsed_s: f64,
+    /// Throughput, GB/s (10^9 B/s).
+    pub gb_per_s: f64,
+    /// Batches measured.
+    pub batches: usize,
+    /// Median batch latency (post of the first op to the last completion), µs.
+    pub p50_us: u64,
+    /// 99th percentile batch latency, µs.
+    pub p99_us: u64,
+}
+
+fn quantile(sorted: &[u64], q: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+fn outcome(mode: &str, p: &Params, bytes: u64, elapsed: Duration, mut lat: Vec<u64>) -> Outcome {
+    lat.sort_unstable();
+    let secs = elapsed.as_secs_f64();
+    Outcome {
+        backend: "tcp-sim".into(),
+        mode: mode.into(),
+        op: op_name(p.op).into(),
+        block_size: p.block_size,
+        batch: p.batch,
+        threads: p.threads,
+        bytes,
+        elapsed_s: secs,
+        gb_per_s: if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 },
+        batches: lat.len(),
+        p50_us: quantile(&lat, 0.5),
+        p99_us: quantile(&lat, 0.99),
+    }
+}
+
+/// `read` / `write`.
+pub fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Read => "read",
+        Op::Write => "write",
+    }
+}
+
+fn register(nic: &SimNic, slots: usize, block: usize) -> anyhow::Result<SlotPool> {
+    let region = HostRegion::new(slots * block).map_err(|e| anyhow!("cannot allocate {} B: {e}", slots * block))?;
+    Ok(nic.register_pool(Arc::new(region), PoolConfig::new(block))?)
+}
+
+/// Both ends in this process, on loopback.
+pub fn loopback(p: &Params) -> anyhow::Result<Outcome> {
+    let slots = p.slots()?;
+    if p.op == Op::Write {
+        let r = run_write_bench(&BenchConfig {
+            block_size: p.block_size,
+            batch: p.batch,
+            threads: p.threads,
+            duration: p.duration,
+            warmup: p.warmup,
+            ..BenchConfig::default()
+        })?;
+        return Ok(outcome("loopback", p, r.bytes, r.elapsed, r.batch_latency_us));
+    }
+    let target = SimNic::start(NicConfig::new("kvt-target"))?;
+    let tpool = register(&target, slots, p.block_size)?;
+    let init = SimNic::start(NicConfig::new("kvt-initiator"))?;
+    let ipool = register(&init, slots, p.block_size)?;
+    init.connect(target.endpoint())?;
+    let peer = target
+        .wait_for_peer("kvt-initiator", Duration::from_secs(5))
+        .ok_or_else(|| anyhow!("the initiator did not connect"))?;
+    let (exposed, remote) = target.expose(tpool.reserve(slots)?, peer).map_err(|e| anyhow!("{}", e.kind))?;
+    let res = run_loop(&init, &ipool, &remote, p);
+    target.revoke(&exposed);
+    if let Ok(s) = exposed.try_settled() {
+        s.release();
+    }
+    let (bytes, elapsed, lat) = res?;
+    Ok(outcome("loopback", p, bytes, elapsed, lat))
+}
+
+/// The measured loop: `threads` threads, each posting `batch` single-slot
+/// operations against its share of `remote`, waiting for all of them, and
+/// repeating until `warmup + duration` is spent.
+///
+/// BACKEND HOOK: this loop needs only `Transfer` and a pool; when the NIXL,
+/// Mooncake and MORI adapters are wired in, give it their `Transfer` and
+/// pool instead of the simulator's.
+pub fn run_loop(
+    init: &SimNic,
+    ipool: &SlotPool,
+    remote: &RemoteSlots,
+    p: &Params,
+) -> anyhow::Result<(u64, Duration, Vec<u64>)> {
+    let singles: Vec<RemoteSlots> =
+        remote.slots.iter().map(|s| RemoteSlots { slots: vec![*s], ..remote.clone() }).collect();
+    if singles.len() < p.threads * p.batch || remote.slot_size != p.block_size as u64 {
+        bail!(
+            "the target exposed {} slots of {} B; {} of {} B are needed",
+            singles.len(),
+            remote.slot_size,
+            p.threads * p.batch,
+            p.block_size
+        );
+    }
+    let barrier = Arc::new(Barrier::new(p.threads + 1));
+    let mut joins = Vec::new();
+    for chunk in singles.chunks(p.batch).take(p.threads) {
+        let (init, ipool, barrier, p, remotes) =
+            (init.clone(), ipool.clone(), barrier.clone(), p.clone(), chunk.to_vec());
+        joins.push(std::thread::spawn(move || -> anyhow::Result<(u64, Vec<u64>, Duration)> {
+            let mut leases = Vec::with_capacity(p.batch);
+            for i in 0..p.batch {
+                let mut l = ipool.reserve(1)?;
+                l.write_at(0, 0, &vec![(i % 251) as u8; p.block_size])?;
+                leases.push(l);
+            }
+            barrier.wait();
+            let measure_from = Instant::now() + p.warmup;
+            let end = measure_from + p.duration;
+            let (mut bytes, mut lat, mut last_end) = (0u64, Vec::new(), measure_from);
+            while Instant::now() < end {
+                let b0 = Instant::now();
+                let mut handles = Vec::with_capacity(p.batch);
+                for (l, r) in leases.drain(..).zip(&remotes) {
+                    let h = block_on(init.post(p.op, l, r, TransferOptions::notify(false)))
+                        .map_err(|e| anyhow!("post failed: {}", e.kind))?;
+                    handles.push(h);
+                }
+                for mut h in handles {
+                    let out = poll_until(std::pin::Pin::new(&mut h), OP_TIMEOUT)
+                        .ok_or_else(|| anyhow!("an operation did not complete within {OP_TIMEOUT:?}"))??;
+                    out.result?;
+                    leases.push(out.lease.into_reserved());
+                }
+                if b0 >= measure_from {
+                    bytes += (p.batch * p.block_size) as u64;
+                    lat.push(b0.elapsed().as_micros() as u64);
+                    last_end = Instant::now();
+                }
+            }
+            Ok((bytes, lat, last_end.saturating_duration_since(measure_from)))
+        }));
+    }
+    barrier.wait();
+    let (mut total, mut lat, mut elapsed, mut err) = (0u64, Vec::new(), Duration::ZERO, None);
+    for j in joins {
+        match j.join() {
+            Ok(Ok((b, l, e))) => {
+                total += b;
+                lat.extend(l);
+                elapsed = elapsed.max(e);
+            }
+            Ok(Err(e)) => err = Some(e),
+            Err(_) => err = Some(anyhow!("a bench thread panicked")),
+        }
+    }
+    match err {
+        Some(e) => Err(e),
+        None => Ok((total, elapsed, lat)),
+    }
+}
+
+fn send(s: &mut TcpStream, v: &Value) -> anyhow::Result<()> {
+    let mut line = serde_json::to_vec(v)?;
+    line.push(b'\n');
+    s.write_all(&line).context("control connection")?;
+    Ok(())
+}
+
+fn recv(r: &mut BufReader<TcpStream>) -> anyhow::Result<Value> {
+    let mut line = String::new();
+    if r.read_line(&mut line).context("control connection")? == 0 {
+        bail!("the control connection closed");
+    }
+    let v: Value = serde_json::from_str(&line).context("malformed control message")?;
+    if let Some(e) = v.get("error").and_then(Value::as_str) {
+        bail!("the target refused: {e}");
+    }
+    Ok(v)
+}
+
+/// Target mode: serves `sessions` initiators one after the other on
+/// `listen`, and gives up after `idle` without a new initiator.
+pub fn serve(listen: &str, sessions: u32, idle: Duration, log: &dyn Fn(String)) -> anyhow::Result<()> {
+    let l = TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
+    log(format!("kvt bench target: control on {}, serving {sessions} session(s)", l.local_addr()?));
+    l.set_nonblocking(true)?;
+    for n in 0..sessions {
+        let deadline = Instant::now() + idle;
+        let (s, from) = loop {
+            match l.accept() {
+                Ok(x) => break x,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        log(format!("no initiator for {idle:?}: exiting"));
+                        return Ok(());
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        s.set_nonblocking(false)?;
+        match session(s) {
+            Ok(()) => log(format!("session {} from {from}: done", n + 1)),
+            Err(e) => log(format!("session {} from {from}: {e:#}", n + 1)),
+        }
+    }
+    Ok(())
+}
+
+fn session(mut s: TcpStream) -> anyhow::Result<()> {
+    s.set_read_timeout(Some(Duration::from_secs(3600)))?;
+    let mut r = BufReader::new(s.try_clone()?);
+    let hello = recv(&mut r)?;
+    let name = hello.get("name").and_then(Value::as_str).unwrap_or_default().to_string();
+    let block = hello.get("block_size").and_then(Value::as_u64).unwrap_or(0) as usize;
+    let slots = hello.get("slots").and_then(Value::as_u64).unwrap_or(0) as usize;
+    if name.is_empty() || block == 0 || slots == 0 || slots.saturating_mul(block) > MAX_BYTES {
+        let msg = format!("bad request: name {name:?}, {slots} slots of {block} B (at most {MAX_BYTES} B in all)");
+        send(&mut s, &json!({ "error": msg }))?;
+        bail!(msg);
+    }
+    let nic = SimNic::start(NicConfig::new("kvt-target"))?;
+    let pool = register(&nic, slots, block)?;
+    send(&mut s, &json!({ "nic": nic.endpoint() }))?;
+    let peer = nic.wait_for_peer(&name, Duration::from_secs(10)).ok_or_else(|| anyhow!("{name} did not connect"))?;
+    let (exposed, remote) = nic.expose(pool.reserve(slots)?, peer).map_err(|e| anyhow!("{}", e.kind))?;
+    send(&mut s, &json!({ "remote": remote }))?;
+    let done = recv(&mut r);
+    nic.revoke(&exposed);
+    if let Ok(settled) = exposed.try_settled() {
+        settled.release();
+    }
+    done.map(|_| ())
+}
+
+/// Initiator mode: runs the loop against a `kvt bench --mode target`.
+pub fn initiator(target: &str, p: &Params) -> anyhow::Result<Outcome> {
+    let slots = p.slots()?;
+    let mut s =
+        TcpStream::connect(target).with_context(|| format!("cannot reach the target's control port {target}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut r = BufReader::new(s.try_clone()?);
+    let name = format!("kvt-initiator-{}", std::process::id());
+    send(&mut s, &json!({ "name": name, "block_size": p.block_size, "slots": slots }))?;
+    let nic_ep = recv(&mut r)?
+        .get("nic")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| anyhow!("target sent no NIC endpoint"))?;
+    let init = SimNic::start(NicConfig::new(name))?;
+    let ipool = register(&init, slots, p.block_size)?;
+    init.connect(&nic_ep)?;
+    let remote: RemoteSlots = serde_json::from_value(
+        recv(&mut r)?.get("remote").cloned().ok_or_else(|| anyhow!("target sent no descriptor"))?,
+    )?;
+    let res = run_loop(&init, &ipool, &remote, p);
+    let _ = send(&mut s, &json!({ "done": true }));
+    let (bytes, elapsed, lat) = res?;
+    Ok(outcome("initiator", p, bytes, elapsed, lat))
+}

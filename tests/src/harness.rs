@@ -1,0 +1,151 @@
+//! What a backend provides for the scenarios.
+
+use kv_transfer_core::{
+    EscalationLadder, Exposed, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer, TransferError,
+    TransferHandle,
+};
+use std::any::Any;
+use std::fmt;
+use std::time::Duration;
+
+/// A scenario's failure: what was expected and what was seen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure(pub String);
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Failure {}
+
+impl Failure {
+    /// A failure from anything printable.
+    pub fn from_err(what: &str, e: impl fmt::Display) -> Self {
+        Self(format!("{what}: {e}"))
+    }
+}
+
+/// Returns a [`Failure`] unless `cond` holds.
+#[macro_export]
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err($crate::Failure(format!($($fmt)+)));
+        }
+    };
+}
+
+/// Shape of a rig.
+#[derive(Clone, Debug)]
+pub struct RigConfig {
+    /// Bytes per slot (both sides).
+    pub slot_size: usize,
+    /// Slots of the decode pool.
+    pub decode_slots: usize,
+    /// Slots of the prefill pool.
+    pub prefill_slots: usize,
+    /// The decode pool's escalation ladder.
+    pub ladder: EscalationLadder,
+    /// Run the prefill side in a separate process (for the crash scenario).
+    pub prefill_process: bool,
+    /// Give the decode side the means to hold incoming writes (a backend may
+    /// buffer held writes whole, which changes what "in flight" means; the
+    /// stalled-peer case turns this off).
+    pub can_hold: bool,
+}
+
+impl Default for RigConfig {
+    fn default() -> Self {
+        Self {
+            slot_size: 1024,
+            decode_slots: 8,
+            prefill_slots: 16,
+            ladder: EscalationLadder::default(),
+            prefill_process: false,
+            can_hold: true,
+        }
+    }
+}
+
+/// A raw one-sided access, outside any lease: what a buggy or hostile peer
+/// can put on the wire. Field values are taken as given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawSpec {
+    /// Access key.
+    pub key: u64,
+    /// Target address.
+    pub addr: u64,
+    /// Slot named.
+    pub slot: u32,
+    /// Generation named.
+    pub generation: u64,
+}
+
+/// An exposure to a stalled peer, with the guard that keeps the peer alive.
+pub type StalledExposure = (SlotLease<Exposed>, Box<dyn Any>);
+
+/// A peer under the test's direct control that can send notifications the
+/// real engines would not (replays, old and future generations).
+pub trait RawPeer {
+    /// Sends a NOTIFY naming `tenancies` of the region with key `key`.
+    fn notify(&mut self, key: u64, tenancies: &[Tenancy]) -> Result<(), Failure>;
+}
+
+/// A backend under test.
+pub trait Backend {
+    /// Its name.
+    fn name(&self) -> &'static str;
+    /// `Ok` when it can run here; otherwise what to install.
+    fn available(&self) -> Result<(), String>;
+    /// A decode side and a prefill side, connected.
+    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure>;
+}
+
+/// A decode side and a prefill side of one backend, connected.
+///
+/// The decode side reserves and exposes slots; the prefill side writes into
+/// them. Optional capabilities return `None` / `false` when the backend
+/// cannot provide them.
+pub trait Rig {
+    /// The backend's name.
+    fn backend(&self) -> &'static str;
+    /// Backend counters worth printing when a scenario fails.
+    fn diagnostics(&self) -> String;
+    /// The decode side's pool.
+    fn decode_pool(&self) -> &SlotPool;
+    /// The prefill side's pool (`None` when the prefill side runs in another process).
+    fn prefill_pool(&self) -> Option<&SlotPool>;
+    /// The prefill side's `Transfer` (`None` when it runs in another process).
+    fn prefill_transfer(&self) -> Option<&dyn Transfer>;
+    /// Exposes a decode lease to the prefill side.
+    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure>;
+    /// Has the prefill side WRITE request `request`'s tagged payload into
+    /// `remote` (with notification). The handle, when the prefill side is in
+    /// this process.
+    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure>;
+    /// Starts holding incoming writes at the decode side (false: cannot).
+    fn hold_writes(&self) -> bool;
+    /// Lets held writes through.
+    fn release_writes(&self);
+    /// Waits (bounded) until at least one write is held.
+    fn wait_held(&self, timeout: Duration) -> bool;
+    /// Kills the prefill side without goodbyes (process kill or NIC crash).
+    fn crash_prefill(&mut self) -> Result<(), Failure>;
+    /// A raw WRITE of `data` from the prefill side; its terminal status
+    /// (`None`: the backend has no raw access).
+    fn raw_write(&self, spec: RawSpec, data: Vec<u8>) -> Option<Result<(), TransferError>>;
+    /// Sends bytes that are not a valid frame to the decode side and waits
+    /// until it tore that connection down (`None`: not applicable).
+    fn send_malformed(&self) -> Option<Result<(), Failure>>;
+    /// Connects a [`RawPeer`] to the decode side; `expose_to_raw` exposes to it
+    /// (`None`: the backend has no such peer).
+    fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>>;
+    /// Exposes a decode lease to the last raw peer connected.
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure>;
+    /// Exposes a decode lease to a peer that starts a WRITE, sends half its
+    /// payload and then stalls forever without acking (so revocation cannot
+    /// drain and only a fence can settle). The guard keeps that peer alive.
+    fn expose_to_stalled_peer(&self, lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>>;
+}

@@ -1,0 +1,551 @@
+//! The scenarios, each a function over a [`Backend`]. Each returns `Ok(())`
+//! or a [`Failure`] saying what was expected and what was seen; none panics.
+
+use crate::ensure;
+use crate::harness::{Backend, Failure, RawSpec, Rig, RigConfig};
+use kv_transfer_core::{
+    AdmissionError, EscalationLadder, Exposed, MetricsSnapshot, PostErrorKind, RejectReason, RemoteSlots, Settled,
+    SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions, TransferOutcome,
+};
+use kv_transfer_examples::payload::{fill, verify, SlotCheck, Tag};
+use kv_transfer_examples::wait::{poll_until, wait_until};
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn ladder(drain_ms: u64, revoke_ms: u64, fence_ms: u64) -> EscalationLadder {
+    EscalationLadder {
+        drain: Duration::from_millis(drain_ms),
+        revoke: Duration::from_millis(revoke_ms),
+        fence: Duration::from_millis(fence_ms),
+    }
+}
+
+fn err<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> Failure + '_ {
+    move |e| Failure(format!("{what}: {e}"))
+}
+
+fn wait_handle(h: Option<TransferHandle>) -> Result<Option<TransferOutcome>, Failure> {
+    let Some(mut h) = h else { return Ok(None) };
+    match poll_until(std::pin::Pin::new(&mut h), WAIT) {
+        Some(Ok(out)) => Ok(Some(out)),
+        Some(Err(e)) => Err(Failure(format!("the prefill operation was abandoned: {e}"))),
+        None => Err(Failure(format!("the prefill operation did not reach a terminal status within {WAIT:?}"))),
+    }
+}
+
+fn settle(exposed: SlotLease<Exposed>) -> Result<SlotLease<Settled>, Failure> {
+    let mut f = Box::pin(exposed.settled());
+    poll_until(f.as_mut(), WAIT).ok_or_else(|| Failure(format!("the exposure was not settled within {WAIT:?}")))
+}
+
+/// Checks every byte of a settled lease against request `request`'s tags.
+pub fn check_settled(lease: &SlotLease<Settled>, request: u64) -> SlotCheck {
+    let mut c = SlotCheck::default();
+    let mut buf = vec![0u8; lease.pool().slot_size()];
+    for (i, t) in lease.tenancies().iter().enumerate() {
+        match lease.read_at(i, 0, &mut buf) {
+            Ok(()) => c.merge(verify(&buf, Tag::new(request, t.slot.0, t.generation.0))),
+            Err(_) => c.garbage_bytes += buf.len(),
+        }
+    }
+    c
+}
+
+/// Bytes of one slot, read straight from the region (an inspection the
+/// test does behind the pool's back, to see what a NIC left there).
+fn slot_bytes(pool: &SlotPool, t: Tenancy) -> Vec<u8> {
+    let mut v = vec![0u8; pool.slot_size()];
+    let _ = pool.region().read(t.slot.0 as usize * pool.slot_size(), &mut v);
+    v
+}
+
+fn region_bytes(pool: &SlotPool) -> Vec<u8> {
+    let mut v = vec![0u8; pool.region().len()];
+    let _ = pool.region().read(0, &mut v);
+    v
+}
+
+/// Whether `new` holds the same slots as `old`, each under a newer generation.
+fn same_slots_newer(old: &[Tenancy], new: &[Tenancy]) -> bool {
+    old.len() == new.len() && new.iter().all(|n| old.iter().any(|o| o.slot == n.slot && n.generation > o.generation))
+}
+
+fn wait_whole(pool: &SlotPool) -> Result<MetricsSnapshot, Failure> {
+    let ok = wait_until(WAIT, || {
+        let m = pool.metrics();
+        m.quarantined == 0 && m.free == m.capacity
+    });
+    let m = pool.metrics();
+    ensure!(ok, "the pool did not come back whole: {} free of {}, {} quarantined", m.free, m.capacity, m.quarantined);
+    Ok(m)
+}
+
+/// Writes `request` through the rig, waits for it and for the exposure's
+/// settlement, and checks every byte the consumer reads.
+fn serve(rig: &dyn Rig, exposed: SlotLease<Exposed>, remote: &RemoteSlots, request: u64) -> Result<(), Failure> {
+    let out = wait_handle(rig.write_tagged(remote, request)?)?;
+    if let Some(out) = out {
+        ensure!(out.result.is_ok(), "request {request}'s write failed: {:?}", out.result);
+        out.lease.release();
+    }
+    let settled = settle(exposed)?;
+    let c = check_settled(&settled, request);
+    ensure!(c.is_clean(), "request {request} read {c:?}");
+    settled.release();
+    Ok(())
+}
+
+/// Scenario 1: abort while writes are in flight. The slots are not reused
+/// before a proof (checked on the drain/ack path and on the revoke path);
+/// the next tenant's bytes are intact.
+pub fn abort_in_flight(b: &dyn Backend) -> Result<(), Failure> {
+    for (path, l) in [("drain", ladder(30_000, 30_000, 30_000)), ("revoke", ladder(1, 30_000, 30_000))] {
+        let rig = b.rig(&RigConfig { decode_slots: 4, ladder: l, ..RigConfig::default() })?;
+        let pool = rig.decode_pool().clone();
+        let held = rig.hold_writes();
+        let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+        let first: Vec<Tenancy> = remote.tenancies();
+        let h = rig.write_tagged(&remote, 1)?;
+        ensure!(!held || rig.wait_held(WAIT), "[{path}] the write never reached the decode side");
+        exposed.abort();
+        let m = pool.metrics();
+        ensure!(m.quarantined_total >= 2, "[{path}] aborted exposed slots were not quarantined: {m:?}");
+        if path == "drain" {
+            ensure!(m.quarantined == 2, "[{path}] expected 2 quarantined slots, saw {}", m.quarantined);
+            ensure!(first.iter().all(|t| !pool.slot_is_free(t.slot)), "[{path}] an aborted slot is on the free list");
+            match pool.reserve(4) {
+                Err(AdmissionError::OverCapacity { available: 2, .. }) => {}
+                other => return Err(Failure(format!("[{path}] quarantined slots were handed out: {other:?}"))),
+            }
+            let other = pool.reserve(2).map_err(err("reserve"))?;
+            ensure!(
+                other.tenancies().iter().all(|t| first.iter().all(|f| f.slot != t.slot)),
+                "[{path}] a quarantined slot was reused"
+            );
+            other.release();
+        }
+        if path == "revoke" {
+            // Still held: only the revocation (after the 1 ms drain) can settle.
+            ensure!(wait_until(WAIT, || pool.metrics().quarantined == 0), "[revoke] the slots were never revoked");
+        }
+        rig.release_writes();
+        let out = wait_handle(h)?;
+        let m = wait_whole(&pool)?;
+        match path {
+            "drain" => {
+                ensure!(m.settled_completed >= 2, "[drain] expected a Completed proof (ABORT_ACK), saw {m:?}");
+                if let Some(o) = &out {
+                    ensure!(o.result.is_ok(), "[drain] the held write should land in its own tenancy: {:?}", o.result);
+                }
+            }
+            _ => {
+                ensure!(m.settled_revoked >= 2, "[revoke] expected a Revoked proof, saw {m:?}; {}", rig.diagnostics());
+                if let Some(o) = &out {
+                    ensure!(
+                        o.result == Err(TransferError::Rejected(RejectReason::StaleGeneration)),
+                        "[revoke] the late write should be rejected as stale: {:?}",
+                        o.result
+                    );
+                }
+            }
+        }
+        drop(out);
+        // The next tenant gets the same slots and reads only its own bytes.
+        let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+        let again: Vec<Tenancy> = remote.tenancies();
+        ensure!(
+            same_slots_newer(&first, &again),
+            "[{path}] expected the next tenant on the same slots with newer generations: {first:?} -> {again:?}"
+        );
+        serve(rig.as_ref(), exposed, &remote, 2)?;
+        wait_whole(&pool)?;
+    }
+    Ok(())
+}
+
+/// Scenario 3: the prefill side dies mid-transfer (`process`: a real child
+/// process, killed). The aborted slots stay quarantined until the fence
+/// settles them; then the pool is whole and the next tenant's bytes are
+/// its own.
+pub fn peer_crash(b: &dyn Backend, process: bool) -> Result<(), Failure> {
+    let cfg = RigConfig {
+        decode_slots: 8,
+        ladder: ladder(600_000, 600_000, 600_000),
+        prefill_process: process,
+        ..RigConfig::default()
+    };
+    let mut rig = b.rig(&cfg)?;
+    let pool = rig.decode_pool().clone();
+    let held = rig.hold_writes();
+    let (exposed, remote) = rig.expose(pool.reserve(4).map_err(err("reserve"))?)?;
+    let tenancies = remote.tenancies();
+    let _h = rig.write_tagged(&remote, 7)?;
+    ensure!(!held || rig.wait_held(WAIT), "the prefill side's writes never arrived");
+    exposed.abort();
+    let m = pool.metrics();
+    ensure!(m.quarantined == 4, "expected 4 quarantined slots before the crash, saw {m:?}");
+    rig.crash_prefill()?;
+    rig.release_writes();
+    let m = wait_whole(&pool)?;
+    ensure!(m.settled_fenced >= 4, "the quarantined slots should be settled by a fence, saw {m:?}");
+    // The next tenant: its own bytes, and nothing of the dead peer's arrives later.
+    let mut lease = pool.reserve(4).map_err(err("reserve"))?;
+    for (i, t) in lease.tenancies().to_vec().iter().enumerate() {
+        let mut buf = vec![0u8; pool.slot_size()];
+        fill(&mut buf, Tag::new(8, t.slot.0, t.generation.0));
+        lease.write_at(i, 0, &buf).map_err(err("local write"))?;
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    for t in lease.tenancies() {
+        let c = verify(&slot_bytes(&pool, *t), Tag::new(8, t.slot.0, t.generation.0));
+        ensure!(c.is_clean(), "stale bytes after the fence in slot {}: {c:?}", t.slot.0);
+    }
+    ensure!(
+        lease.tenancies().iter().all(|t| tenancies.iter().any(|o| o.slot == t.slot)),
+        "expected the same slots back"
+    );
+    lease.release();
+    wait_whole(&pool)?;
+    Ok(())
+}
+
+/// Scenario 4: a stale ack (old generation) is dropped and counted and never
+/// settles the new tenancy of the same slot.
+pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
+    let rig = b.rig(&RigConfig { decode_slots: 4, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
+    let pool = rig.decode_pool().clone();
+    if !rig.hold_writes() {
+        eprintln!("[{}] stale_ack: cannot hold writes; skipped", rig.backend());
+        return Ok(());
+    }
+    let (a, remote_a) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+    let h = rig.write_tagged(&remote_a, 1)?;
+    ensure!(rig.wait_held(WAIT), "the write never arrived");
+    let stale0 = pool.metrics().stale_rejected;
+    a.abort();
+    ensure!(wait_until(WAIT, || pool.metrics().quarantined == 0), "the aborted slots were not revoked");
+    let (b_exp, remote_b) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+    ensure!(
+        same_slots_newer(&remote_a.tenancies(), &remote_b.tenancies()),
+        "expected the new tenancy on the same slots"
+    );
+    rig.release_writes();
+    if let Some(out) = wait_handle(h)? {
+        ensure!(
+            out.result == Err(TransferError::Rejected(RejectReason::StaleGeneration)),
+            "the old tenancy's write should be rejected as stale, got {:?}",
+            out.result
+        );
+    }
+    // Two stale WRs rejected at the NIC, then the ABORT_ACK naming two old tenancies.
+    ensure!(
+        wait_until(WAIT, || pool.metrics().stale_rejected >= stale0 + 4),
+        "stale write and ack not both counted: {} -> {}",
+        stale0,
+        pool.metrics().stale_rejected
+    );
+    std::thread::sleep(Duration::from_millis(20));
+    let b_exp = match b_exp.try_settled() {
+        Ok(_) => return Err(Failure("the stale ack settled the new tenancy".into())),
+        Err(e) => e,
+    };
+    serve(rig.as_ref(), b_exp, &remote_b, 2)?;
+    wait_whole(&pool)?;
+    stale_notify_replay(rig.as_ref())
+}
+
+/// Scenario 4, notification half: a peer replays the NOTIFY of a slot's
+/// previous tenancy, and names past and future generations; each is dropped
+/// and counted, and only the NOTIFY of the current tenancy settles it.
+fn stale_notify_replay(rig: &dyn Rig) -> Result<(), Failure> {
+    let Some(peer) = rig.raw_peer() else {
+        eprintln!("[{}] stale_ack: no raw peer; notification replay skipped", rig.backend());
+        return Ok(());
+    };
+    let mut peer = peer?;
+    let pool = rig.decode_pool().clone();
+    let (first, r1) = rig.expose_to_raw(pool.reserve(1).map_err(err("reserve"))?)?;
+    peer.notify(r1.key, &r1.tenancies())?;
+    let s = settle(first)?;
+    s.release();
+    let (second, r2) = rig.expose_to_raw(pool.reserve(1).map_err(err("reserve"))?)?;
+    let (old, new) = (r1.tenancies()[0], r2.tenancies()[0]);
+    ensure!(old.slot == new.slot && new.generation > old.generation, "expected the same slot, newer generation");
+    let future = Tenancy::new(new.slot, kv_transfer_core::Generation(new.generation.0 + 1));
+    let stale0 = pool.metrics().stale_rejected;
+    let mut second = second;
+    for (what, t) in [("replayed", old), ("future", future)] {
+        let before = pool.metrics().stale_rejected;
+        peer.notify(r2.key, &[t])?;
+        ensure!(
+            wait_until(WAIT, || pool.metrics().stale_rejected > before),
+            "a {what} NOTIFY was not counted as stale; {}",
+            rig.diagnostics()
+        );
+        second = match second.try_settled() {
+            Ok(_) => return Err(Failure(format!("a {what} NOTIFY settled the current tenancy"))),
+            Err(e) => e,
+        };
+    }
+    ensure!(pool.metrics().stale_rejected >= stale0 + 2, "stale notifications not counted");
+    peer.notify(r2.key, &[new])?;
+    settle(second)?.release();
+    wait_whole(&pool)?;
+    Ok(())
+}
+
+/// Scenario 5: bad input of every kind a backend can receive: typed error,
+/// target memory unchanged.
+pub fn bad_input(b: &dyn Backend) -> Result<(), Failure> {
+    let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
+    let pool = rig.decode_pool().clone();
+    let size = pool.slot_size();
+    let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+    let before = region_bytes(&pool);
+    // Posts the initiator must refuse, handing the lease back.
+    if let (Some(t), Some(ppool)) = (rig.prefill_transfer(), rig.prefill_pool()) {
+        type Case<'a> = (&'a str, usize, RemoteSlots, fn(&PostErrorKind) -> bool);
+        let mut cases: Vec<Case> = vec![
+            ("slot count mismatch", 1, remote.clone(), |k| matches!(k, PostErrorKind::Descriptor(_))),
+            ("slot size mismatch", 2, RemoteSlots { slot_size: size as u64 / 2, ..remote.clone() }, |k| {
+                matches!(k, PostErrorKind::Descriptor(_))
+            }),
+            ("unreachable peer", 2, RemoteSlots { endpoint: "127.0.0.1:1".into(), ..remote.clone() }, |k| {
+                matches!(k, PostErrorKind::Peer(_))
+            }),
+        ];
+        for (what, n, r, expect) in cases.drain(..) {
+            let src = ppool.reserve(n).map_err(err("reserve"))?;
+            match kv_transfer_examples_block_on(t.write(src, &r, TransferOptions::default())) {
+                Err(e) if expect(&e.kind) => e.lease.release(),
+                Err(e) => return Err(Failure(format!("{what}: wrong error {:?}", e.kind))),
+                Ok(_) => return Err(Failure(format!("{what}: the post was accepted"))),
+            }
+        }
+        let foreign = pool.reserve(2).map_err(err("reserve"))?;
+        match kv_transfer_examples_block_on(t.write(foreign, &remote, TransferOptions::default())) {
+            Err(e) if e.kind == PostErrorKind::ForeignPool => e.lease.release(),
+            Err(e) => return Err(Failure(format!("foreign pool: wrong error {:?}", e.kind))),
+            Ok(_) => return Err(Failure("foreign pool: the post was accepted".into())),
+        }
+        let m = ppool.metrics();
+        ensure!(m.free == m.capacity, "a refused post kept prefill slots: {m:?}");
+    }
+    // Raw accesses the target NIC must reject.
+    let s0 = remote.slots[0];
+    let s1 = remote.slots[1];
+    let good = RawSpec { key: remote.key, addr: s0.addr, slot: s0.slot.0, generation: s0.generation.0 };
+    let end = pool.region().addr() + pool.region().len() as u64;
+    let cases: Vec<(&str, RawSpec, usize, RejectReason)> = vec![
+        ("unknown key", RawSpec { key: remote.key ^ 0x5a5a_0000, ..good }, size, RejectReason::UnknownKey),
+        ("past the region", RawSpec { addr: end, ..good }, size, RejectReason::OutOfBounds),
+        (
+            "before the region",
+            RawSpec { addr: pool.region().addr().wrapping_sub(size as u64), ..good },
+            size,
+            RejectReason::OutOfBounds,
+        ),
+        ("another slot's address", RawSpec { addr: s1.addr, ..good }, size, RejectReason::OutOfBounds),
+        ("straddling two slots", RawSpec { addr: s0.addr + size as u64 / 2, ..good }, size, RejectReason::OutOfBounds),
+        ("old generation", RawSpec { generation: s0.generation.0 - 1, ..good }, size, RejectReason::StaleGeneration),
+        ("future generation", RawSpec { generation: s0.generation.0 + 1, ..good }, size, RejectReason::StaleGeneration),
+        ("zero length", good, 0, RejectReason::ZeroLength),
+        ("oversize", good, size * 4 + 1, RejectReason::Oversize),
+    ];
+    let mut raw_supported = true;
+    for (what, spec, len, reason) in cases {
+        match rig.raw_write(spec, vec![0xee; len]) {
+            None => {
+                raw_supported = false;
+                break;
+            }
+            Some(Err(TransferError::Rejected(r))) if r == reason => {}
+            Some(other) => return Err(Failure(format!("{what}: expected Rejected({reason:?}), got {other:?}"))),
+        }
+        ensure!(region_bytes(&pool) == before, "{what}: the rejected access changed target memory");
+    }
+    if !raw_supported {
+        eprintln!("[{}] bad_input: no raw access; wire-level cases skipped", rig.backend());
+    }
+    if let Some(r) = rig.send_malformed() {
+        r?;
+        ensure!(region_bytes(&pool) == before, "a malformed frame changed target memory");
+    }
+    exposed.abort();
+    wait_whole(&pool)?;
+    Ok(())
+}
+
+fn kv_transfer_examples_block_on<F: std::future::Future>(f: F) -> F::Output {
+    backend_tcp_sim::block_on(f)
+}
+
+/// Scenario 6: a burst above capacity is refused before anything is
+/// exposed; every request served reads only its own bytes.
+pub fn admission_overload(b: &dyn Backend) -> Result<(), Failure> {
+    let rig = b.rig(&RigConfig { decode_slots: 8, ..RigConfig::default() })?;
+    let pool = rig.decode_pool().clone();
+    let exposures0 = pool.metrics().exposures;
+    let mut served = Vec::new();
+    let mut refused = 0;
+    for req in 1..=10u64 {
+        match pool.reserve(2) {
+            Ok(l) => served.push((req, l)),
+            Err(AdmissionError::OverCapacity { requested: 2, .. }) => refused += 1,
+            Err(e) => return Err(Failure(format!("request {req}: unexpected refusal {e:?}"))),
+        }
+    }
+    ensure!(served.len() == 4 && refused == 6, "expected 4 served and 6 refused, got {} and {refused}", served.len());
+    let m = pool.metrics();
+    ensure!(
+        m.admission_rejected == 6 && m.exposures == exposures0 && m.free == 0,
+        "refusals exposed or held something: {m:?}"
+    );
+    ensure!(
+        matches!(pool.reserve(9), Err(AdmissionError::TooLarge { .. })),
+        "a request larger than the pool must be TooLarge"
+    );
+    ensure!(matches!(pool.reserve(0), Err(AdmissionError::Empty)), "an empty request must be refused");
+    let mut live = Vec::new();
+    for (req, lease) in served {
+        let (exposed, remote) = rig.expose(lease)?;
+        let h = rig.write_tagged(&remote, req)?;
+        live.push((req, exposed, h));
+    }
+    for (req, exposed, h) in live {
+        if let Some(out) = wait_handle(h)? {
+            ensure!(out.result.is_ok(), "request {req}: {:?}", out.result);
+        }
+        let s = settle(exposed)?;
+        let c = check_settled(&s, req);
+        ensure!(c.is_clean(), "request {req} read {c:?}");
+        s.release();
+    }
+    wait_whole(&pool)?;
+    Ok(())
+}
+
+/// Scenario 7: dropping a `TransferHandle` or an exposed lease frees nothing
+/// early; `mem::forget` leaks a slot but never frees one.
+pub fn dropped_handles(b: &dyn Backend) -> Result<(), Failure> {
+    let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(30_000, 30_000, 30_000), ..RigConfig::default() })?;
+    let pool = rig.decode_pool().clone();
+    if !rig.hold_writes() {
+        eprintln!("[{}] dropped_handles: cannot hold writes; skipped", rig.backend());
+        return Ok(());
+    }
+    // A dropped handle: the prefill slots stay out until the terminal status.
+    let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+    let h = rig.write_tagged(&remote, 1)?;
+    ensure!(rig.wait_held(WAIT), "the write never arrived");
+    if let (Some(h), Some(ppool)) = (h, rig.prefill_pool()) {
+        let out_before = ppool.metrics().leased;
+        drop(h);
+        std::thread::sleep(Duration::from_millis(20));
+        ensure!(ppool.metrics().leased == out_before, "dropping the handle returned its slots early");
+        rig.release_writes();
+        ensure!(
+            wait_until(WAIT, || ppool.metrics().free == ppool.metrics().capacity),
+            "the handle's lease never came back"
+        );
+    } else {
+        rig.release_writes();
+    }
+    let s = settle(exposed)?;
+    ensure!(check_settled(&s, 1).is_clean(), "request 1 read foreign bytes");
+    s.release();
+    // A dropped exposed lease: quarantined, freed only by a proof.
+    rig.hold_writes();
+    let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+    let h = rig.write_tagged(&remote, 2)?;
+    ensure!(rig.wait_held(WAIT), "the write never arrived");
+    let settled0 = pool.metrics();
+    drop(exposed);
+    std::thread::sleep(Duration::from_millis(20));
+    let m = pool.metrics();
+    ensure!(m.quarantined == 2 && m.free == m.capacity - 2, "a dropped exposed lease was freed without proof: {m:?}");
+    rig.release_writes();
+    drop(wait_handle(h)?);
+    let m = wait_whole(&pool)?;
+    ensure!(
+        m.settled_completed + m.settled_revoked + m.settled_fenced
+            >= settled0.settled_completed + settled0.settled_revoked + settled0.settled_fenced + 2,
+        "the dropped lease's slots came back without a proof: {m:?}"
+    );
+    // mem::forget may leak, never free.
+    let (exposed, _remote) = rig.expose(pool.reserve(1).map_err(err("reserve"))?)?;
+    std::mem::forget(exposed);
+    std::thread::sleep(Duration::from_millis(50));
+    let m = pool.metrics();
+    ensure!(m.free == m.capacity - 1, "a forgotten exposed lease was freed: {m:?}");
+    Ok(())
+}
+
+/// Scenario 8: a peer that never acks. The ladder escalates (drain, then
+/// revoke; where revocation cannot drain, then fence) and no slot is ever
+/// freed by the timer alone.
+pub fn never_acks(b: &dyn Backend) -> Result<(), Failure> {
+    // Part 1: the write is held, so no ack comes; revocation settles.
+    let rig = b.rig(&RigConfig { decode_slots: 4, ladder: ladder(100, 30_000, 30_000), ..RigConfig::default() })?;
+    let pool = rig.decode_pool().clone();
+    if rig.hold_writes() {
+        let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+        let h = rig.write_tagged(&remote, 1)?;
+        ensure!(rig.wait_held(WAIT), "the write never arrived");
+        let t0 = Instant::now();
+        exposed.abort();
+        watch_until_free(&pool, 2, t0, Duration::from_millis(100))?;
+        let m = pool.metrics();
+        ensure!(m.settled_revoked >= 2, "expected a Revoked proof, saw {m:?}");
+        rig.release_writes();
+        drop(wait_handle(h)?);
+        wait_whole(&pool)?;
+    }
+    // Part 2: the peer stalls mid-payload: revocation cannot drain, the fence settles.
+    let rig = b.rig(&RigConfig {
+        decode_slots: 4,
+        ladder: ladder(50, 100, 30_000),
+        can_hold: false,
+        ..RigConfig::default()
+    })?;
+    let pool = rig.decode_pool().clone();
+    let lease = pool.reserve(1).map_err(err("reserve"))?;
+    let Some(r) = rig.expose_to_stalled_peer(lease) else {
+        eprintln!("[{}] never_acks: no stalled peer; the fence step is not exercised", rig.backend());
+        return Ok(());
+    };
+    let (exposed, guard) = r?;
+    std::thread::sleep(Duration::from_millis(20));
+    let t0 = Instant::now();
+    exposed.abort();
+    watch_until_free(&pool, 1, t0, Duration::from_millis(150))?;
+    let m = pool.metrics();
+    ensure!(
+        m.settled_fenced >= 1,
+        "expected the fence to settle the stalled exposure, saw {m:?}; {}",
+        rig.diagnostics()
+    );
+    drop(guard);
+    wait_whole(&pool)?;
+    Ok(())
+}
+
+/// Watches the pool until `n` quarantined slots are freed, checking that no
+/// slot is freed before `min` (the ladder's first escalation) nor without a
+/// proof counted with it.
+fn watch_until_free(pool: &SlotPool, n: u64, t0: Instant, min: Duration) -> Result<(), Failure> {
+    let proofs = |m: &MetricsSnapshot| m.settled_completed + m.settled_revoked + m.settled_fenced;
+    let m0 = pool.metrics();
+    let deadline = t0 + Duration::from_secs(20);
+    loop {
+        let m = pool.metrics();
+        if m.free > m0.free {
+            ensure!(t0.elapsed() >= min, "slots were freed {:?} after the abort, before any escalation", t0.elapsed());
+            ensure!(proofs(&m) >= proofs(&m0) + n, "slots were freed without a proof: {m0:?} -> {m:?}");
+            return Ok(());
+        }
+        ensure!(Instant::now() < deadline, "the quarantined slots were never settled: {m:?}");
+        std::thread::sleep(Duration::from_micros(500));
+    }
+}

@@ -1,0 +1,321 @@
+//! The TCP simulator's harness: the reference [`Backend`] implementation.
+
+use crate::ensure;
+use crate::harness::{Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use backend_tcp_sim::wire::{self, AccessHeader, Body};
+use backend_tcp_sim::{block_on, FaultPlan, Gate, NicConfig, RawAccess, SimNic};
+use kv_transfer_core::{
+    Exposed, Generation, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy,
+    Transfer, TransferError, TransferHandle, TransferOptions,
+};
+use kv_transfer_examples::payload::{pattern, Tag};
+use kv_transfer_examples::wait::wait_until;
+use std::any::Any;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The TCP simulator. Always available.
+#[derive(Clone, Debug, Default)]
+pub struct SimBackend {
+    /// Path of the `prefill-worker` binary, for rigs whose prefill side runs
+    /// in a separate process (`RigConfig::prefill_process`).
+    pub prefill_worker: Option<PathBuf>,
+}
+
+static RIGS: AtomicU64 = AtomicU64::new(0);
+
+fn fail(what: &str) -> impl Fn(&dyn std::fmt::Display) -> Failure + '_ {
+    move |e| Failure(format!("{what}: {e}"))
+}
+
+/// Fills a reserved lease with request `request`'s tagged payload for `remote`'s slots.
+pub fn fill_tagged(lease: &mut SlotLease<Reserved>, remote: &RemoteSlots, request: u64) -> Result<(), Failure> {
+    for (i, s) in remote.slots.iter().enumerate() {
+        let bytes = pattern(remote.slot_size as usize, Tag::new(request, s.slot.0, s.generation.0));
+        lease.write_at(i, 0, &bytes).map_err(|e| Failure(format!("local write: {e}")))?;
+    }
+    Ok(())
+}
+
+impl Backend for SimBackend {
+    fn name(&self) -> &'static str {
+        "tcp-sim"
+    }
+    fn available(&self) -> Result<(), String> {
+        Ok(())
+    }
+    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+        let n = RIGS.fetch_add(1, Ordering::Relaxed);
+        let gate = cfg.can_hold.then(Gate::new);
+        let mut dcfg = NicConfig::new(format!("decode-{n}"))
+            .with_faults(FaultPlan { gate: gate.clone(), ..FaultPlan::default() })
+            .with_max_wr_bytes((cfg.slot_size * 4).min(u32::MAX as usize) as u32);
+        dcfg.revoke_wait = Duration::from_millis(200);
+        let decode = SimNic::start(dcfg).map_err(|e| fail("decode NIC")(&e))?;
+        let region = HostRegion::new(cfg.decode_slots * cfg.slot_size).map_err(|e| fail("decode region")(&e))?;
+        let dpool = decode
+            .register_pool(Arc::new(region), PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
+            .map_err(|e| fail("decode pool")(&e))?;
+        let pname = format!("prefill-{n}-{}", std::process::id());
+        let prefill = if cfg.prefill_process {
+            let Some(worker) = &self.prefill_worker else {
+                return Err(Failure("the out-of-process rig needs the prefill-worker binary".into()));
+            };
+            let mut child = Command::new(worker)
+                .args([decode.endpoint(), &pname, &cfg.slot_size.to_string()])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .spawn()
+                .map_err(|e| fail("spawning prefill-worker")(&e))?;
+            let stdin = child.stdin.take();
+            let peer = decode.wait_for_peer(&pname, Duration::from_secs(20));
+            let (Some(stdin), Some(peer)) = (stdin, peer) else {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Failure("prefill-worker did not connect".into()));
+            };
+            Prefill::Process { child, stdin, peer }
+        } else {
+            let nic = SimNic::start(NicConfig::new(pname.clone())).map_err(|e| fail("prefill NIC")(&e))?;
+            let region = HostRegion::new(cfg.prefill_slots * cfg.slot_size).map_err(|e| fail("prefill region")(&e))?;
+            let pool = nic
+                .register_pool(Arc::new(region), PoolConfig::new(cfg.slot_size))
+                .map_err(|e| fail("prefill pool")(&e))?;
+            let decode_at_prefill = nic.connect(decode.endpoint()).map_err(|e| fail("connect")(&e))?;
+            let peer = decode
+                .wait_for_peer(&pname, Duration::from_secs(5))
+                .ok_or_else(|| Failure("prefill did not connect".into()))?;
+            Prefill::InProcess { nic, pool, peer, decode_at_prefill }
+        };
+        Ok(Box::new(SimRig {
+            decode,
+            dpool,
+            gate,
+            prefill,
+            slot_size: cfg.slot_size,
+            raw: std::sync::Mutex::new(None),
+        }))
+    }
+}
+
+enum Prefill {
+    InProcess { nic: SimNic, pool: SlotPool, peer: PeerId, decode_at_prefill: PeerId },
+    Process { child: Child, stdin: ChildStdin, peer: PeerId },
+    Dead { peer: PeerId },
+}
+
+/// A TCP-simulator rig: a decode NIC (with a gate that can hold incoming
+/// writes) and a prefill NIC in this process or in a `prefill-worker` child.
+pub struct SimRig {
+    /// The decode NIC.
+    pub decode: SimNic,
+    dpool: SlotPool,
+    gate: Option<Gate>,
+    prefill: Prefill,
+    slot_size: usize,
+    /// The last raw peer, as the decode NIC numbers it.
+    raw: std::sync::Mutex<Option<PeerId>>,
+}
+
+struct SimRawPeer(TcpStream);
+
+impl RawPeer for SimRawPeer {
+    fn notify(&mut self, key: u64, tenancies: &[Tenancy]) -> Result<(), Failure> {
+        let f = wire::encode_head(&Body::Notify(wire::TenancyList { key, tenancies: tenancies.to_vec() }), 0)
+            .map_err(|e| fail("encode")(&e))?;
+        self.0.write_all(&f).map_err(|e| fail("raw notify")(&e))
+    }
+}
+
+impl SimRig {
+    fn peer(&self) -> PeerId {
+        match &self.prefill {
+            Prefill::InProcess { peer, .. } | Prefill::Process { peer, .. } | Prefill::Dead { peer } => *peer,
+        }
+    }
+
+    fn raw_hello(&self, name: &str) -> Result<TcpStream, Failure> {
+        let mut s = TcpStream::connect(self.decode.endpoint()).map_err(|e| fail("raw connect")(&e))?;
+        let hello = wire::encode_head(&Body::Hello { name: name.into(), endpoint: "127.0.0.1:9".into() }, 0)
+            .map_err(|e| fail("encode")(&e))?;
+        s.write_all(&hello).map_err(|e| fail("raw hello")(&e))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| fail("timeout")(&e))?;
+        let mut pre = [0u8; wire::PREFIX_LEN];
+        s.read_exact(&mut pre).map_err(|e| fail("raw hello reply")(&e))?;
+        let p = wire::decode_prefix(&pre).map_err(|e| fail("hello reply")(&e))?;
+        let mut f = vec![0u8; p.fields_len()];
+        s.read_exact(&mut f).map_err(|e| fail("raw hello reply")(&e))?;
+        Ok(s)
+    }
+}
+
+impl Drop for SimRig {
+    fn drop(&mut self) {
+        self.release_writes();
+        if let Prefill::Process { child, .. } = &mut self.prefill {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Rig for SimRig {
+    fn backend(&self) -> &'static str {
+        "tcp-sim"
+    }
+    fn diagnostics(&self) -> String {
+        let p = match &self.prefill {
+            Prefill::InProcess { nic, .. } => format!("{:?}", nic.stats()),
+            _ => "out of process".into(),
+        };
+        format!("decode NIC {:?}; prefill NIC {p}", self.decode.stats())
+    }
+    fn decode_pool(&self) -> &SlotPool {
+        &self.dpool
+    }
+    fn prefill_pool(&self) -> Option<&SlotPool> {
+        match &self.prefill {
+            Prefill::InProcess { pool, .. } => Some(pool),
+            _ => None,
+        }
+    }
+    fn prefill_transfer(&self) -> Option<&dyn Transfer> {
+        match &self.prefill {
+            Prefill::InProcess { nic, .. } => Some(nic),
+            _ => None,
+        }
+    }
+    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+        self.decode.expose(lease, self.peer()).map_err(|e| Failure(format!("expose: {}", e.kind)))
+    }
+    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
+        match &self.prefill {
+            Prefill::InProcess { nic, pool, .. } => {
+                let mut src = pool.reserve(remote.slots.len()).map_err(|e| fail("prefill reserve")(&e))?;
+                fill_tagged(&mut src, remote, request)?;
+                let h = block_on(nic.write(src, remote, TransferOptions::default()))
+                    .map_err(|e| Failure(format!("post: {}", e.kind)))?;
+                Ok(Some(h))
+            }
+            Prefill::Process { .. } => {
+                let line = serde_json::json!({ "remote": remote, "request": request, "repeat": 4 }).to_string();
+                match &self.prefill {
+                    Prefill::Process { stdin, .. } => {
+                        let mut w: &ChildStdin = stdin;
+                        writeln!(w, "{line}").and_then(|()| w.flush()).map_err(|e| fail("worker stdin")(&e))?;
+                    }
+                    _ => unreachable!(),
+                }
+                Ok(None)
+            }
+            Prefill::Dead { .. } => Err(Failure("the prefill side is dead".into())),
+        }
+    }
+    fn hold_writes(&self) -> bool {
+        self.gate.as_ref().map(Gate::hold).is_some()
+    }
+    fn release_writes(&self) {
+        if let Some(g) = &self.gate {
+            g.open();
+        }
+    }
+    fn wait_held(&self, timeout: Duration) -> bool {
+        self.gate.as_ref().is_some_and(|g| g.wait_for_waiting(1, timeout))
+    }
+    fn crash_prefill(&mut self) -> Result<(), Failure> {
+        let peer = self.peer();
+        match std::mem::replace(&mut self.prefill, Prefill::Dead { peer }) {
+            Prefill::InProcess { nic, .. } => nic.crash(),
+            Prefill::Process { mut child, .. } => {
+                child.kill().map_err(|e| fail("kill prefill-worker")(&e))?;
+                child.wait().map_err(|e| fail("reap prefill-worker")(&e))?;
+            }
+            Prefill::Dead { .. } => {}
+        }
+        Ok(())
+    }
+    fn raw_write(&self, spec: RawSpec, data: Vec<u8>) -> Option<Result<(), TransferError>> {
+        let Prefill::InProcess { nic, decode_at_prefill, .. } = &self.prefill else { return None };
+        let a = RawAccess {
+            key: spec.key,
+            addr: spec.addr,
+            slot: SlotId(spec.slot),
+            generation: Generation(spec.generation),
+        };
+        let h = match nic.write_raw(*decode_at_prefill, a, bytes::Bytes::from(data)) {
+            Ok(h) => h,
+            Err(e) => return Some(Err(TransferError::Transport(e.to_string()))),
+        };
+        Some(match h.wait(Duration::from_secs(10)) {
+            Some(r) => r.map(|_| ()),
+            None => Err(TransferError::Transport("no terminal status within 10 s".into())),
+        })
+    }
+    fn send_malformed(&self) -> Option<Result<(), Failure>> {
+        Some((|| {
+            let before = self.decode.stats().malformed_frames;
+            let name = format!("garbler-{}", RIGS.fetch_add(1, Ordering::Relaxed));
+            let mut s = self.raw_hello(&name)?;
+            ensure!(
+                wait_until(Duration::from_secs(5), || self.decode.peer_by_name(&name).is_some()),
+                "the raw peer never showed up"
+            );
+            s.write_all(&[0xde, 0xad, 0xbe, 0xef, 0xff, 0xff, 0xff, 0xff, 1, 2, 3, 4])
+                .map_err(|e| fail("garbage")(&e))?;
+            ensure!(
+                wait_until(Duration::from_secs(5), || self.decode.stats().malformed_frames > before
+                    && self.decode.peer_by_name(&name).is_none()),
+                "the decode NIC did not tear down the connection that sent garbage"
+            );
+            Ok(())
+        })())
+    }
+    fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        Some((|| {
+            let name = format!("raw-{}", RIGS.fetch_add(1, Ordering::Relaxed));
+            let s = self.raw_hello(&name)?;
+            let peer = self
+                .decode
+                .wait_for_peer(&name, Duration::from_secs(5))
+                .ok_or_else(|| Failure("the raw peer never showed up".into()))?;
+            *self.raw.lock().unwrap_or_else(|p| p.into_inner()) = Some(peer);
+            Ok(Box::new(SimRawPeer(s)) as Box<dyn RawPeer>)
+        })())
+    }
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+        let Some(peer) = *self.raw.lock().unwrap_or_else(|p| p.into_inner()) else {
+            return Err(Failure("no raw peer connected".into()));
+        };
+        self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
+    }
+    fn expose_to_stalled_peer(&self, lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
+        Some((|| {
+            let name = format!("staller-{}", RIGS.fetch_add(1, Ordering::Relaxed));
+            let mut s = self.raw_hello(&name)?;
+            let peer = self
+                .decode
+                .wait_for_peer(&name, Duration::from_secs(5))
+                .ok_or_else(|| Failure("the stalled peer never showed up".into()))?;
+            let (exposed, remote) =
+                self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
+            let slot = remote.slots[0];
+            let h = AccessHeader {
+                wr_id: 1,
+                key: remote.key,
+                addr: slot.addr,
+                slot: slot.slot,
+                generation: slot.generation,
+                len: self.slot_size as u32,
+            };
+            let head = wire::encode_head(&Body::Write(h), self.slot_size).map_err(|e| fail("encode")(&e))?;
+            s.write_all(&head).map_err(|e| fail("stalled write")(&e))?;
+            s.write_all(&vec![0x5a; self.slot_size / 2]).map_err(|e| fail("stalled write")(&e))?;
+            Ok((exposed, Box::new(s) as Box<dyn Any>))
+        })())
+    }
+}
