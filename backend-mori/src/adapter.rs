@@ -95,7 +95,7 @@ const TAG_SETTLE: u64 = 1 << 63;
 /// The tag of a transfer aimed at remote tenancy `t` of memory `mem`:
 /// `slot` = settle flag (bit 63) | memory id (bits 32..63) | slot index; the
 /// generation as is.
-fn pack_tag(mem: u32, t: Tenancy, settle: bool) -> Tag {
+pub(crate) fn pack_tag(mem: u32, t: Tenancy, settle: bool) -> Tag {
     let flag = if settle { TAG_SETTLE } else { 0 };
     Tag::new(flag | (u64::from(mem & 0x7FFF_FFFF) << 32) | u64::from(t.slot.0), t.generation.0)
 }

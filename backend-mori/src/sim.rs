@@ -64,8 +64,8 @@ pub const TCP_SIM: &str = "tcp-sim";
 /// Largest control frame accepted.
 const MAX_FRAME: usize = 1 << 20;
 
-const FRAME_HELLO: u8 = 0;
-const FRAME_NOTIFY: u8 = 1;
+pub(crate) const FRAME_HELLO: u8 = 0;
+pub(crate) const FRAME_NOTIFY: u8 = 1;
 const FRAME_MESSAGE: u8 = 2;
 
 /// Configuration of a [`SimTransport`].
@@ -387,7 +387,7 @@ impl SimTransport {
         let _ = s.set_nodelay(true);
         let shut = s.try_clone().map_err(|e| TransportError::Remote(format!("control: {e}")))?;
         let out = Arc::new(CtlOut { q: Mutex::default(), stream: Mutex::new(s), shut });
-        append_frame(&mut lock(&out.q).buf, FRAME_HELLO, att.key.as_str().as_bytes())?;
+        frame(&mut lock(&out.q).buf, FRAME_HELLO, att.key.as_str().as_bytes())?;
         let mut map = lock(&self.ctl_out);
         if let Some(old) = map.insert(to.clone(), out.clone()) {
             old.close();
@@ -406,7 +406,7 @@ impl SimTransport {
             if q.dead || q.closed {
                 return Err(TransportError::Remote("control connection lost".into()));
             }
-            append_frame(&mut q.buf, kind, payload)?;
+            frame(&mut q.buf, kind, payload)?;
         }
         if flush {
             out.flush()?;
@@ -464,7 +464,7 @@ impl CtlOut {
     }
 }
 
-fn append_frame(buf: &mut Vec<u8>, kind: u8, payload: &[u8]) -> Result<(), TransportError> {
+pub(crate) fn frame(buf: &mut Vec<u8>, kind: u8, payload: &[u8]) -> Result<(), TransportError> {
     let len = u32::try_from(payload.len() + 1).map_err(|_| TransportError::OutOfBounds)?;
     buf.extend_from_slice(&len.to_le_bytes());
     buf.push(kind);
@@ -485,7 +485,7 @@ fn read_frame(r: &mut impl Read) -> Option<(u8, Vec<u8>)> {
     Some((kind, buf))
 }
 
-fn encode_notification(n: &Notification) -> Vec<u8> {
+pub(crate) fn encode_notification(n: &Notification) -> Vec<u8> {
     let mut v = Vec::with_capacity(32 + n.message.len());
     v.extend_from_slice(&n.seq.to_le_bytes());
     v.extend_from_slice(&n.uid.to_le_bytes());

@@ -470,3 +470,45 @@ fn a_stalled_peer_that_blocks_revocation_is_fenced() {
     assert!(nic.stats().revocations_timed_out >= 1);
     drop(s);
 }
+
+#[test]
+fn raw_notifications_settle_only_their_own_current_tenancies() {
+    use backend_mori::harness::{settle_tag, RawMoriPeer};
+    use kv_transfer_core::{Generation, Tenancy};
+
+    let p = pair(4);
+    let mut raw = RawMoriPeer::connect("raw", &p.decode.engine.engine_desc()).expect("raw peer");
+    let rp = p.decode.transfer.add_peer(raw.desc()).expect("add raw peer");
+    let mem = p.decode.transfer.memory_desc(&p.decode.pool).unwrap().id;
+    let (to_raw, remote) = p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), rp).expect("expose");
+    let (to_prefill, remote_p) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    let t = remote.slots[0].tenancy();
+    let old = Tenancy::new(t.slot, Generation(t.generation.0 - 1));
+    let future = Tenancy::new(t.slot, Generation(t.generation.0 + 1));
+    for bad in [old, future, remote_p.slots[0].tenancy()] {
+        raw.notify(StatusCode::Success, settle_tag(mem, bad)).unwrap();
+    }
+    raw.notify(StatusCode::Unknown(42), settle_tag(mem, t)).unwrap();
+    let deadline = Instant::now() + LONG;
+    while p.decode.transfer.stats().inbound_stale + p.decode.transfer.stats().inbound_unknown < 4
+        && Instant::now() < deadline
+    {
+        thread::sleep(Duration::from_millis(2));
+    }
+    let s = p.decode.transfer.stats();
+    assert_eq!((s.inbound_stale, s.inbound_unknown, s.inbound_settled), (3, 1, 0), "{s:?}");
+    let to_raw = to_raw.try_settled().expect_err("nothing proven yet");
+    let to_prefill = to_prefill.try_settled().expect_err("another peer's tenancy is not settled by this one");
+    // Its own, current tenancy settles; a replay of it is stale.
+    raw.notify(StatusCode::Success, settle_tag(mem, t)).unwrap();
+    raw.notify(StatusCode::Success, settle_tag(mem, t)).unwrap();
+    wait_settled(to_raw, LONG).expect("settled by its own notification").release();
+    let deadline = Instant::now() + LONG;
+    while p.decode.transfer.stats().inbound_stale < 4 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(p.decode.transfer.stats().inbound_stale, 4);
+    assert!(p.decode.pool.metrics().stale_rejected >= 4);
+    drop(to_prefill);
+}

@@ -54,37 +54,6 @@ pub use nic::{
 };
 pub use stats::NicStats;
 
-use std::future::Future;
-use std::pin::pin;
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
-
-struct ThreadWaker(std::thread::Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Runs a future to completion on the current thread (parking between
-/// polls). Enough for tests, examples and the bench; engines bring their own
-/// executor.
-///
-/// ```
-/// assert_eq!(backend_tcp_sim::block_on(async { 1 + 1 }), 2);
-/// ```
-pub fn block_on<F: Future>(f: F) -> F::Output {
-    let mut f = pin!(f);
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
-}
+/// Runs a future to completion on the current thread (re-exported from core,
+/// where the one implementation lives).
+pub use kv_transfer_core::block_on;

@@ -63,6 +63,7 @@ mod region;
 mod remote;
 mod sync;
 mod transfer;
+mod wait;
 
 pub use async_trait::async_trait;
 pub use clock::{Clock, ManualClock, SystemClock};
@@ -80,6 +81,8 @@ pub use transfer::{
     check_shapes, Abandoned, Completer, Op, PostError, PostErrorKind, RejectReason, Transfer, TransferError,
     TransferHandle, TransferOptions, TransferOutcome,
 };
+
+pub use wait::{block_on, poll_until};
 
 #[doc(hidden)]
 pub use lease::StateKind;

@@ -79,13 +79,10 @@
 pub mod wire;
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::future::Future;
 use std::ops::Range;
-use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
-use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -1141,33 +1138,8 @@ impl Drop for MooncakeTransfer {
     }
 }
 
-// ---------------------------------------------------------------- block_on
-
-struct ThreadWaker(std::thread::Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Runs a future to completion on the current thread (parking between
-/// polls). Enough to drive [`Transfer::post`] and a [`TransferHandle`]
-/// without an async runtime.
-pub fn block_on<F: Future>(f: F) -> F::Output {
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut f = pin!(f);
-    loop {
-        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
-}
+/// Runs a future to completion on the current thread (core's, re-exported).
+pub use kv_transfer_core::block_on;
 
 #[cfg(test)]
 mod tests;

@@ -109,15 +109,7 @@ fn setup(state: &Arc<AtomicU32>) -> (MooncakeTransfer, SlotPool, Arc<AtomicU32>,
 }
 
 fn poll_once(h: &mut TransferHandle) -> Option<Result<TransferOutcome, kv_transfer_core::Abandoned>> {
-    struct Noop;
-    impl Wake for Noop {
-        fn wake(self: Arc<Self>) {}
-    }
-    let w = Waker::from(Arc::new(Noop));
-    match std::pin::Pin::new(h).poll(&mut Context::from_waker(&w)) {
-        Poll::Ready(v) => Some(v),
-        Poll::Pending => None,
-    }
+    kv_transfer_core::poll_until(std::pin::Pin::new(h), Duration::ZERO)
 }
 
 /// TIMEOUT forever: the handle never resolves, the batch is never freed, the

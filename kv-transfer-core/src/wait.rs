@@ -1,0 +1,72 @@
+//! Driving futures without an async runtime.
+//!
+//! Core requires no executor: a backend's `TransferHandle` and a lease's
+//! `settled()` future can be awaited from any runtime. Tests, benches and
+//! command-line tools that have none use these two functions, which park the
+//! calling thread between polls (they spawn nothing).
+
+use std::future::Future;
+use std::pin::{pin, Pin};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+struct ThreadWaker(std::thread::Thread);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+fn thread_waker() -> Waker {
+    Waker::from(Arc::new(ThreadWaker(std::thread::current())))
+}
+
+/// Runs a future to completion on the current thread.
+///
+/// ```
+/// assert_eq!(kv_transfer_core::block_on(async { 1 + 1 }), 2);
+/// ```
+pub fn block_on<F: Future>(f: F) -> F::Output {
+    let mut f = pin!(f);
+    let waker = thread_waker();
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
+/// Polls `fut` on the current thread until it resolves or `timeout` passes.
+/// `None` on timeout: the future is left as it is (not dropped), so the
+/// caller decides what giving up means (for a lease: abort it, quarantine).
+///
+/// ```
+/// use kv_transfer_core::poll_until;
+/// use std::time::Duration;
+/// let mut f = Box::pin(async { 7 });
+/// assert_eq!(poll_until(f.as_mut(), Duration::from_millis(10)), Some(7));
+/// let mut never = Box::pin(std::future::pending::<()>());
+/// assert_eq!(poll_until(never.as_mut(), Duration::from_millis(5)), None);
+/// ```
+pub fn poll_until<F: Future + ?Sized>(mut fut: Pin<&mut F>, timeout: Duration) -> Option<F::Output> {
+    let deadline = Instant::now() + timeout;
+    let waker = thread_waker();
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return Some(v);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        std::thread::park_timeout(deadline - now);
+    }
+}
