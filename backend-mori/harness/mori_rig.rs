@@ -1,8 +1,11 @@
 //! DRAFT for `tests/src/mori.rs` (kv-transfer-tests): the MORI backend's
 //! race-suite harness, on the TCP simulator's fabric through
-//! `backend_mori::SimTransport`. Not compiled as part of backend-mori; it was
-//! compile-checked against kv-transfer-tests' `harness` module as of
-//! 2026-11-29 ~00:00 (see the report). To wire it: add
+//! `backend_mori::SimTransport`. Not compiled as part of backend-mori. It was
+//! compiled (no warnings) against kv-transfer-tests' `harness` module as of
+//! 2026-11-29 23:50 UTC in a scratch copy of the tests crate, where
+//! `tests/conformance.rs` passed 7 of 8 scenarios on this backend (s1, s3
+//! in-process, s4, s5, s6, s7, s8); `s3_peer_crash_killed_process` fails by
+//! design: there is no out-of-process MORI prefill worker. To wire it: add
 //! `backend-mori = { path = "../backend-mori" }` to tests/Cargo.toml, copy
 //! this file to tests/src/mori.rs, `pub mod mori;` in lib.rs, and push
 //! `Box::new(mori::MoriBackend)` in `backends()`.

@@ -67,8 +67,9 @@ use std::time::{Duration, Instant};
 
 use kv_transfer_core::{
     async_trait, check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId,
-    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, Region, RemoteSlots, Reserved, SettlementAuthority,
-    SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle, TransferOptions,
+    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, Region, RejectReason, RemoteSlots, Reserved,
+    SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
+    TransferOptions,
 };
 
 use crate::engine::IoEngine;
@@ -648,7 +649,8 @@ impl MoriTransfer {
             return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
         };
         let Some(rdesc) = decode_endpoint(&remote.endpoint, remote.key) else {
-            let kind = PostErrorKind::Descriptor(format!("not a MORI endpoint: {}", remote.endpoint));
+            // The descriptor names no engine this adapter could reach.
+            let kind = PostErrorKind::Peer(format!("not a MORI endpoint: {}", remote.endpoint));
             return Err(PostError { lease: local, kind });
         };
         let Some(peer) = inner.peer_id(&rdesc.engine_key) else {
@@ -778,10 +780,33 @@ fn local_tenancies(op: &OpState) -> Vec<Tenancy> {
 }
 
 /// Completes `op` with `proof` and clears its bookkeeping.
+/// A target's refusal carried in an engine message (`RDMA_OP` with the
+/// transport's words, "rejected by the target: <reason>") as core's typed
+/// rejection; any other error stays the engine's.
+fn to_transfer_error(code: StatusCode, message: String) -> TransferError {
+    const PREFIX: &str = "rejected by the target: ";
+    if code == StatusCode::RdmaOp {
+        if let Some(at) = message.find(PREFIX) {
+            let reason = match message[at + PREFIX.len()..].trim() {
+                "out of bounds" => Some(RejectReason::OutOfBounds),
+                "unknown key" => Some(RejectReason::UnknownKey),
+                "stale generation" => Some(RejectReason::StaleGeneration),
+                "zero length" => Some(RejectReason::ZeroLength),
+                "oversize" => Some(RejectReason::Oversize),
+                _ => None,
+            };
+            if let Some(r) = reason {
+                return TransferError::Rejected(r);
+            }
+        }
+    }
+    TransferError::Engine { engine: BACKEND, code: i64::from(code.raw()), message }
+}
+
 fn finish(inner: Option<&Inner>, op: &Arc<OpState>, proof: kv_transfer_core::Settlement) {
     let result = match lock(&op.error).take() {
         None => Ok(()),
-        Some((code, message)) => Err(TransferError::Engine { engine: BACKEND, code: i64::from(code.raw()), message }),
+        Some((code, message)) => Err(to_transfer_error(code, message)),
     };
     if let Some(inner) = inner {
         let mut acks = Vec::new();
@@ -1132,6 +1157,19 @@ pub(crate) mod tests_support {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rejections_keep_their_reason() {
+        let m = "remote operation failed: rejected by the target: stale generation";
+        assert_eq!(
+            to_transfer_error(StatusCode::RdmaOp, m.into()),
+            TransferError::Rejected(RejectReason::StaleGeneration)
+        );
+        let e = to_transfer_error(StatusCode::RdmaOp, "remote operation failed: connection fenced".into());
+        assert!(matches!(e, TransferError::Engine { code: 13, .. }));
+        let e = to_transfer_error(StatusCode::BadState, "rejected by the target: oversize".into());
+        assert!(matches!(e, TransferError::Engine { code: 14, .. }));
+    }
 
     #[test]
     fn tag_round_trip() {

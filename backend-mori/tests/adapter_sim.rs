@@ -158,7 +158,7 @@ fn foreign_pool_and_bad_descriptor_hand_the_lease_back() {
     bad.endpoint = "127.0.0.1:1".into();
     let err = block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &bad, TransferOptions::default()))
         .expect_err("not a MORI endpoint");
-    assert!(matches!(err.kind, kv_transfer_core::PostErrorKind::Descriptor(_)));
+    assert!(matches!(err.kind, kv_transfer_core::PostErrorKind::Peer(_)), "{:?}", err.kind);
     err.lease.release();
     assert_eq!(p.prefill.pool.metrics().free, 4);
 }

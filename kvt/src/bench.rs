@@ -1,10 +1,9 @@
 //! `kvt bench`: throughput and per-batch latency of one-sided operations.
 //!
-//! Loopback WRITE runs `backend_tcp_sim::bench::run_write_bench` (the
-//! simulator's own loop). READ, and the target / initiator modes across
-//! processes, run [`run_loop`] (the same loop shape, generic over the
-//! operation) because the simulator's bench module only covers in-process
-//! WRITE.
+//! Every backend runs the same measured loop, [`run_loop`], over its
+//! `Arc<dyn Transfer>`: loopback rigs come from [`crate::backends`], and the
+//! target / initiator modes across processes use the TCP simulator. One loop
+//! for all makes backends comparable in one run (`--backend tcp-sim,mori`).
 //!
 //! Target / initiator control protocol (one JSON object per line, on the
 //! target's `--listen` address; the data moves over the simulated NIC):
@@ -19,10 +18,9 @@
 //! ```
 
 use anyhow::{anyhow, bail, Context as _};
-use backend_tcp_sim::bench::{run_write_bench, BenchConfig};
-use backend_tcp_sim::{block_on, NicConfig, SimNic};
+use backend_tcp_sim::{NicConfig, SimNic};
+use kv_transfer_core::{block_on, poll_until};
 use kv_transfer_core::{HostRegion, Op, PoolConfig, RemoteSlots, SlotPool, Transfer, TransferOptions};
-use kv_transfer_examples::wait::poll_until;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -31,7 +29,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 /// Largest registered memory one run may ask for.
-const MAX_BYTES: usize = 4 << 30;
+pub const MAX_BYTES: usize = 4 << 30;
 /// Bound on one operation's terminal status.
 const OP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -53,7 +51,8 @@ pub struct Params {
 }
 
 impl Params {
-    fn slots(&self) -> anyhow::Result<usize> {
+    /// Slots each side registers: `threads × batch`, checked against [`MAX_BYTES`].
+    pub fn slots(&self) -> anyhow::Result<usize> {
         let slots = self.threads.checked_mul(self.batch).ok_or_else(|| anyhow!("threads × batch overflows"))?;
         let bytes = slots.checked_mul(self.block_size).ok_or_else(|| anyhow!("registered memory overflows"))?;
         if slots == 0 {
@@ -102,11 +101,11 @@ fn quantile(sorted: &[u64], q: f64) -> u64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
-fn outcome(mode: &str, p: &Params, bytes: u64, elapsed: Duration, mut lat: Vec<u64>) -> Outcome {
+fn outcome(backend: &str, mode: &str, p: &Params, bytes: u64, elapsed: Duration, mut lat: Vec<u64>) -> Outcome {
     lat.sort_unstable();
     let secs = elapsed.as_secs_f64();
     Outcome {
-        backend: "tcp-sim".into(),
+        backend: backend.into(),
         mode: mode.into(),
         op: op_name(p.op).into(),
         block_size: p.block_size,
@@ -129,52 +128,28 @@ pub fn op_name(op: Op) -> &'static str {
     }
 }
 
-fn register(nic: &SimNic, slots: usize, block: usize) -> anyhow::Result<SlotPool> {
+/// Registers `slots` slots of `block` bytes with a simulator NIC.
+pub fn register(nic: &SimNic, slots: usize, block: usize) -> anyhow::Result<SlotPool> {
     let region = HostRegion::new(slots * block).map_err(|e| anyhow!("cannot allocate {} B: {e}", slots * block))?;
     Ok(nic.register_pool(Arc::new(region), PoolConfig::new(block))?)
 }
 
-/// Both ends in this process, on loopback.
-pub fn loopback(p: &Params) -> anyhow::Result<Outcome> {
-    let slots = p.slots()?;
-    if p.op == Op::Write {
-        let r = run_write_bench(&BenchConfig {
-            block_size: p.block_size,
-            batch: p.batch,
-            threads: p.threads,
-            duration: p.duration,
-            warmup: p.warmup,
-            ..BenchConfig::default()
-        })?;
-        return Ok(outcome("loopback", p, r.bytes, r.elapsed, r.batch_latency_us));
-    }
-    let target = SimNic::start(NicConfig::new("kvt-target"))?;
-    let tpool = register(&target, slots, p.block_size)?;
-    let init = SimNic::start(NicConfig::new("kvt-initiator"))?;
-    let ipool = register(&init, slots, p.block_size)?;
-    init.connect(target.endpoint())?;
-    let peer = target
-        .wait_for_peer("kvt-initiator", Duration::from_secs(5))
-        .ok_or_else(|| anyhow!("the initiator did not connect"))?;
-    let (exposed, remote) = target.expose(tpool.reserve(slots)?, peer).map_err(|e| anyhow!("{}", e.kind))?;
-    let res = run_loop(&init, &ipool, &remote, p);
-    target.revoke(&exposed);
-    if let Ok(s) = exposed.try_settled() {
-        s.release();
-    }
+/// Both ends in this process, on loopback, through `rig`'s backend.
+pub fn loopback(rig: crate::backends::Rig, p: &Params) -> anyhow::Result<Outcome> {
+    let res = run_loop(&rig.transfer, &rig.pool, &rig.remote, p);
+    let backend = rig.backend;
+    (rig.teardown)();
     let (bytes, elapsed, lat) = res?;
-    Ok(outcome("loopback", p, bytes, elapsed, lat))
+    Ok(outcome(backend, "loopback", p, bytes, elapsed, lat))
 }
 
 /// The measured loop: `threads` threads, each posting `batch` single-slot
 /// operations against its share of `remote`, waiting for all of them, and
 /// repeating until `warmup + duration` is spent.
 ///
-/// BACKEND HOOK: this loop needs only `Transfer` and a pool; when the NIXL,
-/// Mooncake and MORI adapters are wired in, give it their `Transfer` and
-/// pool instead of the simulator's.
+/// It needs only a `Transfer` and a pool, so every backend runs the same loop.
 pub fn run_loop(
-    init: &SimNic,
+    init: &Arc<dyn Transfer>,
     ipool: &SlotPool,
     remote: &RemoteSlots,
     p: &Params,
@@ -343,8 +318,9 @@ pub fn initiator(target: &str, p: &Params) -> anyhow::Result<Outcome> {
     let remote: RemoteSlots = serde_json::from_value(
         recv(&mut r)?.get("remote").cloned().ok_or_else(|| anyhow!("target sent no descriptor"))?,
     )?;
-    let res = run_loop(&init, &ipool, &remote, p);
+    let transfer: Arc<dyn Transfer> = Arc::new(init);
+    let res = run_loop(&transfer, &ipool, &remote, p);
     let _ = send(&mut s, &json!({ "done": true }));
     let (bytes, elapsed, lat) = res?;
-    Ok(outcome("initiator", p, bytes, elapsed, lat))
+    Ok(outcome("tcp-sim", "initiator", p, bytes, elapsed, lat))
 }

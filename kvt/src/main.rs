@@ -6,6 +6,7 @@
 //! - `kvt race`: the randomized abort/reassignment race of the conformance
 //!   suite's scenario 2, with a progress bar and a report.
 
+mod backends;
 mod bench;
 mod plot;
 mod units;
@@ -36,7 +37,7 @@ enum Cmd {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Backend {
+pub(crate) enum Backend {
     /// The RDMA-like fabric over loopback TCP (always built in).
     TcpSim,
     /// NIXL (feature `nixl`).
@@ -48,7 +49,7 @@ enum Backend {
 }
 
 impl Backend {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::TcpSim => "tcp-sim",
             Self::Nixl => "nixl",
@@ -76,9 +77,10 @@ enum OpArg {
 
 #[derive(clap::Args, Debug)]
 struct BenchArgs {
-    /// Transfer backend.
-    #[arg(long, value_enum, default_value = "tcp-sim")]
-    backend: Backend,
+    /// Transfer backend; a comma-separated list measures each in turn, same
+    /// sizes, same run (`--backend tcp-sim,mori`), one plot line each.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "tcp-sim")]
+    backend: Vec<Backend>,
     /// Where the two ends run.
     #[arg(long, value_enum, default_value = "loopback")]
     mode: Mode,
@@ -196,20 +198,20 @@ fn check_backend(b: Backend) -> anyhow::Result<()> {
              --features {feature} -- bench --backend {feature} ...\n  it also needs {engine}"
         );
     }
-    // BACKEND HOOK: construct the adapter here (behind `#[cfg(feature = ...)]`)
-    // and hand its `Transfer` and pool to `bench::run_loop`.
-    bail!(
-        "backend `{feature}` is compiled in, but `kvt bench` does not drive it yet (its adapter is not wired into \
-         kvt/src/bench.rs; see BACKEND HOOK).\n  it needs {engine}"
-    )
+    Ok(())
 }
 
 fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
-    check_backend(a.backend)?;
+    for &b in &a.backend {
+        check_backend(b)?;
+    }
     let op = match a.op {
         OpArg::Read => Op::Read,
         OpArg::Write => Op::Write,
     };
+    if a.mode != Mode::Loopback && a.backend != [Backend::TcpSim] {
+        bail!("--mode target / initiator run the TCP simulator across processes; other backends run --mode loopback");
+    }
     if a.mode == Mode::Target {
         let quiet = a.json;
         return bench::serve(&a.listen, a.sessions, a.idle_timeout, &|m| {
@@ -227,8 +229,9 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let sizes = a.sweep.clone().unwrap_or_else(|| vec![a.block_size]);
+    let runs: Vec<(Backend, usize)> = a.backend.iter().flat_map(|&b| sizes.iter().map(move |&s| (b, s))).collect();
     let mut results = Vec::new();
-    for (i, &bs) in sizes.iter().enumerate() {
+    for (i, &(backend, bs)) in runs.iter().enumerate() {
         let p = bench::Params {
             op,
             block_size: bs,
@@ -242,15 +245,15 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
         pb.set_message(format!(
             "[{}/{}] {} {} {}",
             i + 1,
-            sizes.len(),
-            a.backend.name(),
+            runs.len(),
+            backend.name(),
             bench::op_name(op),
             units::fmt_size(bs)
         ));
         let (target, p2) = (target.clone(), p.clone());
         let job = std::thread::spawn(move || match target {
             Some(t) => bench::initiator(&t, &p2),
-            None => bench::loopback(&p2),
+            None => backends::loopback_rig(backend, p2.slots()?, p2.block_size).and_then(|r| bench::loopback(r, &p2)),
         });
         let t0 = std::time::Instant::now();
         while !job.is_finished() {
@@ -285,10 +288,14 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
         }
     }
     if let Some(path) = &a.plot {
-        let series = vec![plot::Series {
-            label: format!("{} {}", a.backend.name(), bench::op_name(op)),
-            points: results.iter().map(|r| (r.block_size, r.gb_per_s)).collect(),
-        }];
+        let series: Vec<plot::Series> = a
+            .backend
+            .iter()
+            .map(|b| plot::Series {
+                label: format!("{} {}", b.name(), bench::op_name(op)),
+                points: results.iter().filter(|r| r.backend == b.name()).map(|r| (r.block_size, r.gb_per_s)).collect(),
+            })
+            .collect();
         let title = format!("kvt bench: {} ×{} batch, {} threads", bench::op_name(op), a.batch, a.threads);
         std::fs::write(path, plot::svg(&title, &series))
             .map_err(|e| anyhow!("cannot write {}: {e}", path.display()))?;

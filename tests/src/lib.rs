@@ -37,6 +37,12 @@
 #![deny(missing_docs)]
 
 pub mod harness;
+#[cfg(feature = "mooncake")]
+pub mod mooncake;
+#[cfg(feature = "mori")]
+pub mod mori;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod scenarios;
 pub mod sim;
 
@@ -46,8 +52,15 @@ pub use harness::{Backend, Failure, Rig, RigConfig};
 /// `prefill_worker`: path of the `prefill-worker` binary (for the
 /// out-of-process crash scenario), if the caller has it.
 pub fn backends(prefill_worker: Option<std::path::PathBuf>) -> Vec<Box<dyn Backend>> {
-    // NIXL, Mooncake and MORI harnesses plug in here.
-    vec![Box::new(sim::SimBackend { prefill_worker })]
+    #[allow(unused_mut)]
+    let mut all: Vec<Box<dyn Backend>> = vec![Box::new(sim::SimBackend { prefill_worker })];
+    #[cfg(feature = "nixl")]
+    all.extend(nixl::backend());
+    #[cfg(feature = "mooncake")]
+    all.extend(mooncake::backend());
+    #[cfg(feature = "mori")]
+    all.extend(mori::backend());
+    all
 }
 
 /// Runs `f` for every available backend; a backend that is not available
