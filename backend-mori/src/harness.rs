@@ -235,3 +235,75 @@ impl RawMoriPeer {
         self.ctl.write_all(&buf).map_err(|e| crate::TransportError::Remote(e.to_string()))
     }
 }
+
+/// What a throughput loop needs (kvt's loopback rig): an initiator's
+/// [`MoriTransfer`] and pool, and a target's exposure of `slots` slots, both
+/// in this process on the simulator's fabric.
+///
+/// ```
+/// use backend_mori::harness::LoopbackRig;
+/// let rig = LoopbackRig::new(4, 4096).unwrap();
+/// assert_eq!(rig.remote().slots.len(), 4);
+/// assert_eq!(rig.initiator_pool().capacity(), 4);
+/// rig.teardown();
+/// ```
+#[derive(Debug)]
+pub struct LoopbackRig {
+    pair: SimPair,
+    exposed: Option<kv_transfer_core::SlotLease<kv_transfer_core::Exposed>>,
+    remote: kv_transfer_core::RemoteSlots,
+}
+
+impl LoopbackRig {
+    /// `slots` slots of `block` bytes a side; the target exposes all of its slots.
+    pub fn new(slots: usize, block: usize) -> Result<Self, AdapterError> {
+        let mut cfg = PairConfig::new(slots, block);
+        cfg.keys = ("kvt-initiator".to_owned(), "kvt-target".to_owned());
+        let pair = sim_pair(&cfg)?;
+        let lease = pair
+            .decode
+            .pool
+            .reserve(slots)
+            .map_err(|e| AdapterError::Engine(EngineError::InvalidArgs(e.to_string())))?;
+        let (exposed, remote) = pair
+            .decode
+            .transfer
+            .expose(lease, pair.prefill_at_decode)
+            .map_err(|e| AdapterError::Engine(EngineError::BadState(e.kind.to_string())))?;
+        Ok(Self { pair, exposed: Some(exposed), remote })
+    }
+
+    /// The initiator's adapter (clone it into an `Arc<dyn Transfer>`).
+    pub fn transfer(&self) -> MoriTransfer {
+        self.pair.prefill.transfer.clone()
+    }
+
+    /// The initiator's pool.
+    pub fn initiator_pool(&self) -> SlotPool {
+        self.pair.prefill.pool.clone()
+    }
+
+    /// The target's exposure.
+    pub fn remote(&self) -> &kv_transfer_core::RemoteSlots {
+        &self.remote
+    }
+
+    /// Both sides.
+    pub fn pair(&self) -> &SimPair {
+        &self.pair
+    }
+
+    /// Aborts the target's exposure (the initiator, with nothing in flight,
+    /// acks the ABORT and the slots settle) and shuts both sides down.
+    pub fn teardown(mut self) {
+        if let Some(e) = self.exposed.take() {
+            e.abort();
+        }
+        let pool = self.pair.decode.pool.clone();
+        // Bounded: 2 s at most for the ABORT / ABORT_ACK round trip.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while pool.metrics().quarantined > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+}

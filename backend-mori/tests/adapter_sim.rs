@@ -512,3 +512,22 @@ fn raw_notifications_settle_only_their_own_current_tenancies() {
     assert!(p.decode.pool.metrics().stale_rejected >= 4);
     drop(to_prefill);
 }
+
+#[test]
+fn handles_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<backend_mori::MoriTransfer>();
+    check::<backend_mori::harness::LoopbackRig>();
+    check::<backend_mori::harness::SimPair>();
+    let rig = backend_mori::harness::LoopbackRig::new(2, SLOT).expect("rig");
+    let t: Arc<dyn Transfer> = Arc::new(rig.transfer());
+    let mut h = block_on(t.write(
+        rig.initiator_pool().reserve(1).unwrap(),
+        &rig.remote().clone(),
+        TransferOptions::notify(false),
+    ))
+    .expect_err("two slots exposed, one written: shapes differ");
+    h.lease.write_at(0, 0, &[1]).unwrap();
+    drop(h);
+    rig.teardown();
+}
