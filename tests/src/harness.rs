@@ -101,6 +101,13 @@ pub trait Backend {
     fn available(&self) -> Result<(), String>;
     /// A decode side and a prefill side, connected.
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure>;
+    /// Whether `rig` can run the prefill side as a separate process that a
+    /// scenario kills (`RigConfig::prefill_process`). Without it, the
+    /// killed-process crash scenario is skipped with a message; the
+    /// in-process crash still runs.
+    fn prefill_process(&self) -> bool {
+        false
+    }
 }
 
 /// A decode side and a prefill side of one backend, connected.
@@ -131,6 +138,19 @@ pub trait Rig {
     fn release_writes(&self);
     /// Waits (bounded) until at least one write is held.
     fn wait_held(&self, timeout: Duration) -> bool;
+    /// Whether the decode side can settle an aborted exposure by revoking
+    /// its access (`Revoked`) while a write is still held. A backend that
+    /// cannot (Mooncake TCP has no per-tenancy key) says `false`; the
+    /// scenarios then check that the slots stay quarantined instead.
+    fn can_revoke(&self) -> bool {
+        true
+    }
+    /// Whether the decode side can settle every exposure to a dead or
+    /// stalled peer by fencing it (`Fenced`). A backend that cannot says
+    /// `false`; the scenarios then check that the slots stay quarantined.
+    fn can_fence(&self) -> bool {
+        true
+    }
     /// Kills the prefill side without goodbyes (process kill or NIC crash).
     fn crash_prefill(&mut self) -> Result<(), Failure>;
     /// A raw WRITE of `data` from the prefill side; its terminal status

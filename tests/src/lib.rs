@@ -72,7 +72,10 @@ pub fn for_each_backend(
     let ci = std::env::var("CI").is_ok_and(|v| v == "true");
     for b in backends(prefill_worker) {
         match b.available() {
-            Ok(()) => f(b.as_ref()).map_err(|e| Failure(format!("[{}] {}", b.name(), e.0)))?,
+            Ok(()) => {
+                f(b.as_ref()).map_err(|e| Failure(format!("[{}] {}", b.name(), e.0)))?;
+                eprintln!("[{}] ok", b.name());
+            }
             Err(why) if ci => return Err(Failure(format!("[{}] not available under CI=true: {why}", b.name()))),
             Err(why) => eprintln!("skipping backend {}: {why}", b.name()),
         }

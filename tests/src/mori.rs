@@ -1,8 +1,286 @@
-//! The mori backend's harness (being wired).
+//! The MORI backend's harness: MORI-IO semantics (engine and adapter) on
+//! the TCP simulator's fabric through `backend_mori::SimTransport`, so the
+//! simulator's key, bounds and generation checks apply. It has no
+//! out-of-process prefill side, so the killed-process crash scenario is
+//! skipped; the in-process crash runs.
 
-use crate::Backend;
+use crate::ensure;
+use crate::harness::{Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::sim::fill_tagged;
+use backend_mori::harness::{raw_sim_peer_desc, settle_tag, MoriSide, RawMoriPeer};
+use backend_mori::{EngineConfig, EngineKey, IoEngine, SimTransportConfig, StatusCode};
+use backend_tcp_sim::wire::{self, AccessHeader, Body};
+use backend_tcp_sim::{block_on, Gate, RawAccess};
+use kv_transfer_core::{
+    Exposed, Generation, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy,
+    Transfer, TransferError, TransferHandle, TransferOptions,
+};
+use kv_transfer_examples::wait::wait_until;
+use std::any::Any;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-/// The mori harness, once it is wired into the suite.
+/// The MORI backend (engine + adapter) on the TCP simulator's fabric. Always available.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MoriBackend;
+
+/// The MORI harness for the suite.
 pub fn backend() -> Option<Box<dyn Backend>> {
-    None
+    Some(Box::new(MoriBackend))
+}
+
+static RIGS: AtomicU64 = AtomicU64::new(0);
+
+fn fail(what: &str) -> impl Fn(&dyn std::fmt::Display) -> Failure + '_ {
+    move |e| Failure(format!("{what}: {e}"))
+}
+
+impl Backend for MoriBackend {
+    fn name(&self) -> &'static str {
+        "mori"
+    }
+    fn available(&self) -> Result<(), String> {
+        Ok(())
+    }
+    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+        if cfg.prefill_process {
+            return Err(Failure("the MORI rig has no out-of-process prefill side".into()));
+        }
+        let n = RIGS.fetch_add(1, Ordering::Relaxed);
+        let gate = cfg.can_hold.then(Gate::new);
+        let mut dt = SimTransportConfig::default();
+        dt.nic.faults.gate = gate.clone();
+        dt.nic.max_wr_bytes = (cfg.slot_size * 4).min(u32::MAX as usize) as u32;
+        dt.nic.revoke_wait = Duration::from_millis(200);
+        let region = |slots: usize| -> Result<Arc<HostRegion>, Failure> {
+            HostRegion::new(slots * cfg.slot_size).map(Arc::new).map_err(|e| fail("region")(&e))
+        };
+        // Keys: the decode side sorts first, so it opens the simulator connection.
+        let decode = MoriSide::on_sim(
+            &format!("a-decode-{n}"),
+            region(cfg.decode_slots)?,
+            PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder),
+            dt,
+            EngineConfig::default(),
+        )
+        .map_err(|e| fail("decode side")(&e))?;
+        let prefill = MoriSide::on_sim(
+            &format!("b-prefill-{n}"),
+            region(cfg.prefill_slots)?,
+            PoolConfig::new(cfg.slot_size),
+            SimTransportConfig::default(),
+            EngineConfig::default(),
+        )
+        .map_err(|e| fail("prefill side")(&e))?;
+        let (prefill_at_decode, _) = decode.connect(&prefill).map_err(|e| fail("connect")(&e))?;
+        Ok(Box::new(MoriRig {
+            decode,
+            prefill: Some(prefill),
+            peer: prefill_at_decode,
+            gate,
+            slot_size: cfg.slot_size,
+            raw: Mutex::new(None),
+        }))
+    }
+}
+
+/// A MORI rig: two engines with adapters on the simulator's fabric; the
+/// decode NIC has a gate that can hold incoming writes.
+pub struct MoriRig {
+    decode: MoriSide,
+    prefill: Option<MoriSide>,
+    peer: PeerId,
+    gate: Option<Gate>,
+    slot_size: usize,
+    raw: Mutex<Option<PeerId>>,
+}
+
+impl MoriRig {
+    fn raw_hello(&self, name: &str) -> Result<TcpStream, Failure> {
+        let nic = self.decode.transport.nic().ok_or_else(|| Failure("decode NIC not attached".into()))?;
+        let mut s = TcpStream::connect(nic.endpoint()).map_err(|e| fail("raw connect")(&e))?;
+        let hello = wire::encode_head(&Body::Hello { name: name.into(), endpoint: "127.0.0.1:9".into() }, 0)
+            .map_err(|e| fail("encode")(&e))?;
+        s.write_all(&hello).map_err(|e| fail("raw hello")(&e))?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| fail("timeout")(&e))?;
+        let mut pre = [0u8; wire::PREFIX_LEN];
+        s.read_exact(&mut pre).map_err(|e| fail("raw hello reply")(&e))?;
+        let p = wire::decode_prefix(&pre).map_err(|e| fail("hello reply")(&e))?;
+        let mut f = vec![0u8; p.fields_len()];
+        s.read_exact(&mut f).map_err(|e| fail("raw hello reply")(&e))?;
+        Ok(s)
+    }
+}
+
+impl Drop for MoriRig {
+    fn drop(&mut self) {
+        self.release_writes();
+    }
+}
+
+struct MoriRawPeer {
+    peer: RawMoriPeer,
+    mem: u32,
+    key: u64,
+}
+
+impl RawPeer for MoriRawPeer {
+    fn notify(&mut self, key: u64, tenancies: &[Tenancy]) -> Result<(), Failure> {
+        // A key that is not the decode pool's names no memory of it: keep the
+        // memory id out of range so the notification is stale.
+        let mem = if key == self.key { self.mem } else { u32::MAX >> 1 };
+        for t in tenancies {
+            self.peer.notify(StatusCode::Success, settle_tag(mem, *t)).map_err(|e| fail("raw notify")(&e))?;
+        }
+        Ok(())
+    }
+}
+
+impl Rig for MoriRig {
+    fn backend(&self) -> &'static str {
+        "mori"
+    }
+    fn diagnostics(&self) -> String {
+        let nic = |s: &MoriSide| s.transport.nic().map(|n| format!("{:?}", n.stats())).unwrap_or_default();
+        let p =
+            self.prefill.as_ref().map(|p| format!("{:?} {:?} NIC {}", p.transfer.stats(), p.engine.stats(), nic(p)));
+        format!(
+            "decode adapter {:?}; engine {:?}; NIC {}; prefill {}",
+            self.decode.transfer.stats(),
+            self.decode.engine.stats(),
+            nic(&self.decode),
+            p.unwrap_or_else(|| "dead".into())
+        )
+    }
+    fn decode_pool(&self) -> &SlotPool {
+        &self.decode.pool
+    }
+    fn prefill_pool(&self) -> Option<&SlotPool> {
+        self.prefill.as_ref().map(|p| &p.pool)
+    }
+    fn prefill_transfer(&self) -> Option<&dyn Transfer> {
+        self.prefill.as_ref().map(|p| &p.transfer as &dyn Transfer)
+    }
+    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+        self.decode.transfer.expose(lease, self.peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
+    }
+    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
+        let p = self.prefill.as_ref().ok_or_else(|| Failure("the prefill side is dead".into()))?;
+        let mut src = p.pool.reserve(remote.slots.len()).map_err(|e| fail("prefill reserve")(&e))?;
+        fill_tagged(&mut src, remote, request)?;
+        let h = block_on(p.transfer.write(src, remote, TransferOptions::default()))
+            .map_err(|e| Failure(format!("post: {}", e.kind)))?;
+        Ok(Some(h))
+    }
+    fn hold_writes(&self) -> bool {
+        self.gate.as_ref().map(Gate::hold).is_some()
+    }
+    fn release_writes(&self) {
+        if let Some(g) = &self.gate {
+            g.open();
+        }
+    }
+    fn wait_held(&self, timeout: Duration) -> bool {
+        self.gate.as_ref().is_some_and(|g| g.wait_for_waiting(1, timeout))
+    }
+    fn crash_prefill(&mut self) -> Result<(), Failure> {
+        if let Some(p) = self.prefill.take() {
+            p.transport.crash();
+        }
+        Ok(())
+    }
+    fn raw_write(&self, spec: RawSpec, data: Vec<u8>) -> Option<Result<(), TransferError>> {
+        let p = self.prefill.as_ref()?;
+        let nic = p.transport.nic()?;
+        let peer = match p.transport.sim_peer(&self.decode.engine.key()) {
+            Ok(peer) => peer,
+            Err(e) => return Some(Err(TransferError::Transport(e.to_string()))),
+        };
+        let a = RawAccess {
+            key: spec.key,
+            addr: spec.addr,
+            slot: SlotId(spec.slot),
+            generation: Generation(spec.generation),
+        };
+        let h = match nic.write_raw(peer, a, bytes::Bytes::from(data)) {
+            Ok(h) => h,
+            Err(e) => return Some(Err(TransferError::Transport(e.to_string()))),
+        };
+        Some(match h.wait(Duration::from_secs(10)) {
+            Some(r) => r.map(|_| ()),
+            None => Err(TransferError::Transport("no terminal status within 10 s".into())),
+        })
+    }
+    fn send_malformed(&self) -> Option<Result<(), Failure>> {
+        let nic = self.decode.transport.nic()?.clone();
+        Some((|| {
+            let before = nic.stats().malformed_frames;
+            let name = format!("garbler-{}", RIGS.fetch_add(1, Ordering::Relaxed));
+            let mut s = self.raw_hello(&name)?;
+            ensure!(
+                wait_until(Duration::from_secs(5), || nic.peer_by_name(&name).is_some()),
+                "the raw peer never showed up"
+            );
+            s.write_all(&[0xde, 0xad, 0xbe, 0xef, 0xff, 0xff, 0xff, 0xff, 1, 2, 3, 4])
+                .map_err(|e| fail("garbage")(&e))?;
+            ensure!(
+                wait_until(Duration::from_secs(5), || nic.stats().malformed_frames > before
+                    && nic.peer_by_name(&name).is_none()),
+                "the decode NIC did not tear down the connection that sent garbage"
+            );
+            Ok(())
+        })())
+    }
+    fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        Some((|| {
+            let name = format!("raw-{}", RIGS.fetch_add(1, Ordering::Relaxed));
+            let peer =
+                RawMoriPeer::connect(&name, &self.decode.engine.engine_desc()).map_err(|e| fail("raw peer")(&e))?;
+            let nic = self.decode.transport.nic().ok_or_else(|| Failure("decode NIC not attached".into()))?;
+            ensure!(nic.wait_for_peer(&name, Duration::from_secs(5)).is_some(), "the raw peer never connected");
+            let id = self.decode.transfer.add_peer(peer.desc()).map_err(|e| fail("add raw peer")(&e))?;
+            *self.raw.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
+            let desc =
+                self.decode.transfer.memory_desc(&self.decode.pool).ok_or_else(|| Failure("no memory".into()))?;
+            Ok(Box::new(MoriRawPeer { peer, mem: desc.id, key: desc.rkey }) as Box<dyn RawPeer>)
+        })())
+    }
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+        let Some(id) = *self.raw.lock().unwrap_or_else(|p| p.into_inner()) else {
+            return Err(Failure("no raw peer connected".into()));
+        };
+        self.decode.transfer.expose(lease, id).map_err(|e| Failure(format!("expose: {}", e.kind)))
+    }
+    fn expose_to_stalled_peer(&self, lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
+        let nic = self.decode.transport.nic()?.clone();
+        Some((|| {
+            let name = format!("staller-{}", RIGS.fetch_add(1, Ordering::Relaxed));
+            let mut s = self.raw_hello(&name)?;
+            ensure!(nic.wait_for_peer(&name, Duration::from_secs(5)).is_some(), "the stalled peer never showed up");
+            let peer = self
+                .decode
+                .transfer
+                .add_peer(&raw_sim_peer_desc(&name, "127.0.0.1:9"))
+                .map_err(|e| fail("add stalled peer")(&e))?;
+            let (exposed, remote) =
+                self.decode.transfer.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
+            let slot = remote.slots[0];
+            let h = AccessHeader {
+                wr_id: 1,
+                key: remote.key,
+                addr: slot.addr,
+                slot: slot.slot,
+                generation: slot.generation,
+                len: self.slot_size as u32,
+            };
+            let head = wire::encode_head(&Body::Write(h), self.slot_size).map_err(|e| fail("encode")(&e))?;
+            s.write_all(&head).map_err(|e| fail("stalled write")(&e))?;
+            s.write_all(&vec![0x5a; self.slot_size / 2]).map_err(|e| fail("stalled write")(&e))?;
+            let _ = EngineKey::new(name);
+            Ok((exposed, Box::new(s) as Box<dyn Any>))
+        })())
+    }
 }

@@ -49,6 +49,9 @@ impl Backend for SimBackend {
     fn available(&self) -> Result<(), String> {
         Ok(())
     }
+    fn prefill_process(&self) -> bool {
+        self.prefill_worker.is_some()
+    }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
         let n = RIGS.fetch_add(1, Ordering::Relaxed);
         let gate = cfg.can_hold.then(Gate::new);

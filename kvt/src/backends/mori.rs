@@ -1,7 +1,18 @@
-//! The mori backend's loopback rig (being wired; see `super::Rig`).
+//! MORI-IO semantics on the TCP simulator's fabric: an initiator and a
+//! target `MoriTransfer` over `SimTransport`, so `--backend tcp-sim,mori`
+//! shows the adapter's cost over the bare fabric, same loop, same run.
 
 use super::Rig;
+use backend_mori::harness::LoopbackRig;
+use std::sync::Arc;
 
-pub fn rig(_slots: usize, _block: usize) -> anyhow::Result<Rig> {
-    anyhow::bail!("kvt bench --backend mori: the adapter is compiled in but its loopback rig is not wired yet")
+pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
+    let r = LoopbackRig::new(slots, block)?;
+    Ok(Rig {
+        backend: "mori",
+        transfer: Arc::new(r.transfer()),
+        pool: r.initiator_pool(),
+        remote: r.remote().clone(),
+        teardown: Box::new(move || r.teardown()),
+    })
 }

@@ -1,7 +1,74 @@
-//! The nixl backend's loopback rig (being wired; see `super::Rig`).
+//! The NIXL backend: two agents of the real library (UCX on host memory) in
+//! this process, each behind our adapter ([`NixlTransfer`]).
+//!
+//! The initiator keeps completed requests for re-posting (the adapter's request
+//! cache, one entry per slot): the measured loop posts the same local lease to
+//! the same remote slot over and over without notifications, so after the first
+//! round every post re-posts a terminal request instead of creating one. The
+//! transport is whatever UCX picks (`UCX_TLS` is left to the caller: on one host
+//! the default completes writes inside the post, `UCX_TLS=tcp` makes them
+//! asynchronous over loopback TCP).
 
 use super::Rig;
+use anyhow::{anyhow, Context};
+use backend_nixl::{AdapterConfig, NixlTransfer};
+use kv_transfer_core::{HostRegion, PoolConfig, SlotPool, Transfer};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-pub fn rig(_slots: usize, _block: usize) -> anyhow::Result<Rig> {
-    anyhow::bail!("kvt bench --backend nixl: the adapter is compiled in but its loopback rig is not wired yet")
+/// How long teardown waits for the exposure to settle and for each side to shut down.
+const TEARDOWN: Duration = Duration::from_secs(5);
+
+fn pool(t: &NixlTransfer, slots: usize, block: usize) -> anyhow::Result<SlotPool> {
+    let bytes = slots.checked_mul(block).ok_or_else(|| anyhow!("{slots} slots of {block} B overflow"))?;
+    let region = HostRegion::new(bytes).map_err(|e| anyhow!("cannot allocate {bytes} B: {e}"))?;
+    t.register_pool(Arc::new(region), PoolConfig::new(block))
+        .with_context(|| format!("registering {bytes} B with NIXL"))
+}
+
+/// Builds an initiator and a target agent in this process, connected, with the
+/// target's exposure of exactly `slots` slots of `block` bytes to the initiator.
+///
+/// A missing library is an error naming what to install.
+pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let tag = format!("{}-{n}", std::process::id());
+    let target = NixlTransfer::new_real(&format!("kvt-target-{tag}"), AdapterConfig::default())
+        .context("kvt bench --backend nixl: cannot start the target agent")?;
+    let init_cfg = AdapterConfig { request_cache: slots.max(1), ..AdapterConfig::default() };
+    let init = Arc::new(
+        NixlTransfer::new_real(&format!("kvt-initiator-{tag}"), init_cfg)
+            .context("kvt bench --backend nixl: cannot start the initiator agent")?,
+    );
+    let tpool = pool(&target, slots, block)?;
+    let ipool = pool(&init, slots, block)?;
+    // Metadata after registration, so each side knows the other's memory.
+    init.add_peer(&target.local_metadata()?).context("loading the target's metadata")?;
+    let peer = target.add_peer(&init.local_metadata()?).context("loading the initiator's metadata")?;
+    let (exposed, remote) = target.expose(tpool.reserve(slots)?, peer).map_err(|e| anyhow!("expose: {}", e.kind))?;
+    let transfer: Arc<dyn Transfer> = init.clone();
+    let teardown = Box::new(move || {
+        // The loop posts without notifications, so no WRITE settles the exposure:
+        // abort it; the initiator acknowledges (ABORT_ACK) once every request of it
+        // on these slots is terminal, which settles them (`Completed`).
+        exposed.abort();
+        let deadline = Instant::now() + TEARDOWN;
+        while tpool.metrics().quarantined > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let left = tpool.metrics().quarantined;
+        if left > 0 {
+            eprintln!("nixl teardown: {left} target slot(s) still quarantined (no acknowledgement)");
+        }
+        // The initiator first: its kept requests are released before the target
+        // deregisters the memory they name.
+        let ri = init.shutdown(TEARDOWN);
+        let rt = target.shutdown(TEARDOWN);
+        if ri.leaked + rt.leaked > 0 {
+            eprintln!("nixl teardown: leaked registrations (initiator {ri:?}, target {rt:?})");
+        }
+    });
+    Ok(Rig { backend: "nixl", transfer, pool: ipool, remote, teardown })
 }
