@@ -1,7 +1,68 @@
-//! The mooncake backend's loopback rig (being wired; see `super::Rig`).
+//! The Mooncake adapter: our `MooncakeTransfer` as target and as initiator,
+//! each over its own `MooncakeEngine`, on loopback TCP (protocol v2).
+//!
+//! The measured loop posts without completion notifications and reuses the
+//! same remote slots, so the target's exposure is settled at teardown by
+//! the drain path: the target aborts it and sends ABORT; the initiator's
+//! adapter answers ABORT_ACK once every task it ran on those slots is
+//! finished, which is the `Completed` proof.
 
 use super::Rig;
+use anyhow::{anyhow, bail};
+use backend_mooncake::{AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, ProtoVersion, TcpTransportConfig};
+use kv_transfer_core::{HostRegion, PoolConfig, SlotPool};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-pub fn rig(_slots: usize, _block: usize) -> anyhow::Result<Rig> {
-    anyhow::bail!("kvt bench --backend mooncake: the adapter is compiled in but its loopback rig is not wired yet")
+/// Longest wait at teardown for the initiator's ABORT_ACK.
+const SETTLE_WAIT: Duration = Duration::from_secs(10);
+
+fn side(workers: usize, drivers: usize, slots: usize, block: usize) -> anyhow::Result<(MooncakeTransfer, SlotPool)> {
+    let cfg = EngineConfig {
+        local_host: "127.0.0.1".into(),
+        tcp: TcpTransportConfig { workers, ..TcpTransportConfig::default() },
+        ..EngineConfig::default()
+    };
+    let engine = MooncakeEngine::new(cfg)?;
+    let adapter = MooncakeTransfer::new(Arc::new(engine), AdapterConfig { drivers, ..AdapterConfig::default() })?;
+    let len = slots.checked_mul(block).ok_or_else(|| anyhow!("{slots} slots of {block} B overflow"))?;
+    let region = HostRegion::new(len).map_err(|e| anyhow!("cannot allocate {len} B: {e}"))?;
+    let pool = adapter.register_pool(Arc::new(region), PoolConfig::new(block))?;
+    Ok((adapter, pool))
+}
+
+pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
+    if slots == 0 || block == 0 {
+        bail!("the mooncake rig needs at least one slot of at least one byte");
+    }
+    // The initiator's shape as the adapter's own bench runs it.
+    let (init, pool) = side(8, 4, slots, block)?;
+    let (target, tpool) = side(2, 1, slots, block)?;
+    let peer = target.add_peer(init.segment_name())?;
+    if target.peer_proto(peer) != Some(ProtoVersion::V2) {
+        bail!("the initiator does not speak Mooncake TCP protocol v2");
+    }
+    let (exposed, remote) = target.expose(tpool.reserve(slots)?, peer).map_err(|e| anyhow!("expose: {}", e.kind))?;
+    let transfer: Arc<MooncakeTransfer> = Arc::new(init);
+    let keep = transfer.clone();
+    let teardown = Box::new(move || {
+        // ABORT / ABORT_ACK: the initiator acks once its tasks on these slots
+        // are finished (they are: the loop waited for every handle).
+        exposed.abort();
+        let t0 = Instant::now();
+        while t0.elapsed() < SETTLE_WAIT {
+            let m = tpool.metrics();
+            if m.quarantined == 0 && m.free == m.capacity {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let m = tpool.metrics();
+        if m.quarantined != 0 {
+            eprintln!("mooncake: {} target slots still quarantined at teardown (no ABORT_ACK)", m.quarantined);
+        }
+        drop(target);
+        drop(keep);
+    });
+    Ok(Rig { backend: "mooncake", transfer, pool, remote, teardown })
 }
