@@ -187,10 +187,17 @@ fn check_backend(b: Backend) -> anyhow::Result<()> {
         Backend::Mooncake => (
             "mooncake",
             cfg!(feature = "mooncake"),
-            "the Mooncake Transfer Engine: apt-get install libibverbs1 && python3 -m venv .engines && \
-             .engines/bin/pip install --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1",
+            "nothing more for the loopback bench (it runs our wire-compatible engine); measuring against the real \
+             Mooncake Transfer Engine (backend-mooncake/scripts/measure.sh) needs apt-get install libibverbs1 && \
+             python3 -m venv .engines && .engines/bin/pip install --no-deps \
+             mooncake-transfer-engine-non-cuda==0.3.13.post1",
         ),
-        Backend::Mori => ("mori", cfg!(feature = "mori"), "the MORI-IO engine (ROCm mori) on the target machine"),
+        Backend::Mori => (
+            "mori",
+            cfg!(feature = "mori"),
+            "nothing more: MORI-IO semantics run on the TCP simulator's fabric (real MORI-IO needs RDMA NICs or AMD \
+             GPUs and an RDMA transport, not built yet)",
+        ),
     };
     if !compiled {
         bail!(

@@ -146,7 +146,7 @@ fn missing_backend_names_what_to_install() {
     let compiled = [
         ("nixl", "nixl-cu12", cfg!(feature = "nixl")),
         ("mooncake", "mooncake-transfer-engine", cfg!(feature = "mooncake")),
-        ("mori", "MORI-IO", cfg!(feature = "mori")),
+        ("mori", "MORI-IO semantics", cfg!(feature = "mori")),
     ];
     for (b, what, built_in) in compiled {
         if built_in {

@@ -18,7 +18,7 @@
 //! | malformed frame | yes | a bad request header makes the data server reject it and close the connection |
 //! | raw peer (notifications) | yes | a bare engine sends hand-made `kvt1` notifications |
 //! | stalled peer | yes | a raw data connection sends half a WRITE and stalls |
-//! | out-of-process prefill | no | runs in this process; its crash drops the engine without goodbyes |
+//! | out-of-process prefill | no | runs in this process; its crash strikes its engine dead (nothing more leaves it), then drops it |
 //!
 //! So an aborted exposure settles only by the peer's ABORT_ACK (or its
 //! completion notification); a peer that never acks leaves the slots
@@ -33,11 +33,12 @@ use crate::harness::{Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, Stalled
 use crate::sim::fill_tagged;
 use backend_mooncake::adapter::block_on;
 use backend_mooncake::adapter::wire::{Kind, Message};
+use backend_mooncake::proto::NotifyDesc;
 use backend_mooncake::proto::{RequestHeader, TcpOpcode, HEADER_LEN};
 use backend_mooncake::transport::TransportWork;
 use backend_mooncake::{
-    AdapterConfig, DataTransport, EngineConfig, MooncakeEngine, MooncakeTransfer, SegmentId, TcpTransport,
-    TcpTransportConfig, TransferEngine,
+    AdapterConfig, BatchId, DataTransport, EngineConfig, EngineError, MemoryRegion, MooncakeEngine, MooncakeTransfer,
+    SegmentId, SegmentInfo, TaskStatus, TcpTransport, TcpTransportConfig, TransferEngine, TransferRequest,
 };
 use kv_transfer_core::{
     Exposed, HostRegion, PeerId, PoolConfig, PoolId, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
@@ -46,6 +47,8 @@ use kv_transfer_core::{
 use std::any::Any;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -167,7 +170,75 @@ impl DataTransport for GatedTransport {
     }
 }
 
+/// The prefill side's engine, which can be struck dead: from then on
+/// nothing it would send (ABORT_ACK, completion notifications) leaves it,
+/// and nothing sent to it is read, as when its process is killed.
+struct CrashableEngine {
+    inner: MooncakeEngine,
+    dead: AtomicBool,
+}
+
+impl CrashableEngine {
+    fn alive(&self) -> Result<(), EngineError> {
+        if self.dead.load(Ordering::Acquire) {
+            Err(EngineError::Shutdown)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl TransferEngine for CrashableEngine {
+    fn local_segment_name(&self) -> String {
+        self.inner.local_segment_name()
+    }
+    fn register_memory(&self, region: MemoryRegion) -> Result<(), EngineError> {
+        self.inner.register_memory(region)
+    }
+    fn unregister_memory(&self, addr: u64) -> Result<(), EngineError> {
+        self.inner.unregister_memory(addr)
+    }
+    fn open_segment(&self, name: &str) -> Result<SegmentId, EngineError> {
+        self.alive()?;
+        self.inner.open_segment(name)
+    }
+    fn segment_info(&self, id: SegmentId) -> Result<SegmentInfo, EngineError> {
+        self.inner.segment_info(id)
+    }
+    fn close_segment(&self, id: SegmentId) -> Result<(), EngineError> {
+        self.inner.close_segment(id)
+    }
+    fn allocate_batch_id(&self, batch_size: usize) -> Result<BatchId, EngineError> {
+        self.alive()?;
+        self.inner.allocate_batch_id(batch_size)
+    }
+    fn submit_transfer(&self, batch: BatchId, requests: &[TransferRequest]) -> Result<Range<usize>, EngineError> {
+        self.alive()?;
+        self.inner.submit_transfer(batch, requests)
+    }
+    fn get_transfer_status(&self, batch: BatchId, task: usize) -> Result<TaskStatus, EngineError> {
+        self.inner.get_transfer_status(batch, task)
+    }
+    fn wait_transfer(&self, batch: BatchId, task: usize, wait: Duration) -> Result<TaskStatus, EngineError> {
+        self.inner.wait_transfer(batch, task, wait)
+    }
+    fn free_batch_id(&self, batch: BatchId) -> Result<(), EngineError> {
+        self.inner.free_batch_id(batch)
+    }
+    fn send_notify(&self, target: SegmentId, msg: &str) -> Result<(), EngineError> {
+        self.alive()?;
+        self.inner.send_notify(target, msg)
+    }
+    fn get_notifies(&self) -> Vec<NotifyDesc> {
+        match self.alive() {
+            Ok(()) => self.inner.get_notifies(),
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
 struct Prefill {
+    engine: Arc<CrashableEngine>,
     transfer: MooncakeTransfer,
     pool: SlotPool,
     gate: Arc<GatedTransport>,
@@ -198,8 +269,9 @@ impl Backend for MooncakeBackend {
         let gate = Arc::new(GatedTransport::new(ecfg.tcp.clone()).map_err(|e| fail("prefill transport")(&e))?);
         let pengine = MooncakeEngine::with_transport(ecfg, gate.clone() as Arc<dyn DataTransport>)
             .map_err(|e| fail("prefill engine")(&e))?;
-        let transfer = MooncakeTransfer::new(Arc::new(pengine), AdapterConfig::default())
-            .map_err(|e| fail("prefill adapter")(&e))?;
+        let engine = Arc::new(CrashableEngine { inner: pengine, dead: AtomicBool::new(false) });
+        let transfer =
+            MooncakeTransfer::new(engine.clone(), AdapterConfig::default()).map_err(|e| fail("prefill adapter")(&e))?;
         let region = HostRegion::new(cfg.prefill_slots * cfg.slot_size).map_err(|e| fail("prefill region")(&e))?;
         let pool = transfer
             .register_pool(Arc::new(region), PoolConfig::new(cfg.slot_size))
@@ -209,7 +281,7 @@ impl Backend for MooncakeBackend {
             decode_engine,
             decode,
             dpool,
-            prefill: Some(Prefill { transfer, pool, gate }),
+            prefill: Some(Prefill { engine, transfer, pool, gate }),
             prefill_peer,
             can_hold: cfg.can_hold,
             slot_size: cfg.slot_size,
@@ -322,9 +394,10 @@ impl Rig for MooncakeRig {
     }
     fn crash_prefill(&mut self) -> Result<(), Failure> {
         if let Some(p) = self.prefill.take() {
-            // Held tasks never leave; then the adapter stops (its running
-            // operations are abandoned, their leases quarantined) and the
-            // engine tears its connections down. No notification is sent.
+            // Struck dead first, so no goodbye (ABORT_ACK, completion) leaves
+            // it; held tasks never reach the wire; then the adapter stops
+            // and the engine tears its connections down.
+            p.engine.dead.store(true, Ordering::Release);
             p.gate.crash();
             drop(p);
         }
@@ -384,12 +457,7 @@ impl Rig for MooncakeRig {
             let mut s = TcpStream::connect_timeout(&self.data_addr()?, Duration::from_secs(5))
                 .map_err(|e| fail("stalled connect")(&e))?;
             let slot = remote.slots.first().ok_or_else(|| Failure("an exposure without slots".into()))?;
-            let h = RequestHeader {
-                size: self.slot_size as u64,
-                addr: slot.addr,
-                opcode: TcpOpcode::Write,
-                v2: true,
-            };
+            let h = RequestHeader { size: self.slot_size as u64, addr: slot.addr, opcode: TcpOpcode::Write, v2: true };
             s.write_all(&h.encode()).map_err(|e| fail("stalled write")(&e))?;
             s.write_all(&vec![0x5a; self.slot_size / 2]).map_err(|e| fail("stalled write")(&e))?;
             Ok((exposed, Box::new((s, engine)) as Box<dyn Any>))

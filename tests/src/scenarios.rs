@@ -582,7 +582,10 @@ pub fn never_acks(b: &dyn Backend) -> Result<(), Failure> {
             m.quarantined == 1 && m.free == m.capacity - 1 && proofs(&m) == proofs(&m0),
             "without revoke or fence the stalled exposure must stay quarantined, saw {m:?}"
         );
-        eprintln!("[{}] never_acks: no revoke, no fence; the ladder ended with the slot stuck (checked)", rig.backend());
+        eprintln!(
+            "[{}] never_acks: no revoke, no fence; the ladder ended with the slot stuck (checked)",
+            rig.backend()
+        );
         drop(guard);
         return Ok(());
     }

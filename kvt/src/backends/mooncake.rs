@@ -9,7 +9,9 @@
 
 use super::Rig;
 use anyhow::{anyhow, bail};
-use backend_mooncake::{AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, ProtoVersion, TcpTransportConfig};
+use backend_mooncake::{
+    AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, ProtoVersion, TcpTransportConfig,
+};
 use kv_transfer_core::{HostRegion, PoolConfig, SlotPool};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
