@@ -23,6 +23,8 @@ enum Step {
     Revoke(usize),
     Fence(u32),
     TrySettle(usize),
+    /// The backend completes the lease's own operation: settle with a proof of exactly its tenancies.
+    SettleOwn(usize),
     Release(usize),
     Escalate(u64),
 }
@@ -36,6 +38,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (0..32usize).prop_map(Step::Revoke),
         1 => (0..3u32).prop_map(Step::Fence),
         2 => (0..8usize).prop_map(Step::TrySettle),
+        2 => (0..8usize).prop_map(Step::SettleOwn),
         2 => (0..8usize).prop_map(Step::Release),
         1 => (0..50u64).prop_map(Step::Escalate),
     ]
@@ -165,6 +168,23 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
                                 prop_assert!(!expect, "proven lease did not settle");
                                 held.push(Held::Exposed(lease, peer));
                             }
+                        }
+                    }
+                }
+            }
+            Step::SettleOwn(i) => {
+                if i < held.len() {
+                    if let Held::Exposed(..) = &held[i] {
+                        let Held::Exposed(lease, _) = held.remove(i) else { unreachable!() };
+                        let proof = authority.completed_lease(&lease);
+                        match lease.settle(proof) {
+                            Ok(settled) => {
+                                for t in settled.tenancies() {
+                                    m.prove(*t);
+                                }
+                                held.push(Held::Settled(settled));
+                            }
+                            Err(e) => return Err(TestCaseError::fail(format!("own proof refused: {}", e.reason))),
                         }
                     }
                 }
