@@ -26,12 +26,11 @@
 //!
 //! [`SimTransport`]: crate::sim::SimTransport
 
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
+use backend_tcp_sim::bench::measure;
 pub use backend_tcp_sim::bench::{BenchConfig, BenchError, BenchResult};
-use backend_tcp_sim::block_on;
-use kv_transfer_core::{RemoteSlots, Transfer, TransferOptions};
+use kv_transfer_core::{Op, RemoteSlots, Transfer};
 
 use crate::harness::{sim_pair, PairConfig};
 
@@ -63,78 +62,10 @@ pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
         exposures.push(exposed);
     }
 
-    let barrier = Arc::new(Barrier::new(cfg.threads + 1));
-    let mut joins = Vec::new();
-    for remotes in per_thread {
-        let transfer = init.transfer.clone();
-        let ipool = init.pool.clone();
-        let barrier = barrier.clone();
-        let cfg = cfg.clone();
-        joins.push(std::thread::spawn(move || -> Result<(u64, Vec<u64>, Duration), BenchError> {
-            let mut leases = Vec::with_capacity(cfg.batch);
-            for i in 0..cfg.batch {
-                let mut l = ipool.reserve(1).map_err(other)?;
-                l.write_at(0, 0, &vec![(i % 251) as u8; cfg.block_size]).map_err(other)?;
-                leases.push(l);
-            }
-            barrier.wait();
-            let t0 = Instant::now();
-            let measure_from = t0 + cfg.warmup;
-            let end = measure_from + cfg.duration;
-            let (mut bytes, mut lat, mut last_end) = (0u64, Vec::new(), measure_from);
-            loop {
-                let now = Instant::now();
-                if now >= end {
-                    break;
-                }
-                let b0 = Instant::now();
-                let mut handles = Vec::with_capacity(cfg.batch);
-                for (l, r) in leases.drain(..).zip(&remotes) {
-                    let h =
-                        block_on(transfer.write(l, r, TransferOptions::notify(false))).map_err(|e| other(e.kind))?;
-                    handles.push(h);
-                }
-                for h in handles {
-                    let out = block_on(h).map_err(other)?;
-                    out.result.map_err(other)?;
-                    leases.push(out.lease.into_reserved());
-                }
-                if b0 >= measure_from {
-                    bytes += (cfg.batch * cfg.block_size) as u64;
-                    lat.push(b0.elapsed().as_micros() as u64);
-                    last_end = Instant::now();
-                }
-            }
-            Ok((bytes, lat, last_end.saturating_duration_since(measure_from)))
-        }));
-    }
-    barrier.wait();
-    let mut total = 0u64;
-    let mut lat = Vec::new();
-    let mut first_err = None;
-    let mut elapsed = Duration::ZERO;
-    for j in joins {
-        match j.join() {
-            Ok(Ok((b, l, e))) => {
-                total += b;
-                elapsed = elapsed.max(e);
-                lat.extend(l);
-            }
-            Ok(Err(e)) => first_err = Some(e),
-            Err(_) => first_err = Some(other("bench thread panicked")),
-        }
-    }
+    let transfer: Arc<dyn Transfer> = Arc::new(init.transfer.clone());
+    let result = measure(&transfer, &init.pool, Op::Write, per_thread, cfg);
     // The exposures are aborted: the ladder asks the initiator to drain (it
     // has nothing in flight) and its ABORT_ACK settles them.
     drop(exposures);
-    if let Some(e) = first_err {
-        return Err(e);
-    }
-    Ok(BenchResult {
-        config: cfg.clone(),
-        bytes: total,
-        elapsed,
-        gb_per_s: if elapsed.is_zero() { 0.0 } else { total as f64 / elapsed.as_secs_f64() / 1e9 },
-        batch_latency_us: lat,
-    })
+    result
 }

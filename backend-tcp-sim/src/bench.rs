@@ -1,10 +1,11 @@
-//! The WRITE throughput loop, reusable by `kvt bench`.
+//! The measured loop every backend's bench shares ([`measure`]), and the
+//! simulator's own WRITE bench built on it ([`run_write_bench`]).
 //!
-//! Two NICs in this process on loopback: an initiator with a pool of
-//! `threads × batch` source slots and a target with as many destination
-//! slots, exposed once per thread. Each thread posts `batch` single-slot
-//! WRITEs through the [`Transfer`] trait, waits for all of them, and repeats
-//! until the duration is spent.
+//! [`measure`] needs only an `Arc<dyn Transfer>`, a local pool and remote
+//! single-slot descriptors: each thread posts `batch` single-slot operations
+//! through the [`Transfer`] trait, waits (bounded) for all of them, and
+//! repeats until the duration is spent. The MORI backend's bench and
+//! `kvt bench` call it too, so their figures are comparable in one run.
 //!
 //! ```
 //! use backend_tcp_sim::bench::{run_write_bench, BenchConfig};
@@ -22,7 +23,7 @@
 //! ```
 
 use crate::{block_on, NicConfig, NicError, SimNic};
-use kv_transfer_core::{HostRegion, PoolConfig, RemoteSlots, Transfer, TransferOptions};
+use kv_transfer_core::{poll_until, HostRegion, Op, PoolConfig, RemoteSlots, SlotPool, Transfer, TransferOptions};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -129,38 +130,72 @@ pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
         exposures.push(exposed);
     }
 
-    let barrier = Arc::new(Barrier::new(cfg.threads + 1));
+    let transfer: Arc<dyn Transfer> = Arc::new(init.clone());
+    let result = measure(&transfer, &ipool, Op::Write, per_thread, cfg);
+    for e in exposures {
+        target.revoke(&e);
+        if let Ok(s) = e.try_settled() {
+            s.release();
+        }
+    }
+    result
+}
+
+/// Bound on one operation's terminal status inside [`measure`].
+pub const OP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Splits a descriptor into single-slot descriptors, `batch` per thread.
+pub fn per_thread(remote: &RemoteSlots, threads: usize, batch: usize) -> Vec<Vec<RemoteSlots>> {
+    let singles: Vec<RemoteSlots> =
+        remote.slots.iter().map(|s| RemoteSlots { slots: vec![*s], ..remote.clone() }).collect();
+    singles.chunks(batch.max(1)).take(threads).map(<[RemoteSlots]>::to_vec).collect()
+}
+
+/// The measured loop: one thread per entry of `remotes`, each posting
+/// `cfg.batch` single-slot `op`s (from its own leases of `pool`) against its
+/// descriptors, waiting for all of them (each at most [`OP_TIMEOUT`]), and
+/// repeating until `cfg.warmup + cfg.duration` is spent. Posts without
+/// notifications: the caller settles the target's exposures afterwards.
+pub fn measure(
+    transfer: &Arc<dyn Transfer>,
+    pool: &SlotPool,
+    op: Op,
+    remotes: Vec<Vec<RemoteSlots>>,
+    cfg: &BenchConfig,
+) -> Result<BenchResult, BenchError> {
+    if remotes.is_empty() || remotes.iter().any(|r| r.len() != cfg.batch) {
+        return Err(other(format!("every thread needs {} single-slot descriptors", cfg.batch)));
+    }
+    if remotes.iter().flatten().any(|r| r.slot_size != cfg.block_size as u64) {
+        return Err(other(format!("the target's slots are not {} B", cfg.block_size)));
+    }
+    let barrier = Arc::new(Barrier::new(remotes.len() + 1));
     let mut joins = Vec::new();
-    for remotes in per_thread {
-        let init = init.clone();
-        let ipool = ipool.clone();
-        let barrier = barrier.clone();
-        let cfg = cfg.clone();
+    for remotes in remotes {
+        let (transfer, pool, barrier, cfg) = (transfer.clone(), pool.clone(), barrier.clone(), cfg.clone());
         joins.push(std::thread::spawn(move || -> Result<(u64, Vec<u64>, Duration), BenchError> {
             let mut leases = Vec::with_capacity(cfg.batch);
             for i in 0..cfg.batch {
-                let mut l = ipool.reserve(1).map_err(other)?;
+                let mut l = pool.reserve(1).map_err(other)?;
                 l.write_at(0, 0, &vec![(i % 251) as u8; cfg.block_size]).map_err(other)?;
                 leases.push(l);
             }
             barrier.wait();
-            let t0 = Instant::now();
-            let measure_from = t0 + cfg.warmup;
+            let measure_from = Instant::now() + cfg.warmup;
             let end = measure_from + cfg.duration;
             let (mut bytes, mut lat, mut last_end) = (0u64, Vec::new(), measure_from);
-            loop {
-                let now = Instant::now();
-                if now >= end {
-                    break;
-                }
+            while Instant::now() < end {
                 let b0 = Instant::now();
                 let mut handles = Vec::with_capacity(cfg.batch);
                 for (l, r) in leases.drain(..).zip(&remotes) {
-                    let h = block_on(init.write(l, r, TransferOptions::notify(false))).map_err(|e| other(e.kind))?;
+                    let h = block_on(transfer.post(op, l, r, TransferOptions::notify(false)))
+                        .map_err(|e| other(format!("post failed: {}", e.kind)))?;
                     handles.push(h);
                 }
-                for h in handles {
-                    let out = block_on(h).map_err(other)?;
+                for mut h in handles {
+                    let out = poll_until(std::pin::Pin::new(&mut h), OP_TIMEOUT)
+                        .ok_or_else(|| other(format!("an operation did not complete within {OP_TIMEOUT:?}")))?
+                        .map_err(other)?;
                     out.result.map_err(other)?;
                     leases.push(out.lease.into_reserved());
                 }
@@ -174,10 +209,7 @@ pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
         }));
     }
     barrier.wait();
-    let mut total = 0u64;
-    let mut lat = Vec::new();
-    let mut first_err = None;
-    let mut elapsed = Duration::ZERO;
+    let (mut total, mut lat, mut elapsed, mut first_err) = (0u64, Vec::new(), Duration::ZERO, None);
     for j in joins {
         match j.join() {
             Ok(Ok((b, l, e))) => {
@@ -187,12 +219,6 @@ pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
             }
             Ok(Err(e)) => first_err = Some(e),
             Err(_) => first_err = Some(other("bench thread panicked")),
-        }
-    }
-    for e in exposures {
-        target.revoke(&e);
-        if let Ok(s) = e.try_settled() {
-            s.release();
         }
     }
     if let Some(e) = first_err {

@@ -18,20 +18,18 @@
 //! ```
 
 use anyhow::{anyhow, bail, Context as _};
+use backend_tcp_sim::bench::{measure, per_thread, BenchConfig};
 use backend_tcp_sim::{NicConfig, SimNic};
-use kv_transfer_core::{block_on, poll_until};
-use kv_transfer_core::{HostRegion, Op, PoolConfig, RemoteSlots, SlotPool, Transfer, TransferOptions};
+use kv_transfer_core::{HostRegion, Op, PoolConfig, RemoteSlots, SlotPool, Transfer};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Largest registered memory one run may ask for.
 pub const MAX_BYTES: usize = 4 << 30;
-/// Bound on one operation's terminal status.
-const OP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -143,84 +141,35 @@ pub fn loopback(rig: crate::backends::Rig, p: &Params) -> anyhow::Result<Outcome
     Ok(outcome(backend, "loopback", p, bytes, elapsed, lat))
 }
 
-/// The measured loop: `threads` threads, each posting `batch` single-slot
-/// operations against its share of `remote`, waiting for all of them, and
-/// repeating until `warmup + duration` is spent.
-///
-/// It needs only a `Transfer` and a pool, so every backend runs the same loop.
+/// The measured loop (the one every backend's bench shares,
+/// `backend_tcp_sim::bench::measure`): `threads` threads, each posting
+/// `batch` single-slot operations against its share of `remote`, waiting
+/// for all of them, and repeating until `warmup + duration` is spent.
 pub fn run_loop(
     init: &Arc<dyn Transfer>,
     ipool: &SlotPool,
     remote: &RemoteSlots,
     p: &Params,
 ) -> anyhow::Result<(u64, Duration, Vec<u64>)> {
-    let singles: Vec<RemoteSlots> =
-        remote.slots.iter().map(|s| RemoteSlots { slots: vec![*s], ..remote.clone() }).collect();
-    if singles.len() < p.threads * p.batch || remote.slot_size != p.block_size as u64 {
+    if remote.slots.len() < p.threads * p.batch || remote.slot_size != p.block_size as u64 {
         bail!(
             "the target exposed {} slots of {} B; {} of {} B are needed",
-            singles.len(),
+            remote.slots.len(),
             remote.slot_size,
             p.threads * p.batch,
             p.block_size
         );
     }
-    let barrier = Arc::new(Barrier::new(p.threads + 1));
-    let mut joins = Vec::new();
-    for chunk in singles.chunks(p.batch).take(p.threads) {
-        let (init, ipool, barrier, p, remotes) =
-            (init.clone(), ipool.clone(), barrier.clone(), p.clone(), chunk.to_vec());
-        joins.push(std::thread::spawn(move || -> anyhow::Result<(u64, Vec<u64>, Duration)> {
-            let mut leases = Vec::with_capacity(p.batch);
-            for i in 0..p.batch {
-                let mut l = ipool.reserve(1)?;
-                l.write_at(0, 0, &vec![(i % 251) as u8; p.block_size])?;
-                leases.push(l);
-            }
-            barrier.wait();
-            let measure_from = Instant::now() + p.warmup;
-            let end = measure_from + p.duration;
-            let (mut bytes, mut lat, mut last_end) = (0u64, Vec::new(), measure_from);
-            while Instant::now() < end {
-                let b0 = Instant::now();
-                let mut handles = Vec::with_capacity(p.batch);
-                for (l, r) in leases.drain(..).zip(&remotes) {
-                    let h = block_on(init.post(p.op, l, r, TransferOptions::notify(false)))
-                        .map_err(|e| anyhow!("post failed: {}", e.kind))?;
-                    handles.push(h);
-                }
-                for mut h in handles {
-                    let out = poll_until(std::pin::Pin::new(&mut h), OP_TIMEOUT)
-                        .ok_or_else(|| anyhow!("an operation did not complete within {OP_TIMEOUT:?}"))??;
-                    out.result?;
-                    leases.push(out.lease.into_reserved());
-                }
-                if b0 >= measure_from {
-                    bytes += (p.batch * p.block_size) as u64;
-                    lat.push(b0.elapsed().as_micros() as u64);
-                    last_end = Instant::now();
-                }
-            }
-            Ok((bytes, lat, last_end.saturating_duration_since(measure_from)))
-        }));
-    }
-    barrier.wait();
-    let (mut total, mut lat, mut elapsed, mut err) = (0u64, Vec::new(), Duration::ZERO, None);
-    for j in joins {
-        match j.join() {
-            Ok(Ok((b, l, e))) => {
-                total += b;
-                lat.extend(l);
-                elapsed = elapsed.max(e);
-            }
-            Ok(Err(e)) => err = Some(e),
-            Err(_) => err = Some(anyhow!("a bench thread panicked")),
-        }
-    }
-    match err {
-        Some(e) => Err(e),
-        None => Ok((total, elapsed, lat)),
-    }
+    let cfg = BenchConfig {
+        block_size: p.block_size,
+        batch: p.batch,
+        threads: p.threads,
+        duration: p.duration,
+        warmup: p.warmup,
+        socket_buffer: None,
+    };
+    let r = measure(init, ipool, p.op, per_thread(remote, p.threads, p.batch), &cfg)?;
+    Ok((r.bytes, r.elapsed, r.batch_latency_us))
 }
 
 fn send(s: &mut TcpStream, v: &Value) -> anyhow::Result<()> {
