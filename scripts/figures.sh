@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One quiet session: every figure the closing note reports.
+set -u
+cd "$(dirname "$0")/.."
+echo "== date $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores"
+echo "== core: lease cycle (criterion)"
+cargo bench -q -p kv-transfer-core --bench lease_cycle -- --warm-up-time 2 --measurement-time 5 2>&1 | grep -E "time:|metadata|lease_cycle/"
+echo "== kvt bench: tcp-sim, mori, mooncake, nixl (WRITE, batch 32, 4 threads, 3 s), 64KiB and 1MiB, twice"
+for round in 1 2; do
+  ./target/release/kvt bench --backend tcp-sim,mori,mooncake,nixl --sweep 64KiB,1MiB --duration 3s --json > ${TMPDIR:-/tmp}/kvt-$round.json 2>${TMPDIR:-/tmp}/kvt-$round.err || cat ${TMPDIR:-/tmp}/kvt-$round.err
+  python3 -c "
+import json;r=json.load(open('${TMPDIR:-/tmp}/kvt-$round.json'))
+for x in r: print('round $round', x['backend'].ljust(9), str(x['block_size']).rjust(8), '%.3f GB/s'%x['gb_per_s'], 'p50 %d p99 %d us/batch'%(x['p50_us'],x['p99_us']))
+"
+done
+./target/release/kvt bench --backend tcp-sim,mori,mooncake,nixl --sweep 64KiB,256KiB,1MiB,4MiB --duration 2s --plot ${TMPDIR:-/tmp}/sweep.svg --json > ${TMPDIR:-/tmp}/kvt-sweep.json 2>&1 && echo "sweep plot: /tmp/sweep.svg"
+echo "== Mooncake: real vs ours, 1 MiB and 64 KiB (measure.sh, 4 s each)"
+DUR=4 CARGO_TARGET_DIR=target bash backend-mooncake/scripts/measure.sh 2>&1
+DUR=4 BLOCK=65536 CARGO_TARGET_DIR=target bash backend-mooncake/scripts/measure.sh 2>&1
+echo "== NIXL: adapter vs raw C API (default UCX, then UCX_TLS=tcp)"
+timeout 300 ./target/release/examples/adapter_bench 2>&1 | tail -12
+UCX_TLS=tcp timeout 300 ./target/release/examples/adapter_bench 2>&1 | tail -12
+echo "== done $(date -u +%T)"
