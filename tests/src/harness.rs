@@ -27,6 +27,11 @@ impl Failure {
     }
 }
 
+/// `map_err` helper: `.map_err(|e| fail("what")(&e))` names the step that failed.
+pub fn fail(what: &str) -> impl Fn(&dyn fmt::Display) -> Failure + '_ {
+    move |e| Failure::from_err(what, e)
+}
+
 /// Returns a [`Failure`] unless `cond` holds.
 #[macro_export]
 macro_rules! ensure {

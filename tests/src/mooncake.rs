@@ -29,7 +29,7 @@
 //! outside the workspace.
 
 use crate::ensure;
-use crate::harness::{Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::fill_tagged;
 use backend_mooncake::adapter::block_on;
 use backend_mooncake::adapter::wire::{Kind, Message};
@@ -60,10 +60,6 @@ pub struct MooncakeBackend;
 /// The mooncake harness.
 pub fn backend() -> Option<Box<dyn Backend>> {
     Some(Box::new(MooncakeBackend))
-}
-
-fn fail(what: &str) -> impl Fn(&dyn std::fmt::Display) -> Failure + '_ {
-    move |e| Failure(format!("{what}: {e}"))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -5,7 +5,7 @@
 //! skipped; the in-process crash runs.
 
 use crate::ensure;
-use crate::harness::{Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::fill_tagged;
 use backend_mori::harness::{raw_sim_peer_desc, settle_tag, MoriSide, RawMoriPeer};
 use backend_mori::{EngineConfig, EngineKey, IoEngine, SimTransportConfig, StatusCode};
@@ -17,7 +17,7 @@ use kv_transfer_core::{
 };
 use kv_transfer_examples::wait::wait_until;
 use std::any::Any;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,10 +33,6 @@ pub fn backend() -> Option<Box<dyn Backend>> {
 }
 
 static RIGS: AtomicU64 = AtomicU64::new(0);
-
-fn fail(what: &str) -> impl Fn(&dyn std::fmt::Display) -> Failure + '_ {
-    move |e| Failure(format!("{what}: {e}"))
-}
 
 impl Backend for MoriBackend {
     fn name(&self) -> &'static str {
@@ -101,17 +97,7 @@ pub struct MoriRig {
 impl MoriRig {
     fn raw_hello(&self, name: &str) -> Result<TcpStream, Failure> {
         let nic = self.decode.transport.nic().ok_or_else(|| Failure("decode NIC not attached".into()))?;
-        let mut s = TcpStream::connect(nic.endpoint()).map_err(|e| fail("raw connect")(&e))?;
-        let hello = wire::encode_head(&Body::Hello { name: name.into(), endpoint: "127.0.0.1:9".into() }, 0)
-            .map_err(|e| fail("encode")(&e))?;
-        s.write_all(&hello).map_err(|e| fail("raw hello")(&e))?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| fail("timeout")(&e))?;
-        let mut pre = [0u8; wire::PREFIX_LEN];
-        s.read_exact(&mut pre).map_err(|e| fail("raw hello reply")(&e))?;
-        let p = wire::decode_prefix(&pre).map_err(|e| fail("hello reply")(&e))?;
-        let mut f = vec![0u8; p.fields_len()];
-        s.read_exact(&mut f).map_err(|e| fail("raw hello reply")(&e))?;
-        Ok(s)
+        crate::sim::raw_hello(nic.endpoint(), name)
     }
 }
 

@@ -37,7 +37,7 @@
 //! does not parse is dropped and counted, the connection stays). The prefill
 //! side always runs in this process (no killed-process variant).
 
-use crate::harness::{Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::fill_tagged;
 use backend_nixl::adapter::wire::{self, MsgKind};
 use backend_nixl::engine::{AgentConfig, NixlLibrary, INSTALL_HINT};
@@ -102,10 +102,6 @@ fn transports_need_target_progress() -> bool {
         });
         any && all
     })
-}
-
-fn fail(what: &str) -> impl Fn(&dyn std::fmt::Display) -> Failure + '_ {
-    move |e| Failure(format!("{what}: {e}"))
 }
 
 impl Backend for NixlBackend {

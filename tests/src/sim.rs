@@ -1,7 +1,7 @@
 //! The TCP simulator's harness: the reference [`Backend`] implementation.
 
 use crate::ensure;
-use crate::harness::{Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use backend_tcp_sim::wire::{self, AccessHeader, Body};
 use backend_tcp_sim::{block_on, FaultPlan, Gate, NicConfig, RawAccess, SimNic};
 use kv_transfer_core::{
@@ -29,8 +29,21 @@ pub struct SimBackend {
 
 static RIGS: AtomicU64 = AtomicU64::new(0);
 
-fn fail(what: &str) -> impl Fn(&dyn std::fmt::Display) -> Failure + '_ {
-    move |e| Failure(format!("{what}: {e}"))
+/// Opens a raw wire-level connection to the simulator NIC at `endpoint`
+/// and completes the HELLO exchange as peer `name`: a peer that speaks the
+/// wire format by hand, for the stale, malformed and stalled-peer scenarios.
+pub(crate) fn raw_hello(endpoint: &str, name: &str) -> Result<TcpStream, Failure> {
+    let mut s = TcpStream::connect(endpoint).map_err(|e| fail("raw connect")(&e))?;
+    let hello = wire::encode_head(&Body::Hello { name: name.into(), endpoint: "127.0.0.1:9".into() }, 0)
+        .map_err(|e| fail("encode")(&e))?;
+    s.write_all(&hello).map_err(|e| fail("raw hello")(&e))?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| fail("timeout")(&e))?;
+    let mut pre = [0u8; wire::PREFIX_LEN];
+    s.read_exact(&mut pre).map_err(|e| fail("raw hello reply")(&e))?;
+    let p = wire::decode_prefix(&pre).map_err(|e| fail("hello reply")(&e))?;
+    let mut f = vec![0u8; p.fields_len()];
+    s.read_exact(&mut f).map_err(|e| fail("raw hello reply")(&e))?;
+    Ok(s)
 }
 
 /// Fills a reserved lease with request `request`'s tagged payload for `remote`'s slots.
@@ -143,17 +156,7 @@ impl SimRig {
     }
 
     fn raw_hello(&self, name: &str) -> Result<TcpStream, Failure> {
-        let mut s = TcpStream::connect(self.decode.endpoint()).map_err(|e| fail("raw connect")(&e))?;
-        let hello = wire::encode_head(&Body::Hello { name: name.into(), endpoint: "127.0.0.1:9".into() }, 0)
-            .map_err(|e| fail("encode")(&e))?;
-        s.write_all(&hello).map_err(|e| fail("raw hello")(&e))?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| fail("timeout")(&e))?;
-        let mut pre = [0u8; wire::PREFIX_LEN];
-        s.read_exact(&mut pre).map_err(|e| fail("raw hello reply")(&e))?;
-        let p = wire::decode_prefix(&pre).map_err(|e| fail("hello reply")(&e))?;
-        let mut f = vec![0u8; p.fields_len()];
-        s.read_exact(&mut f).map_err(|e| fail("raw hello reply")(&e))?;
-        Ok(s)
+        raw_hello(self.decode.endpoint(), name)
     }
 }
 
