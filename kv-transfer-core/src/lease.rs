@@ -25,6 +25,7 @@ use smallvec::SmallVec;
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -80,8 +81,8 @@ struct LeaseInner {
 /// Exclusive use of one or more slots by one request, in state `S`.
 #[must_use = "dropping a lease releases it (or quarantines it, if exposed)"]
 pub struct SlotLease<S: LeaseState> {
-    // `None` only transiently inside a transition; never observable.
-    inner: Option<LeaseInner>,
+    // Transitions move this out without running `Drop` (see `morph`).
+    inner: ManuallyDrop<LeaseInner>,
     _state: PhantomData<fn() -> S>,
 }
 
@@ -89,9 +90,8 @@ impl<S: LeaseState> fmt::Debug for SlotLease<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("SlotLease");
         d.field("state", &S::KIND);
-        if let Some(i) = &self.inner {
-            d.field("pool", &i.pool.id()).field("tenancies", &i.tenancies.as_slice()).field("peer", &i.peer);
-        }
+        let i = &*self.inner;
+        d.field("pool", &i.pool.id()).field("tenancies", &i.tenancies.as_slice()).field("peer", &i.peer);
         d.finish()
     }
 }
@@ -155,21 +155,21 @@ pub enum AccessError {
 
 impl<S: LeaseState> SlotLease<S> {
     pub(crate) fn new(pool: SlotPool, tenancies: Tenancies, peer: Option<PeerId>) -> Self {
-        Self { inner: Some(LeaseInner { pool, tenancies, peer }), _state: PhantomData }
+        Self { inner: ManuallyDrop::new(LeaseInner { pool, tenancies, peer }), _state: PhantomData }
     }
 
     fn inner(&self) -> &LeaseInner {
-        match &self.inner {
-            Some(i) => i,
-            None => unreachable!("lease observed mid-transition"),
-        }
+        &self.inner
     }
 
     /// Moves the lease's contents into another state without running `Drop`.
-    fn morph<T: LeaseState>(mut self, peer: Option<PeerId>) -> SlotLease<T> {
-        let mut inner = self.inner.take().unwrap_or_else(|| unreachable!("lease observed mid-transition"));
+    fn morph<T: LeaseState>(self, peer: Option<PeerId>) -> SlotLease<T> {
+        let mut me = ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped (ManuallyDrop) nor used after this
+        // read, so the contents are moved exactly once: into the new lease.
+        let mut inner = unsafe { ManuallyDrop::take(&mut me.inner) };
         inner.peer = peer;
-        SlotLease { inner: Some(inner), _state: PhantomData }
+        SlotLease { inner: ManuallyDrop::new(inner), _state: PhantomData }
     }
 
     /// The pool the slots belong to.
@@ -223,7 +223,6 @@ impl<S: LeaseState> SlotLease<S> {
 
     fn exposed(self, peer: PeerId) -> SlotLease<Exposed> {
         self.pool().mark_exposed(self.tenancies(), peer);
-        tracing::trace!(pool = self.pool().id().0, peer = peer.0, slots = self.len(), "exposed");
         self.morph(Some(peer))
     }
 }
@@ -276,7 +275,6 @@ impl SlotLease<Exposed> {
             return Err(SettleError { lease: self, reason: SettleErrorReason::ForeignProof });
         }
         if self.pool().apply_and_settle(&proof, self.tenancies()) {
-            tracing::trace!(pool = self.pool().id().0, kind = ?proof.kind, "settled");
             Ok(self.morph(None))
         } else {
             Err(SettleError { lease: self, reason: SettleErrorReason::Incomplete })
@@ -336,7 +334,9 @@ impl SlotLease<Settled> {
 
 impl<S: LeaseState> Drop for SlotLease<S> {
     fn drop(&mut self) {
-        let Some(inner) = self.inner.take() else { return };
+        // SAFETY: `drop` runs once, and transitions (`morph`) never let it
+        // run on a lease whose contents they moved out.
+        let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
         match S::KIND {
             StateKind::Reserved | StateKind::Settled => inner.pool.release_held(&inner.tenancies),
             StateKind::Exposed => {

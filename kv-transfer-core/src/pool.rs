@@ -310,7 +310,6 @@ impl SlotPool {
         st.counters.leases += 1;
         drop(st);
         report_counter!("kvt_leases_total", self.inner.id, 1);
-        tracing::trace!(pool = self.inner.id.0, slots = n, "reserved");
         Ok(SlotLease::new(self.clone(), tenancies, None))
     }
 
