@@ -7,7 +7,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -105,25 +104,8 @@ fn remote(n: usize) -> RemoteSlots {
     }
 }
 
-struct Noop;
-
-impl std::task::Wake for Noop {
-    fn wake(self: Arc<Self>) {}
-}
-
 fn poll_for(h: &mut TransferHandle, timeout: Duration) -> Option<TransferOutcome> {
-    let deadline = Instant::now() + timeout;
-    let waker = Waker::from(Arc::new(Noop));
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        if let Poll::Ready(out) = Pin::new(&mut *h).poll(&mut cx) {
-            return Some(out.expect("not abandoned"));
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        thread::sleep(Duration::from_millis(1));
-    }
+    kv_transfer_core::poll_until(Pin::new(h), timeout).map(|out| out.expect("not abandoned"))
 }
 
 fn wait_metrics(pool: &SlotPool, timeout: Duration, f: impl Fn(&MetricsSnapshot) -> bool) -> MetricsSnapshot {

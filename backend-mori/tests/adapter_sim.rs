@@ -3,10 +3,8 @@
 //! write is held, a peer that never acks, a dropped handle, wrap-around.
 //! Every wait is bounded.
 
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -25,26 +23,8 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
-struct Noop;
-
-impl std::task::Wake for Noop {
-    fn wake(self: Arc<Self>) {}
-}
-
-/// Polls `h` until it resolves or `timeout` passes.
 fn wait_handle(h: &mut TransferHandle, timeout: Duration) -> Option<TransferOutcome> {
-    let deadline = Instant::now() + timeout;
-    let waker = Waker::from(Arc::new(Noop));
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        if let Poll::Ready(out) = Pin::new(&mut *h).poll(&mut cx) {
-            return Some(out.expect("not abandoned"));
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        thread::sleep(Duration::from_millis(1));
-    }
+    kv_transfer_core::poll_until(Pin::new(h), timeout).map(|out| out.expect("not abandoned"))
 }
 
 fn wait_settled(mut l: SlotLease<Exposed>, timeout: Duration) -> Result<SlotLease<Settled>, SlotLease<Exposed>> {
