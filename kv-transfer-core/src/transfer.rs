@@ -207,12 +207,20 @@ pub struct TransferOutcome {
     pub result: Result<(), TransferError>,
 }
 
-/// The backend dropped an operation without a terminal status (shutdown, a
-/// bug). Its lease went to quarantine and returns to the pool only with a
-/// proof.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the backend abandoned the operation; its lease is quarantined")]
-pub struct Abandoned;
+/// The operation ended without a proof that settles its local lease: the
+/// backend dropped it (shutdown, a bug), or it failed in a way that proves
+/// nothing about the NIC (an engine error reported while parts of the
+/// operation may still run). Its lease went to quarantine and returns to the
+/// pool only with a proof.
+#[derive(Debug, Clone, PartialEq, Eq, Default, thiserror::Error)]
+#[error("the operation ended without settling its lease (quarantined){}", match error {
+    Some(e) => format!(": {e}"),
+    None => String::new(),
+})]
+pub struct Abandoned {
+    /// The engine's error, when the operation failed rather than being dropped.
+    pub error: Option<TransferError>,
+}
 
 enum OpState {
     Pending { waker: Option<Waker> },
@@ -350,9 +358,22 @@ impl Completer {
             }
             Err(SettleError { lease, reason }) => {
                 drop(lease);
-                self.finish(Err(Abandoned));
+                self.finish(Err(Abandoned::default()));
                 Err(reason)
             }
+        }
+    }
+
+    /// Ends the operation with an error that proves nothing about the NIC
+    /// (an engine that may report failure while parts of the operation still
+    /// run). The lease is quarantined, so only a later proof (a fence, a
+    /// peer's drain) returns it; the handle resolves `Abandoned` carrying
+    /// `error`.
+    pub fn abandon(mut self, error: TransferError) {
+        if let Some(lease) = self.lease.take() {
+            drop(lease);
+            tracing::warn!(%error, "operation failed without a settlement proof; lease quarantined");
+            self.finish(Err(Abandoned { error: Some(error) }));
         }
     }
 
@@ -388,7 +409,7 @@ impl Drop for Completer {
             // No terminal status: the lease must not come back unsettled.
             drop(lease);
             tracing::warn!("operation dropped by its backend before a terminal status; lease quarantined");
-            self.finish(Err(Abandoned));
+            self.finish(Err(Abandoned::default()));
         }
     }
 }

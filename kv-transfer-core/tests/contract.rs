@@ -306,8 +306,21 @@ fn a_completer_dropped_without_status_quarantines_and_reports_abandoned() {
     let exposed = pool.reserve(1).unwrap().expose_local(PeerId(5));
     let (handle, completer) = TransferHandle::pair(exposed);
     drop(completer);
-    assert_eq!(block_on(handle).unwrap_err(), Abandoned);
+    assert_eq!(block_on(handle).unwrap_err(), Abandoned { error: None });
     assert_eq!(pool.metrics().quarantined, 1);
+    authority.deliver(authority.fenced(PeerId(5)));
+    assert_eq!(pool.metrics().free, 1);
+}
+
+#[test]
+fn an_abandoned_operation_keeps_its_lease_quarantined_and_reports_the_error() {
+    let (pool, authority) = pool(1);
+    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(5));
+    let (handle, completer) = TransferHandle::pair(exposed);
+    let error = TransferError::Engine { engine: "test", code: -2, message: "backend".into() };
+    completer.abandon(error.clone());
+    assert_eq!(block_on(handle).unwrap_err(), Abandoned { error: Some(error) });
+    assert_eq!((pool.metrics().free, pool.metrics().quarantined), (0, 1));
     authority.deliver(authority.fenced(PeerId(5)));
     assert_eq!(pool.metrics().free, 1);
 }
@@ -320,7 +333,7 @@ fn completing_with_a_wrong_proof_does_not_free() {
     let ts = exposed.tenancies().to_vec();
     let (handle, completer) = TransferHandle::pair(exposed);
     assert_eq!(completer.complete(other.completed(&ts), Ok(())), Err(SettleErrorReason::ForeignProof));
-    assert_eq!(block_on(handle).unwrap_err(), Abandoned);
+    assert_eq!(block_on(handle).unwrap_err(), Abandoned { error: None });
     assert_eq!(pool.metrics().quarantined, 1);
 }
 

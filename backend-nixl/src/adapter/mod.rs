@@ -12,6 +12,15 @@
 //! operation with a `Completed` proof, so the lease comes back settled, to the
 //! handle or (handle dropped) to the pool. A request that never becomes terminal
 //! keeps its lease forever: visible in [`AdapterMetrics::in_flight`], never reused.
+//!
+//! An error *status* is not such a proof: NIXL's UCX backend returns the first
+//! failed part of a request while its other parts may still run. So the
+//! operation ends [`Abandoned`](kv_transfer_core::Abandoned) carrying the engine
+//! error, its local lease stays quarantined, its remote tenancies are tombstoned,
+//! and no `K` is ever sent for them ([`AdapterMetrics::failed_unproven`],
+//! [`AdapterMetrics::acks_withheld`]): the target's slots stay quarantined, a
+//! counted leak rather than a reuse. (A post that failed but whose request then
+//! reached `Done` is proven and completes normally, with the post's error.)
 //! With [`AdapterConfig::request_cache`] on, a request without an attached
 //! notification that completed successfully is kept (terminal, unreleased) and
 //! re-posted by the next identical post instead of being released; its lease
@@ -33,11 +42,11 @@
 //! `ucx_backend.cpp`, `sendXferRange`/`checkXfer`). All descriptors of one of our
 //! requests go to one agent, hence one endpoint.
 //!
-//! **Abort**: NIXL has no cancel. [`TransferHandle::cancel`] (or a failure of a
-//! notifying request) waits for the terminal status, then tells the target with a
-//! `K` (ABORT_ACK) carrying slot and generation. A target that gives up an
-//! exposure sends `A` (ABORT); we answer `K` only when every request of ours on
-//! those tenancies is terminal.
+//! **Abort**: NIXL has no cancel. [`TransferHandle::cancel`] waits for the
+//! terminal status, then tells the target with a `K` (ABORT_ACK) carrying slot
+//! and generation. A target that gives up an exposure sends `A` (ABORT); we
+//! answer `K` only when every request of ours on those tenancies is terminal,
+//! and never for a tenancy an unproven failure touched.
 //!
 //! **Target side** ([`NixlTransfer::expose`]): exposures settle from `W`/`R`/`K`
 //! notifications sent by the peer they were exposed to. A notification naming a
@@ -66,7 +75,7 @@
 
 pub mod wire;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -232,6 +241,14 @@ pub struct AdapterMetrics {
     pub aborts_received: u64,
     /// ABORT_ACKs sent (initiator side).
     pub acks_sent: u64,
+    /// Operations whose status was an engine error: NIXL may report one while
+    /// other parts of the request still run, so their local leases stay
+    /// quarantined (the handle resolves `Abandoned`) and no ack is sent.
+    pub failed_unproven: u64,
+    /// Tenancies for which an ABORT_ACK was withheld because an operation on
+    /// them failed without proof that it stopped (the target keeps them
+    /// quarantined: a leak, never a reuse).
+    pub acks_withheld: u64,
     /// Completion messages sent by the driver (deferred `W`/`R`).
     pub deferred_notifs_sent: u64,
     /// Posts refused because the remote tenancy was handed back or aborted.
@@ -334,6 +351,9 @@ struct State {
     exposures: HashMap<(PoolId, SlotId), (Generation, PeerId)>,
     /// Initiator side: highest generation per remote slot that was handed back.
     tombstones: HashMap<(Arc<str>, PoolId), HashMap<SlotId, Generation>>,
+    /// Initiator side: remote tenancies an operation failed on with an engine
+    /// error (no proof it stopped): never acknowledged.
+    unproven: HashSet<(Arc<str>, PoolId, Tenancy)>,
     outgoing: Vec<Outgoing>,
     /// Completed requests (terminal, unreleased) for re-posting, oldest first.
     cache: Vec<(CacheKey, ReqId)>,
@@ -974,6 +994,10 @@ impl Inner {
                 evicted = Some(st.cache.remove(0).1);
             }
         }
+        // An error *status* proves nothing: NIXL may report it while other
+        // parts of the request still run. (A post error followed by a clean
+        // terminal status is proven: the request itself finished.)
+        let unproven = matches!(o.terminal, Some(Err(_)));
         let mut result = o.terminal.take().unwrap_or(Ok(()));
         if let (Some(pe), Ok(())) = (o.post_error.take(), &result) {
             result = Err(pe);
@@ -986,6 +1010,18 @@ impl Inner {
         }
         // What the target must hear, once no other request of ours touches the slots.
         let message = match (&result, o.notify, o.notif_attached, canceled) {
+            _ if unproven => {
+                st.m.failed_unproven += 1;
+                let dead = st.tombstones.entry((o.agent.clone(), o.remote_pool)).or_default();
+                for t in &o.remote {
+                    let g = dead.entry(t.slot).or_insert(t.generation);
+                    *g = (*g).max(t.generation);
+                }
+                for t in &o.remote {
+                    st.unproven.insert((o.agent.clone(), o.remote_pool, *t));
+                }
+                None
+            }
             (Ok(()), true, true, _) => None,
             (Ok(()), true, false, _) => Some(if o.op == Op::Write { MsgKind::Written } else { MsgKind::Read }),
             (Err(_), true, _, _) | (_, _, _, true) => Some(MsgKind::AbortAck),
@@ -1015,6 +1051,11 @@ impl Inner {
             }
         }
         self.notify_changed();
+        if unproven {
+            if let (Some(c), Err(e)) = (o.completer.take(), &result) {
+                c.abandon(e.clone());
+            }
+        }
         if let (Some(c), Some(a)) = (o.completer.take(), authority) {
             let proof = a.completed(c.lease().tenancies());
             if let Err(e) = c.complete(proof, result) {
@@ -1239,6 +1280,23 @@ impl Inner {
         };
         let mut sent = false;
         for mut m in ready {
+            if m.kind == MsgKind::AbortAck {
+                let mut st = self.state();
+                let before = m.tenancies.len();
+                m.tenancies.retain(|t| !st.unproven.contains(&(m.agent.clone(), m.pool, *t)));
+                let withheld = before - m.tenancies.len();
+                if withheld > 0 {
+                    st.m.acks_withheld += withheld as u64;
+                    tracing::warn!(
+                        agent = %m.agent,
+                        withheld,
+                        "ABORT_ACK withheld: an operation on these slots failed without proof that it stopped"
+                    );
+                }
+                if m.tenancies.is_empty() {
+                    continue;
+                }
+            }
             let msg = wire::encode(m.kind, m.pool, &m.tenancies);
             match self.engine.gen_notif(&m.agent, &msg) {
                 Ok(()) => {
