@@ -366,7 +366,6 @@ impl OpTable {
 
 enum Job {
     PeerLost(EngineKey),
-    Inbound(EngineKey, u64),
     Filed(InboundStatus),
     Message(EngineKey, Vec<u8>),
     Fence(Arc<OpState>),
@@ -475,25 +474,18 @@ impl MoriTransfer {
             counters: Counters::default(),
         });
         let j = jobs.clone();
-        let engine = Arc::downgrade(&inner.engine);
         let weak_inner = Arc::downgrade(&inner);
-        inner.engine.set_inbound_hook(Some(Arc::new(move |from, uid, tag| {
-            if tag.slot & TAG_SETTLE == 0 {
-                // Nothing to settle: take the status off the engine's queue
-                // here (a short lock, no blocking) instead of waking the driver.
-                if let (Some(e), Some(i)) = (engine.upgrade(), weak_inner.upgrade()) {
-                    // Bounded: each turn pops one filed status.
-                    while let Some(st) = e.pop_inbound_status(&from, uid) {
-                        if st.tag.slot & TAG_SETTLE == 0 {
-                            inc(&i.counters.inbound_no_settle);
-                        } else {
-                            j.push(Job::Filed(st));
-                        }
-                    }
-                    return;
+        inner.engine.set_inbound_hook(Some(Arc::new(move |st: InboundStatus| {
+            if st.tag.slot & TAG_SETTLE == 0 {
+                // Nothing to settle: counted here, on the engine's thread
+                // (no lock, no blocking), instead of waking the driver.
+                if let Some(i) = weak_inner.upgrade() {
+                    inc(&i.counters.inbound_no_settle);
                 }
+            } else {
+                j.push(Job::Filed(st));
             }
-            j.push(Job::Inbound(from, uid))
+            None
         })));
         let j = jobs.clone();
         inner.engine.set_message_hook(Some(Arc::new(move |from, bytes| j.push(Job::Message(from, bytes)))));
@@ -889,13 +881,6 @@ impl Inner {
         (ok.len(), stale)
     }
 
-    fn on_inbound(&self, from: &EngineKey, uid: u64) {
-        // Bounded: each turn pops one filed status.
-        while let Some(s) = self.engine.pop_inbound_status(from, uid) {
-            self.on_status(s);
-        }
-    }
-
     fn on_status(&self, s: InboundStatus) {
         let c = &self.counters;
         let (settle, mem, t) = unpack_tag(s.tag);
@@ -1103,7 +1088,6 @@ fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
                         inner.fenced(peer);
                     }
                 }
-                Job::Inbound(from, uid) => inner.on_inbound(&from, uid),
                 Job::Filed(st) => inner.on_status(st),
                 Job::Message(from, bytes) => inner.on_message(&from, &bytes),
                 Job::Send(to, bytes) => inner.send(&to, bytes),

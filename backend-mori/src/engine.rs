@@ -153,8 +153,11 @@ pub trait IoEngine: Send + Sync {
     fn revoke_access(&self, mem: &MemoryDesc, slot: u32, generation: u64) -> Result<bool, EngineError>;
 }
 
-/// The hook of [`IoEngine::set_inbound_hook`]: `(remote engine, uid, tag)`.
-pub type InboundHook = Arc<dyn Fn(EngineKey, TransferUniqueId, Tag) + Send + Sync>;
+/// The hook of [`IoEngine::set_inbound_hook`]. It sees every inbound status
+/// first, without the engine's lock held: it returns the status to have it
+/// filed for [`IoEngine::pop_inbound_status`] / [`IoEngine::wait_inbound_status`],
+/// or `None` when it took the status itself.
+pub type InboundHook = Arc<dyn Fn(InboundStatus) -> Option<InboundStatus> + Send + Sync>;
 
 /// The hook of [`IoEngine::set_message_hook`]: `(remote engine, bytes)`.
 pub type MessageHook = Arc<dyn Fn(EngineKey, Vec<u8>) + Send + Sync>;
@@ -330,6 +333,8 @@ struct State {
     next_wr: u64,
     pending_uids: HashSet<(EngineKey, TransferUniqueId)>,
     inbound: HashMap<(EngineKey, TransferUniqueId), VecDeque<InboundStatus>>,
+    /// Threads in `wait_inbound_status` (the condvar is signalled only for them).
+    inbound_waiters: usize,
     stats: EngineStats,
 }
 
@@ -396,6 +401,14 @@ impl MoriEngine {
             peer_lost_hook: std::sync::Mutex::new(None),
             shutdown: AtomicBool::new(false),
         });
+        // Push delivery where the transport offers it: events are applied on
+        // the transport's thread, with no hop through the progress thread.
+        let weak = Arc::downgrade(&inner);
+        inner.transport.set_event_sink(Some(Arc::new(move |e| {
+            if let Some(inner) = weak.upgrade() {
+                inner.handle_events(std::iter::once(e));
+            }
+        })));
         let worker = Arc::clone(&inner);
         thread::Builder::new()
             .name(format!("mori-progress-{}", inner.key))
@@ -539,7 +552,9 @@ impl IoEngine for MoriEngine {
                 Some(deadline) => deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())?,
                 None => Duration::from_secs(3600),
             };
+            state.inbound_waiters += 1;
             state = self.inner.inbound_cv.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+            state.inbound_waiters -= 1;
         }
     }
 
@@ -944,9 +959,14 @@ impl Inner {
     }
 
     /// Files an inbound notification; returns what the hook is to be told.
-    fn on_inbound(&self, state: &mut State, from: EngineKey, n: Notification) -> Option<(EngineKey, u64, Tag)> {
+    /// Admits an inbound notification through the peer's window; a
+    /// duplicate is dropped.
+    fn on_inbound(&self, state: &mut State, from: EngineKey, n: Notification) -> Option<InboundStatus> {
         let window_size = self.config.notif_window;
-        let window = state.windows.entry(from.clone()).or_insert_with(|| NotifWindow::new(n.seq, window_size));
+        if !state.windows.contains_key(&from) {
+            state.windows.insert(from.clone(), NotifWindow::new(n.seq, window_size));
+        }
+        let Some(window) = state.windows.get_mut(&from) else { return None };
         let before = window.skipped();
         let admit = window.admit(n.seq);
         let skipped = window.skipped() - before;
@@ -957,17 +977,24 @@ impl Inner {
             return None;
         }
         state.stats.notifications_received += 1;
-        let inbound = InboundStatus {
-            remote: from.clone(),
+        Some(InboundStatus {
+            remote: from,
             uid: n.uid,
             code: n.status_code(),
             message: n.message,
             tag: n.tag,
             seq: n.seq,
-        };
-        let filed = (from.clone(), n.uid, n.tag);
-        state.inbound.entry((from, n.uid)).or_default().push_back(inbound);
-        Some(filed)
+        })
+    }
+
+    /// Files statuses for `pop_inbound_status` and wakes its waiters.
+    fn file_inbound(&self, state: &mut State, statuses: impl IntoIterator<Item = InboundStatus>) {
+        for s in statuses {
+            state.inbound.entry((s.remote.clone(), s.uid)).or_default().push_back(s);
+        }
+        if state.inbound_waiters > 0 {
+            self.inbound_cv.notify_all();
+        }
     }
 
     fn progress_loop(self: Arc<Self>) {
@@ -976,84 +1003,94 @@ impl Inner {
                 break;
             }
             let events = self.transport.poll(256, self.config.poll_interval.max(Duration::from_micros(100)));
-            if events.is_empty() {
-                continue;
-            }
-            let mut finished = Vec::new();
-            let mut filed = Vec::new();
-            let mut messages = Vec::new();
-            let mut lost = Vec::new();
-            let mut state = lock(&self.state);
-            for event in events {
-                match event {
-                    TransportEvent::Completion(c) => {
-                        let Some(transfer_id) = state.wr_owner.remove(&c.wr_id) else {
-                            state.stats.stray_completions += 1;
-                            tracing::warn!(engine = %self.key, wr_id = c.wr_id, "completion for no posted operation");
-                            continue;
-                        };
-                        let error = c.result.err().map(|e| {
-                            let code = match e {
-                                TransportError::Unsupported(_) => StatusCode::GpuOp,
-                                _ => StatusCode::RdmaOp,
-                            };
-                            (code, e.to_string())
-                        });
-                        if let Some(f) = self.settle(&mut state, transfer_id, 1, error) {
-                            finished.push(f);
-                        }
-                    }
-                    TransportEvent::Notification { from, notification } => {
-                        if let Some(entry) = self.on_inbound(&mut state, from, notification) {
-                            filed.push(entry);
-                        }
-                    }
-                    TransportEvent::Message { from, bytes } => messages.push((from, bytes)),
-                    TransportEvent::PeerLost { peer } => {
-                        if let Some(p) = state.peers.get_mut(&peer) {
-                            p.fenced = true;
-                            tracing::info!(engine = %self.key, peer = %peer, "connection to peer lost (fenced)");
-                            lost.push(peer);
-                        }
-                    }
-                }
-            }
-            drop(state);
-            if !lost.is_empty() {
-                let hook = lock(&self.peer_lost_hook).clone();
-                if let Some(hook) = hook {
-                    for peer in lost {
-                        hook(peer);
-                    }
-                }
-            }
-            if !messages.is_empty() {
-                let hook = lock(&self.message_hook).clone();
-                match hook {
-                    Some(hook) => {
-                        for (from, bytes) in messages {
-                            hook(from, bytes);
-                        }
-                    }
-                    None => {
-                        tracing::debug!(engine = %self.key, n = messages.len(), "control messages dropped: no hook")
-                    }
-                }
-            }
-            if !filed.is_empty() {
-                self.inbound_cv.notify_all();
-                let hook = lock(&self.inbound_hook).clone();
-                if let Some(hook) = hook {
-                    for (from, uid, tag) in filed {
-                        hook(from, uid, tag);
-                    }
-                }
-            }
-            for f in finished {
-                f.apply();
+            if !events.is_empty() {
+                self.handle_events(events);
             }
         }
+        // Push delivery ends with this thread, so that the transport's
+        // threads stop calling into an engine that is going away.
+        self.transport.set_event_sink(None);
         tracing::debug!(engine = %self.key, "progress thread exits");
+    }
+
+    /// Applies transport events: completions settle transfers, notifications
+    /// are filed, messages and lost peers go to their hooks. Runs on the
+    /// progress thread, or on the transport's thread with push delivery.
+    fn handle_events(&self, events: impl IntoIterator<Item = TransportEvent>) {
+        let mut finished = Vec::new();
+        let mut inbound = Vec::new();
+        let mut messages = Vec::new();
+        let mut lost = Vec::new();
+        // Taken before the state lock (never under it), so a status goes to
+        // the hook first and is filed only if the hook hands it back.
+        let hook = lock(&self.inbound_hook).clone();
+        let mut state = lock(&self.state);
+        for event in events {
+            match event {
+                TransportEvent::Completion(c) => {
+                    let Some(transfer_id) = state.wr_owner.remove(&c.wr_id) else {
+                        state.stats.stray_completions += 1;
+                        tracing::warn!(engine = %self.key, wr_id = c.wr_id, "completion for no posted operation");
+                        continue;
+                    };
+                    let error = c.result.err().map(|e| {
+                        let code = match e {
+                            TransportError::Unsupported(_) => StatusCode::GpuOp,
+                            _ => StatusCode::RdmaOp,
+                        };
+                        (code, e.to_string())
+                    });
+                    if let Some(f) = self.settle(&mut state, transfer_id, 1, error) {
+                        finished.push(f);
+                    }
+                }
+                TransportEvent::Notification { from, notification } => {
+                    if let Some(status) = self.on_inbound(&mut state, from, notification) {
+                        inbound.push(status);
+                    }
+                }
+                TransportEvent::Message { from, bytes } => messages.push((from, bytes)),
+                TransportEvent::PeerLost { peer } => {
+                    if let Some(p) = state.peers.get_mut(&peer) {
+                        p.fenced = true;
+                        tracing::info!(engine = %self.key, peer = %peer, "connection to peer lost (fenced)");
+                        lost.push(peer);
+                    }
+                }
+            }
+        }
+        if hook.is_none() && !inbound.is_empty() {
+            self.file_inbound(&mut state, inbound.drain(..));
+        }
+        drop(state);
+        if !lost.is_empty() {
+            let hook = lock(&self.peer_lost_hook).clone();
+            if let Some(hook) = hook {
+                for peer in lost {
+                    hook(peer);
+                }
+            }
+        }
+        if !messages.is_empty() {
+            let hook = lock(&self.message_hook).clone();
+            match hook {
+                Some(hook) => {
+                    for (from, bytes) in messages {
+                        hook(from, bytes);
+                    }
+                }
+                None => tracing::debug!(engine = %self.key, n = messages.len(), "control messages dropped: no hook"),
+            }
+        }
+        if let Some(hook) = hook.filter(|_| !inbound.is_empty()) {
+            let back: Vec<InboundStatus> = inbound.into_iter().filter_map(|s| hook(s)).collect();
+            if !back.is_empty() {
+                self.file_inbound(&mut lock(&self.state), back);
+            }
+        }
+        for f in finished {
+            f.apply();
+        }
     }
 }
 

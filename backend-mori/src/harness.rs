@@ -158,14 +158,14 @@ pub fn settle_tag(mem: u32, t: kv_transfer_core::Tenancy) -> crate::types::Tag {
     crate::adapter::pack_tag(mem, t, true)
 }
 
-/// A peer under a test's direct control: a simulator connection and a
-/// control connection to one engine, over which it sends MORI notifications
+/// A peer under a test's direct control: a simulator connection to one
+/// engine, over which it sends MORI notifications
 /// the real engines would not (replays, old and future generations, unknown
 /// codes). Register [`RawMoriPeer::desc`] with the engine's adapter
 /// ([`MoriTransfer::add_peer`]) before exposing to it.
 pub struct RawMoriPeer {
     nic: backend_tcp_sim::SimNic,
-    ctl: std::net::TcpStream,
+    peer: kv_transfer_core::PeerId,
     desc: EngineDesc,
     next_seq: u32,
     next_uid: u64,
@@ -179,33 +179,26 @@ impl std::fmt::Debug for RawMoriPeer {
 
 impl RawMoriPeer {
     /// Connects a peer named `name` to the engine described by `target`
-    /// (its simulator NIC and its control channel).
+    /// (its simulator NIC).
     pub fn connect(name: &str, target: &EngineDesc) -> Result<Self, crate::error::TransportError> {
         use crate::error::TransportError;
-        use std::io::Write;
         let info = String::from_utf8_lossy(&target.transport_info).into_owned();
-        let mut parts = info.lines();
-        let (Some(sim), Some(ctl)) = (parts.next(), parts.next()) else {
+        let Some(sim) = info.lines().next().filter(|l| !l.is_empty()) else {
             return Err(TransportError::State("target is not on the simulator".into()));
         };
         let nic = backend_tcp_sim::SimNic::start(backend_tcp_sim::NicConfig::new(name))
             .map_err(|e| TransportError::State(e.to_string()))?;
-        nic.connect(sim).map_err(|e| TransportError::Remote(e.to_string()))?;
-        let mut s = std::net::TcpStream::connect(ctl).map_err(|e| TransportError::Remote(e.to_string()))?;
-        let _ = s.set_nodelay(true);
-        let mut hello = Vec::new();
-        crate::sim::frame(&mut hello, crate::sim::FRAME_HELLO, name.as_bytes())?;
-        s.write_all(&hello).map_err(|e| TransportError::Remote(e.to_string()))?;
+        let peer = nic.connect(sim).map_err(|e| TransportError::Remote(e.to_string()))?;
         let desc = EngineDesc {
             key: EngineKey::new(name),
             hostname: "raw".to_owned(),
             host: "127.0.0.1".to_owned(),
             port: 0,
             transport: TCP_SIM.to_owned(),
-            transport_info: format!("{}\n127.0.0.1:9", nic.endpoint()).into_bytes(),
+            transport_info: nic.endpoint().as_bytes().to_vec(),
             notif_seq_start: 0,
         };
-        Ok(Self { nic, ctl: s, desc, next_seq: 0, next_uid: 0 })
+        Ok(Self { nic, peer, desc, next_seq: 0, next_uid: 0 })
     }
 
     /// Its descriptor, to register with the target's adapter.
@@ -220,7 +213,6 @@ impl RawMoriPeer {
 
     /// Sends one notification with the next sequence number and transfer id.
     pub fn notify(&mut self, code: crate::StatusCode, tag: crate::types::Tag) -> Result<(), crate::TransportError> {
-        use std::io::Write;
         let n = crate::transport::Notification {
             seq: self.next_seq,
             uid: self.next_uid,
@@ -230,9 +222,9 @@ impl RawMoriPeer {
         };
         self.next_seq = self.next_seq.wrapping_add(1);
         self.next_uid = self.next_uid.wrapping_add(1);
-        let mut buf = Vec::new();
-        crate::sim::frame(&mut buf, crate::sim::FRAME_NOTIFY, &crate::sim::encode_notification(&n))?;
-        self.ctl.write_all(&buf).map_err(|e| crate::TransportError::Remote(e.to_string()))
+        let mut msg = vec![crate::sim::MSG_NOTIFY];
+        msg.extend_from_slice(&crate::sim::encode_notification(&n));
+        self.nic.send_message(self.peer, msg.into()).map_err(|e| crate::TransportError::Remote(e.to_string()))
     }
 }
 

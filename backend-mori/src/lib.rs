@@ -120,7 +120,7 @@ pub use sim::{SimTransport, SimTransportConfig};
 pub use status::{StatusCode, StatusUpdater, TransferStatus, ERR_BEGIN};
 #[cfg(any(test, feature = "mock"))]
 pub use transport::MockMoriTransport;
-pub use transport::{Completion, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
+pub use transport::{Completion, EventSink, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
 pub use types::{
     BatchRequest, EngineDesc, EngineKey, HostBuffer, InboundStatus, MemoryDesc, MemoryId, MemoryLocation, MemoryRegion,
     Segment, Tag, TransferUniqueId,

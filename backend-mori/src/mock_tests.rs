@@ -34,6 +34,8 @@ fn scripted_transport(events: Vec<Vec<TransportEvent>>, gate: Arc<Mutex<bool>>) 
     let mut t = MockMoriTransport::new();
     t.expect_name().returning(|| "mock".to_owned());
     t.expect_attach().returning(|_| Ok(Vec::new()));
+    // Events come from `poll` (MORI has no push delivery).
+    t.expect_set_event_sink().returning(|_| false);
     t.expect_connect().returning(|_| Ok(()));
     t.expect_disconnect().returning(|_| Ok(()));
     let next_rkey = Mutex::new(0u64);
@@ -206,6 +208,8 @@ fn failed_transfer_is_notified_with_code_and_tag() {
     let mut t = MockMoriTransport::new();
     t.expect_name().returning(|| "mock".to_owned());
     t.expect_attach().returning(|_| Ok(Vec::new()));
+    // Events come from `poll` (MORI has no push delivery).
+    t.expect_set_event_sink().returning(|_| false);
     t.expect_connect().returning(|_| Ok(()));
     t.expect_register_memory().returning(|_, _| Ok(1));
     t.expect_deregister_memory().returning(|_| Ok(()));

@@ -18,55 +18,51 @@
 //!   generation is moved up to the caller's before binding, so the generation
 //!   the NIC checks is the kv-transfer tenancy's. A region without a slot
 //!   size is one shadow slot (whole-region checks only).
-//! - **Notifications and control messages** travel on a small control
-//!   channel of this transport's own: one loopback TCP connection per
-//!   (sender, receiver), length-prefixed binary frames. The simulator has
-//!   NOTIFY / ABORT frames but they carry only its own tenancy lists, not
-//!   MORI's (seq, uid, code, tag). Ordering with the data still holds: the
-//!   engine sends a notification only after every completion of its
-//!   transfer, and a simulator completion is reported only after the target
-//!   applied the bytes.
+//! - **Notifications and control messages** ride the data connection as
+//!   the simulator's application messages ([`SimNic::send_message`]), like
+//!   SEND/RECV on an RC queue pair: one byte of kind (notification or
+//!   control message), then the body. They need no socket or thread of
+//!   their own, and the simulator's sender batches them with the data. The
+//!   sender's engine key is the connection's name.
 //! - **Fence** tears down every simulator connection to the peer (joined;
-//!   in-flight raw operations fail) and drops the control connection to it.
+//!   in-flight raw operations fail). Nothing is sent to a fenced peer until
+//!   the engine connects it again.
 //!
-//! Completions: the engine's progress thread, in [`MoriTransport::poll`],
-//! waits (bounded by the poll timeout) on the oldest pending raw handle and
-//! turns finished handles into [`TransportEvent::Completion`]s in posting
-//! order, so no extra thread sits between the NIC and the engine. While an
-//! operation is pending, control events wait for the handle or the poll
-//! timeout (the engine's `poll_interval`, 5 ms by default); head-of-line
-//! blocking across peers is accepted for a CI transport.
+//! Completions: every raw operation is posted with a completion callback
+//! ([`SimNic::write_raw_with`]), which runs on the simulator's receiving
+//! thread. With an event sink ([`MoriTransport::set_event_sink`], which the
+//! engine installs) the completion, and every inbound notification and
+//! message, goes straight to the engine on that thread: no thread waits on
+//! a handle and no extra thread hop sits between the NIC and the engine,
+//! as with a verbs completion channel. Without a sink, events queue for
+//! [`MoriTransport::poll`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
-use std::io::{BufReader, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
-use std::thread;
 use std::time::{Duration, Instant};
 
-use backend_tcp_sim::{ExposeErrorKind, InboundEvent, NicConfig, NicError, RawAccess, RawHandle, SimNic};
+use backend_tcp_sim::{wire, ExposeErrorKind, InboundEvent, NicConfig, NicError, RawAccess, RawCallback, SimNic};
 use bytes::Bytes;
 use kv_transfer_core::{
     Exposed, Generation, MemoryKind, PeerId, PoolConfig, Region, RegionError, Reserved, SlotId, SlotLease, SlotPool,
 };
 
 use crate::error::TransportError;
-use crate::transport::{Completion, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
+use crate::transport::{Completion, EventSink, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
 use crate::types::{EngineDesc, EngineKey, HostBuffer, MemoryId, MemoryLocation, MemoryRegion, Tag};
 use crate::util::lock;
 
 /// Name the simulator transport publishes in [`EngineDesc::transport`].
 pub const TCP_SIM: &str = "tcp-sim";
 
-/// Largest control frame accepted.
-const MAX_FRAME: usize = 1 << 20;
-
-pub(crate) const FRAME_HELLO: u8 = 0;
-pub(crate) const FRAME_NOTIFY: u8 = 1;
-const FRAME_MESSAGE: u8 = 2;
+/// First byte of an application message: a MORI notification.
+pub(crate) const MSG_NOTIFY: u8 = 1;
+/// First byte of an application message: a control message
+/// ([`MoriTransport::send_message`]).
+const MSG_CONTROL: u8 = 2;
 
 /// Configuration of a [`SimTransport`].
 #[derive(Clone, Debug)]
@@ -206,25 +202,50 @@ struct SimRegionEntry {
 
 struct PeerEntry {
     sim_endpoint: String,
-    ctl_endpoint: String,
 }
 
-struct PendingOp {
-    wr_id: u64,
-    handle: RawHandle,
-    region: Arc<SimRegionEntry>,
-    read_into: Option<(usize, usize)>,
-}
-
+/// What the NIC's threads deliver to: the engine's sink, or the queue `poll` reads.
 #[derive(Default)]
 struct Shared {
     events: Mutex<VecDeque<TransportEvent>>,
     events_cv: Condvar,
-    pending: Mutex<VecDeque<PendingOp>>,
+    sink: RwLock<Option<EventSink>>,
     closed: AtomicBool,
+    /// Engine key of each connection that sent messages (its name), made once.
+    names: RwLock<HashMap<PeerId, EngineKey>>,
 }
 
 impl Shared {
+    fn deliver(&self, e: TransportEvent) {
+        if self.closed.load(Ordering::Acquire) {
+            return;
+        }
+        // Cloned out so that the sink runs without this lock held.
+        let sink = self.sink.read().unwrap_or_else(|p| p.into_inner()).clone();
+        match sink {
+            Some(sink) => sink(e),
+            None => self.push_event(e),
+        }
+    }
+
+    /// An inbound application message: a notification or a control message.
+    fn on_message(&self, peer: PeerId, name: &str, bytes: &[u8]) {
+        let known = self.names.read().unwrap_or_else(|p| p.into_inner()).get(&peer).cloned();
+        let from = known.unwrap_or_else(|| {
+            let key = EngineKey::new(name);
+            self.names.write().unwrap_or_else(|p| p.into_inner()).insert(peer, key.clone());
+            key
+        });
+        match bytes.split_first() {
+            Some((&MSG_NOTIFY, body)) => match decode_notification(body) {
+                Some(notification) => self.deliver(TransportEvent::Notification { from, notification }),
+                None => tracing::warn!(peer = %from, "malformed notification dropped"),
+            },
+            Some((&MSG_CONTROL, body)) => self.deliver(TransportEvent::Message { from, bytes: body.to_vec() }),
+            _ => tracing::warn!(peer = %from, "unknown message dropped"),
+        }
+    }
+
     fn push_event(&self, e: TransportEvent) {
         let mut q = lock(&self.events);
         let was_empty = q.is_empty();
@@ -240,7 +261,6 @@ impl Shared {
 struct Attached {
     key: EngineKey,
     nic: SimNic,
-    ctl_endpoint: String,
 }
 
 /// A [`MoriTransport`] over the TCP simulator; see the [module docs](self).
@@ -254,7 +274,8 @@ pub struct SimTransport {
     peer_cache: RwLock<HashMap<EngineKey, PeerId>>,
     /// Engine key of each simulator connection (from the NIC's events).
     sim_names: Mutex<HashMap<PeerId, EngineKey>>,
-    ctl_out: Mutex<HashMap<EngineKey, Arc<CtlOut>>>,
+    /// Peers fenced and not connected again: nothing is sent to them.
+    fenced: Mutex<HashSet<EngineKey>>,
 }
 
 impl fmt::Debug for SimTransport {
@@ -274,7 +295,7 @@ impl SimTransport {
             peers: Mutex::new(HashMap::new()),
             peer_cache: RwLock::new(HashMap::new()),
             sim_names: Mutex::new(HashMap::new()),
-            ctl_out: Mutex::new(HashMap::new()),
+            fenced: Mutex::new(HashSet::new()),
         })
     }
 
@@ -290,16 +311,12 @@ impl SimTransport {
     }
 
     /// Simulates the process dying: the NIC crashes (sockets shut, no
-    /// goodbyes, no proof minted here) and the control channel goes silent
-    /// in both directions. Peers see the connection drop and fence it.
+    /// goodbyes, no proof minted here) and nothing more is delivered here.
+    /// Peers see the connection drop and fence it.
     pub fn crash(&self) {
         self.shared.closed.store(true, Ordering::Release);
-        for (_, s) in lock(&self.ctl_out).drain() {
-            s.close();
-        }
         if let Some(att) = self.attached.get() {
             att.nic.crash();
-            let _ = TcpStream::connect(&att.ctl_endpoint);
         }
     }
 
@@ -337,6 +354,7 @@ impl SimTransport {
                     lock(&self.sim_names).insert(peer, EngineKey::new(name));
                 }
                 InboundEvent::PeerLost { peer } => {
+                    self.shared.names.write().unwrap_or_else(|p| p.into_inner()).remove(&peer);
                     let Some(key) = lock(&self.sim_names).remove(&peer) else { continue };
                     self.forget_peer(&key);
                     let known = lock(&self.peers).contains_key(&key);
@@ -371,118 +389,35 @@ impl SimTransport {
         att.nic.connect(&endpoint).map_err(|e| TransportError::Remote(format!("connect {remote}: {e}")))
     }
 
-    fn ctl_stream(&self, to: &EngineKey) -> Result<Arc<CtlOut>, TransportError> {
+    /// Sends an application message to `to` over the data connection. A
+    /// fenced peer gets nothing until the engine connects it again.
+    fn send_app(&self, to: &EngineKey, kind: u8, body: &[u8]) -> Result<(), TransportError> {
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(TransportError::Closed);
         }
-        if let Some(s) = lock(&self.ctl_out).get(to).filter(|s| !lock(&s.q).dead) {
-            return Ok(s.clone());
+        if lock(&self.fenced).contains(to) {
+            return Err(TransportError::Remote(format!("{to} is fenced")));
+        }
+        if body.len() >= wire::MAX_CONTROL as usize {
+            return Err(TransportError::OutOfBounds);
         }
         let att = self.att()?;
-        let endpoint = lock(&self.peers)
-            .get(to)
-            .map(|p| p.ctl_endpoint.clone())
-            .ok_or_else(|| TransportError::UnknownPeer(to.clone()))?;
-        let s = TcpStream::connect(&endpoint).map_err(|e| TransportError::Remote(format!("control: {e}")))?;
-        let _ = s.set_nodelay(true);
-        let shut = s.try_clone().map_err(|e| TransportError::Remote(format!("control: {e}")))?;
-        let out = Arc::new(CtlOut { q: Mutex::default(), stream: Mutex::new(s), shut });
-        frame(&mut lock(&out.q).buf, FRAME_HELLO, att.key.as_str().as_bytes())?;
-        let mut map = lock(&self.ctl_out);
-        if let Some(old) = map.insert(to.clone(), out.clone()) {
-            old.close();
-        }
-        Ok(out)
-    }
-
-    /// Queues a frame for `to`; with `flush` it is written now, otherwise at
-    /// the start of the next `poll` (so the notifications of one batch of
-    /// completions leave in one write, and no syscall runs under the
-    /// engine's lock).
-    fn send_ctl(&self, to: &EngineKey, kind: u8, payload: &[u8], flush: bool) -> Result<(), TransportError> {
-        let out = self.ctl_stream(to)?;
-        {
-            let mut q = lock(&out.q);
-            if q.dead || q.closed {
-                return Err(TransportError::Remote("control connection lost".into()));
+        let mut msg = Vec::with_capacity(1 + body.len());
+        msg.push(kind);
+        msg.extend_from_slice(body);
+        let msg = bytes::Bytes::from(msg);
+        let peer = self.peer_id(to)?;
+        match att.nic.send_message(peer, msg.clone()) {
+            Err(NicError::UnknownPeer(_)) => {
+                // The cached connection is gone (lost): resolve again, once.
+                self.forget_peer(to);
+                let peer = self.peer_id(to)?;
+                att.nic.send_message(peer, msg)
             }
-            frame(&mut q.buf, kind, payload)?;
+            other => other,
         }
-        if flush {
-            out.flush()?;
-        }
-        Ok(())
+        .map_err(|e| TransportError::Remote(format!("message to {to}: {e}")))
     }
-
-    fn flush_all(&self) {
-        let outs: Vec<Arc<CtlOut>> = lock(&self.ctl_out).values().cloned().collect();
-        for o in outs {
-            if let Err(e) = o.flush() {
-                tracing::debug!(error = %e, "control frames lost");
-            }
-        }
-    }
-}
-
-#[derive(Default)]
-struct CtlQueue {
-    buf: Vec<u8>,
-    closed: bool,
-    dead: bool,
-}
-
-/// The sending half of a control connection: frames queue here and are
-/// written by whoever flushes (in order: the stream lock is held from taking
-/// the queue to the end of the write).
-struct CtlOut {
-    q: Mutex<CtlQueue>,
-    stream: Mutex<TcpStream>,
-    shut: TcpStream,
-}
-
-impl CtlOut {
-    fn close(&self) {
-        lock(&self.q).closed = true;
-        let _ = self.shut.shutdown(Shutdown::Both);
-    }
-
-    fn flush(&self) -> Result<(), TransportError> {
-        let mut stream = lock(&self.stream);
-        let buf = {
-            let mut q = lock(&self.q);
-            if q.buf.is_empty() || q.dead {
-                return Ok(());
-            }
-            std::mem::take(&mut q.buf)
-        };
-        if let Err(e) = stream.write_all(&buf) {
-            lock(&self.q).dead = true;
-            let _ = self.shut.shutdown(Shutdown::Both);
-            return Err(TransportError::Remote(format!("control: {e}")));
-        }
-        Ok(())
-    }
-}
-
-pub(crate) fn frame(buf: &mut Vec<u8>, kind: u8, payload: &[u8]) -> Result<(), TransportError> {
-    let len = u32::try_from(payload.len() + 1).map_err(|_| TransportError::OutOfBounds)?;
-    buf.extend_from_slice(&len.to_le_bytes());
-    buf.push(kind);
-    buf.extend_from_slice(payload);
-    Ok(())
-}
-
-fn read_frame(r: &mut impl Read) -> Option<(u8, Vec<u8>)> {
-    let mut len = [0u8; 4];
-    r.read_exact(&mut len).ok()?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len == 0 || len > MAX_FRAME {
-        return None;
-    }
-    let mut buf = vec![0u8; len];
-    r.read_exact(&mut buf).ok()?;
-    let kind = buf.remove(0);
-    Some((kind, buf))
 }
 
 pub(crate) fn encode_notification(n: &Notification) -> Vec<u8> {
@@ -508,70 +443,37 @@ fn decode_notification(b: &[u8]) -> Option<Notification> {
     })
 }
 
-fn ctl_reader(shared: Arc<Shared>, stream: TcpStream) {
-    let mut r = BufReader::new(stream);
-    let Some((FRAME_HELLO, from)) = read_frame(&mut r) else { return };
-    let from = EngineKey::new(String::from_utf8_lossy(&from).into_owned());
-    // Bounded by the connection: ends at EOF or on a malformed frame.
-    while let Some((kind, body)) = read_frame(&mut r) {
-        if shared.closed.load(Ordering::Acquire) {
-            break;
-        }
-        match kind {
-            FRAME_NOTIFY => match decode_notification(&body) {
-                Some(notification) => {
-                    shared.push_event(TransportEvent::Notification { from: from.clone(), notification })
+/// The callback a raw operation completes through: a read's bytes are
+/// copied into the local region, the region's in-flight count drops, and the
+/// completion is delivered.
+fn on_done(
+    shared: Arc<Shared>,
+    wr_id: u64,
+    region: Arc<SimRegionEntry>,
+    read_into: Option<(usize, usize)>,
+) -> RawCallback {
+    Box::new(move |res| {
+        let result = match res {
+            Ok(data) => match (read_into, data) {
+                (Some((off, len)), Some(bytes)) if bytes.len() == len => {
+                    region.mem.write(off, &bytes).map_err(|e| TransportError::Remote(e.to_string()))
                 }
-                None => break,
+                (Some(_), _) => Err(TransportError::Remote("read returned an unexpected length".into())),
+                (None, _) => Ok(()),
             },
-            FRAME_MESSAGE => shared.push_event(TransportEvent::Message { from: from.clone(), bytes: body }),
-            _ => break,
-        }
-    }
-}
-
-fn ctl_acceptor(shared: Arc<Shared>, listener: TcpListener) {
-    for s in listener.incoming() {
-        if shared.closed.load(Ordering::Acquire) {
-            break;
-        }
-        let Ok(s) = s else { continue };
-        let _ = s.set_nodelay(true);
-        let sh = shared.clone();
-        if thread::Builder::new().name("mori-sim-ctl".into()).spawn(move || ctl_reader(sh, s)).is_err() {
-            tracing::warn!("cannot start a control reader");
-        }
-    }
-}
-
-/// The completion of a finished raw operation (a read's bytes are copied
-/// into the local region first).
-fn completion(op: PendingOp, res: Result<Option<Bytes>, kv_transfer_core::TransferError>) -> TransportEvent {
-    let result = match res {
-        Ok(data) => match (op.read_into, data) {
-            (Some((off, len)), Some(bytes)) if bytes.len() == len => {
-                op.region.mem.write(off, &bytes).map_err(|e| TransportError::Remote(e.to_string()))
-            }
-            (Some(_), _) => Err(TransportError::Remote("read returned an unexpected length".into())),
-            (None, _) => Ok(()),
-        },
-        Err(e) => Err(TransportError::Remote(e.to_string())),
-    };
-    op.region.busy.fetch_sub(1, Ordering::AcqRel);
-    TransportEvent::Completion(Completion { wr_id: op.wr_id, result })
+            Err(e) => Err(TransportError::Remote(e.to_string())),
+        };
+        region.busy.fetch_sub(1, Ordering::AcqRel);
+        shared.deliver(TransportEvent::Completion(Completion { wr_id, result }));
+    })
 }
 
 impl Drop for SimTransport {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::Release);
-        self.flush_all();
-        for (_, s) in lock(&self.ctl_out).drain() {
-            s.close();
-        }
         if let Some(att) = self.attached.get() {
+            att.nic.set_message_hook(None);
             att.nic.shutdown();
-            // Wake the control acceptor so it sees `closed`.
-            let _ = TcpStream::connect(&att.ctl_endpoint);
         }
     }
 }
@@ -588,17 +490,11 @@ impl MoriTransport for SimTransport {
         let mut cfg = self.config.nic.clone();
         cfg.name = local.as_str().to_owned();
         let nic = SimNic::start(cfg).map_err(|e| TransportError::State(format!("simulated NIC: {e}")))?;
-        let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| TransportError::State(format!("control: {e}")))?;
-        let ctl_endpoint =
-            listener.local_addr().map_err(|e| TransportError::State(format!("control: {e}")))?.to_string();
         let sh = self.shared.clone();
-        thread::Builder::new()
-            .name(format!("mori-sim-accept-{local}"))
-            .spawn(move || ctl_acceptor(sh, listener))
-            .map_err(|e| TransportError::State(format!("cannot start control acceptor: {e}")))?;
-        let info = format!("{}\n{}", nic.endpoint(), ctl_endpoint).into_bytes();
+        nic.set_message_hook(Some(Arc::new(move |peer, name: &str, bytes: &[u8]| sh.on_message(peer, name, bytes))));
+        let info = nic.endpoint().as_bytes().to_vec();
         self.attached
-            .set(Attached { key: local.clone(), nic, ctl_endpoint })
+            .set(Attached { key: local.clone(), nic })
             .map_err(|_| TransportError::State("transport already attached".to_owned()))?;
         Ok(info)
     }
@@ -608,12 +504,11 @@ impl MoriTransport for SimTransport {
             return Err(TransportError::Unsupported(format!("peer uses transport {}", remote.transport)));
         }
         let info = String::from_utf8_lossy(&remote.transport_info).into_owned();
-        let mut parts = info.lines();
-        let (Some(sim), Some(ctl)) = (parts.next(), parts.next()) else {
+        let Some(sim) = info.lines().next().filter(|l| !l.is_empty()) else {
             return Err(TransportError::State(format!("bad transport info from {}", remote.key)));
         };
-        lock(&self.peers)
-            .insert(remote.key.clone(), PeerEntry { sim_endpoint: sim.to_owned(), ctl_endpoint: ctl.to_owned() });
+        lock(&self.peers).insert(remote.key.clone(), PeerEntry { sim_endpoint: sim.to_owned() });
+        lock(&self.fenced).remove(&remote.key);
         self.forget_peer(&remote.key);
         let att = self.att()?;
         if att.key < remote.key {
@@ -624,9 +519,6 @@ impl MoriTransport for SimTransport {
 
     fn disconnect(&self, remote: &EngineKey) -> Result<(), TransportError> {
         self.forget_peer(remote);
-        if let Some(s) = lock(&self.ctl_out).remove(remote) {
-            s.close();
-        }
         lock(&self.peers).remove(remote);
         Ok(())
     }
@@ -716,9 +608,13 @@ impl MoriTransport for SimTransport {
             }),
             OpKind::Read => None,
         };
-        let submit = |peer: PeerId| match &data {
-            Some(d) => att.nic.write_raw(peer, access, d.clone()).map(|h| (h, None)),
-            None => att.nic.read_raw(peer, access, raw_len).map(|h| (h, Some((off, len)))),
+        let read_into = data.is_none().then_some((off, len));
+        let submit = |peer: PeerId| {
+            let done = on_done(self.shared.clone(), wr.wr_id, region.clone(), read_into);
+            match &data {
+                Some(d) => att.nic.write_raw_with(peer, access, d.clone(), done),
+                None => att.nic.read_raw_with(peer, access, raw_len, done),
+            }
         };
         region.busy.fetch_add(1, Ordering::AcqRel);
         let remote = &wr.remote.engine_key;
@@ -737,79 +633,51 @@ impl MoriTransport for SimTransport {
                 return Err(e);
             }
         };
-        match posted {
-            Ok((handle, read_into)) => {
-                let was_empty = {
-                    let mut p = lock(&self.shared.pending);
-                    let was_empty = p.is_empty();
-                    p.push_back(PendingOp { wr_id: wr.wr_id, handle, region, read_into });
-                    was_empty
-                };
-                // A poller waits on the event condvar only while nothing is
-                // pending (it checks under the events lock, which is taken
-                // here, so the wake-up is not lost).
-                if was_empty {
-                    let _g = lock(&self.shared.events);
-                    self.shared.events_cv.notify_all();
-                }
-                Ok(())
-            }
-            Err(e) => {
-                region.busy.fetch_sub(1, Ordering::AcqRel);
-                Err(TransportError::Remote(format!("post: {e}")))
-            }
-        }
+        posted.map_err(|e| {
+            region.busy.fetch_sub(1, Ordering::AcqRel);
+            TransportError::Remote(format!("post: {e}"))
+        })
     }
 
     fn notify(&self, to: &EngineKey, notification: Notification) -> Result<(), TransportError> {
-        self.send_ctl(to, FRAME_NOTIFY, &encode_notification(&notification), false)
+        self.send_app(to, MSG_NOTIFY, &encode_notification(&notification))
     }
 
-    /// Flushes queued control frames, then returns finished raw operations
-    /// (in posting order) and control events. While an operation is
-    /// pending it waits on that operation's completion (control events then
-    /// wait at most `timeout`); otherwise on the event queue.
+    fn set_event_sink(&self, sink: Option<EventSink>) -> bool {
+        *self.shared.sink.write().unwrap_or_else(|p| p.into_inner()) = sink;
+        // Anything that queued before the sink was installed goes to it now.
+        let queued: Vec<TransportEvent> = lock(&self.shared.events).drain(..).collect();
+        for e in queued {
+            self.shared.deliver(e);
+        }
+        true
+    }
+
+    /// Returns queued events (all of them without an event sink; with one,
+    /// only lost connections), waiting at most `timeout` for the first.
     fn poll(&self, max: usize, timeout: Duration) -> Vec<TransportEvent> {
-        self.flush_all();
         let max = max.max(1);
         let deadline = Instant::now() + timeout;
         let mut out = self.nic_events();
-        let front = |sh: &Shared| lock(&sh.pending).front().map(|p| p.handle.clone());
-        // Bounded: every turn either returns or waits until the deadline.
+        let mut events = lock(&self.shared.events);
+        // Bounded: every turn returns or waits until the deadline.
         loop {
             while out.len() < max {
-                let Some(h) = front(&self.shared) else { break };
-                let Some(res) = h.wait(Duration::ZERO) else { break };
-                let Some(op) = lock(&self.shared.pending).pop_front() else { break };
-                out.push(completion(op, res));
+                let Some(e) = events.pop_front() else { break };
+                out.push(e);
             }
-            {
-                let mut events = lock(&self.shared.events);
-                while out.len() < max {
-                    let Some(e) = events.pop_front() else { break };
-                    out.push(e);
-                }
-                let now = Instant::now();
-                if !out.is_empty() || now >= deadline {
-                    return out;
-                }
-                if lock(&self.shared.pending).is_empty() {
-                    let _ = self.shared.events_cv.wait_timeout(events, deadline - now);
-                    continue;
-                }
+            let now = Instant::now();
+            if !out.is_empty() || now >= deadline {
+                return out;
             }
-            if let Some(h) = front(&self.shared) {
-                let _ = h.wait(deadline.saturating_duration_since(Instant::now()));
-            }
+            events = self.shared.events_cv.wait_timeout(events, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         }
     }
 
     fn fence(&self, remote: &EngineKey) -> Result<(), TransportError> {
         let att = self.att()?;
         self.forget_peer(remote);
-        if let Some(s) = lock(&self.ctl_out).remove(remote) {
-            s.close();
-        }
+        lock(&self.fenced).insert(remote.clone());
         // Bounded: one turn per live connection to the peer.
         for p in att.nic.peers().into_iter().filter(|p| p.name == remote.as_str()) {
             att.nic.fence(p.peer);
@@ -818,10 +686,7 @@ impl MoriTransport for SimTransport {
     }
 
     fn send_message(&self, to: &EngineKey, bytes: Vec<u8>) -> Result<(), TransportError> {
-        if bytes.len() >= MAX_FRAME {
-            return Err(TransportError::OutOfBounds);
-        }
-        self.send_ctl(to, FRAME_MESSAGE, &bytes, true)
+        self.send_app(to, MSG_CONTROL, &bytes)
     }
 
     fn grant(&self, id: MemoryId, remote: &EngineKey, slot: u32, generation: u64) -> Result<(), TransportError> {

@@ -21,9 +21,16 @@
 //!   operation that touches the region (as local or, where the transport can
 //!   tell, as remote memory) has not completed.
 //! - Methods are called from several threads; `poll` from the engine's
-//!   progress thread only. No method may call back into the engine, and
-//!   `notify` and `post` should not block for long (the engine calls `notify`
-//!   under its lock so that sequence numbers leave in order).
+//!   progress thread only. No method may call back into the engine (the
+//!   event sink aside, below), and `notify` and `post` should not block for
+//!   long (the engine calls `notify` under its lock so that sequence numbers
+//!   leave in order).
+//! - Push delivery is optional: a transport that accepts an [`EventSink`]
+//!   ([`MoriTransport::set_event_sink`]) hands completions, notifications and
+//!   messages to it from its own threads (a completion channel's thread, a
+//!   receive loop), never while holding a lock that its methods take, and
+//!   `poll` then reports only the rest. The engine's sink may call `post`,
+//!   `notify` and `send_message` from inside; it never calls `fence`.
 //! - `fence` is optional (the default refuses with
 //!   [`TransportError::Unsupported`]; real MORI has no such call). A transport
 //!   that implements it tears the connection to the peer down and returns only
@@ -147,6 +154,10 @@ pub enum TransportEvent {
     },
 }
 
+/// Where a push-capable transport delivers events
+/// ([`MoriTransport::set_event_sink`]).
+pub type EventSink = std::sync::Arc<dyn Fn(TransportEvent) + Send + Sync>;
+
 /// The transport under an engine; see the [module docs](self) for the contract.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 pub trait MoriTransport: Send + Sync {
@@ -180,6 +191,15 @@ pub trait MoriTransport: Send + Sync {
 
     /// Returns up to `max` events, waiting at most `timeout` for the first one.
     fn poll(&self, max: usize, timeout: Duration) -> Vec<TransportEvent>;
+
+    /// Asks for push delivery: from now on, completions, notifications and
+    /// messages go to `sink` as they happen (`None`: back to `poll`). Returns
+    /// whether the transport does this; the default does not, and every
+    /// event then comes from `poll`.
+    fn set_event_sink(&self, sink: Option<EventSink>) -> bool {
+        let _ = sink;
+        false
+    }
 
     /// Tears down the connection to `remote` and returns once nothing between
     /// the two engines can touch memory any more (see the module docs). The

@@ -530,8 +530,10 @@ fn target_waits_for_inbound_and_hook_fires() {
     let p = pair();
     let (tx, rx) = std::sync::mpsc::channel();
     let tx = std::sync::Mutex::new(tx);
-    p.b.set_inbound_hook(Some(Arc::new(move |from: EngineKey, uid: u64, tag: Tag| {
-        let _ = tx.lock().map(|tx| tx.send((from, uid, tag)));
+    // The hook sees the status first and hands it back: it is filed too.
+    p.b.set_inbound_hook(Some(Arc::new(move |st: backend_mori::InboundStatus| {
+        let _ = tx.lock().map(|tx| tx.send((st.remote.clone(), st.uid, st.tag)));
+        Some(st)
     })));
     let src = HostBuffer::from_vec(pattern(128, 3));
     let dst = HostBuffer::zeroed(128);
@@ -546,6 +548,18 @@ fn target_waits_for_inbound_and_hook_fires() {
     assert_eq!(dst.to_vec(), pattern(128, 3), "data landed before the notification");
     assert_eq!(status.wait_for(LONG), StatusCode::Success);
     assert_eq!(rx.recv_timeout(LONG).expect("hook"), (p.a.key(), uid, Tag::new(4, 5)));
+    // A hook that takes the status: nothing is filed.
+    p.b.set_inbound_hook(Some(Arc::new(|_| None)));
+    let uid = p.a.allocate_transfer_unique_id();
+    let status = p.a.write(&s, 0, &d, 0, 128, uid, Tag::new(6, 7));
+    assert_eq!(status.wait_for(LONG), StatusCode::Success);
+    assert_eq!(p.b.wait_inbound_status(&p.a.key(), uid, Duration::from_millis(100)), None, "taken by the hook");
+    let deadline = std::time::Instant::now() + LONG;
+    while p.b.stats().notifications_received < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(p.b.stats().notifications_received, 2);
+    assert_eq!(p.b.inbound_len(), 0, "nothing filed");
     p.b.set_inbound_hook(None);
 
     // External host memory: the loopback cannot reach it; a typed error, not GPU_OP.

@@ -49,8 +49,8 @@ pub mod wire;
 
 pub use fault::{splitmix64, DelayDist, DropSpec, FaultPlan, Gate};
 pub use nic::{
-    ExposeError, ExposeErrorKind, FaultRecord, InboundEvent, NicConfig, NicError, PeerInfo, RawAccess, RawHandle,
-    ReleasePolicy, SimNic,
+    ExposeError, ExposeErrorKind, FaultRecord, InboundEvent, MessageHook, NicConfig, NicError, PeerInfo, RawAccess,
+    RawCallback, RawHandle, ReleasePolicy, SimNic,
 };
 pub use stats::NicStats;
 

@@ -130,7 +130,7 @@ pub enum NicError {
     #[error("unknown or disconnected peer {0:?}")]
     UnknownPeer(PeerId),
     /// Larger than a frame can carry.
-    #[error("access of {0} bytes is larger than a frame can carry")]
+    #[error("{0} bytes is more than a frame can carry")]
     TooLarge(usize),
     /// The NIC is shut down (or crashed).
     #[error("NIC is shut down")]
@@ -190,7 +190,33 @@ pub enum InboundEvent {
         /// The peer.
         peer: PeerId,
     },
+    /// An application message from the peer ([`SimNic::send_message`]),
+    /// reported here when no [`MessageHook`] is set.
+    Message {
+        /// The peer.
+        peer: PeerId,
+        /// The bytes, uninterpreted.
+        bytes: Bytes,
+    },
 }
+
+/// Receives the application messages of every connection
+/// ([`SimNic::set_message_hook`]): the peer, its name, and the bytes (valid
+/// for the call only: the receiver reuses its buffer).
+///
+/// It runs on the connection's receiving thread, in the order the frames
+/// arrived, so it must return quickly and must not wait on this NIC (no
+/// `fence`, `revoke` or `shutdown` from inside it). Sending is fine: it only
+/// queues.
+pub type MessageHook = Arc<dyn Fn(PeerId, &str, &[u8]) + Send + Sync>;
+
+/// Called once with a raw operation's terminal status ([`SimNic::write_raw_with`]):
+/// `Ok(Some(bytes))` for a read, `Ok(None)` for a write.
+///
+/// It runs on a NIC thread (the connection's receiver, a teardown, or the
+/// poster's own thread when the connection was already fenced), so the same
+/// rules as for a [`MessageHook`] apply.
+pub type RawCallback = Box<dyn FnOnce(Result<Option<Bytes>, TransferError>) + Send>;
 
 /// A live connection, as [`SimNic::peers`] lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -256,6 +282,17 @@ impl std::fmt::Debug for RawHandle {
 }
 
 impl RawHandle {
+    /// A handle and the callback that completes it.
+    fn pair() -> (Self, RawCallback) {
+        let slot = Arc::new(RawSlot::default());
+        let s = slot.clone();
+        let done: RawCallback = Box::new(move |res| {
+            *lock(&s.done) = Some(res);
+            s.cv.notify_all();
+        });
+        (Self { slot }, done)
+    }
+
     /// Waits up to `timeout` for the terminal status: `Ok(Some(bytes))` for a
     /// read, `Ok(None)` for a write. `None` if still in flight.
     pub fn wait(&self, timeout: Duration) -> Option<Result<Option<Bytes>, TransferError>> {
@@ -445,7 +482,7 @@ struct WrEntry {
 
 enum OpDone {
     Lease(Completer),
-    Raw(Arc<RawSlot>),
+    Raw(RawCallback),
 }
 
 struct OpEntry {
@@ -484,6 +521,74 @@ struct ConnState {
 struct TxQueue {
     q: VecDeque<Outgoing>,
     closed: bool,
+    /// The sender is asleep on the condvar and nobody has rung for it yet.
+    /// A busy (or already rung) sender is not woken again: a condvar
+    /// notification is a syscall, paid per queued item otherwise.
+    waiting: bool,
+}
+
+/// A connection's send queue and the condvar its sender sleeps on.
+#[derive(Default)]
+struct Tx {
+    q: Mutex<TxQueue>,
+    cv: Condvar,
+}
+
+impl Tx {
+    /// Queues items; wakes the sender if it sleeps (see [`ring`]).
+    fn push(self: &Arc<Self>, items: impl IntoIterator<Item = Outgoing>) {
+        let mut q = lock(&self.q);
+        if q.closed {
+            return;
+        }
+        q.q.extend(items);
+        let wake = std::mem::take(&mut q.waiting);
+        drop(q);
+        if wake {
+            ring(self);
+        }
+    }
+}
+
+thread_local! {
+    /// On a receiving thread: senders owed a wake-up, rung together once the
+    /// thread has handled what it already read (before it blocks). A burst
+    /// of completion frames then costs one wake-up of each sender it sends
+    /// through, not one per frame.
+    static DOORBELLS: std::cell::RefCell<Option<Vec<Arc<Tx>>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Wakes `tx`'s sender now, or at the end of the current burst on a
+/// receiving thread.
+fn ring(tx: &Arc<Tx>) {
+    let deferred = DOORBELLS.with(|d| match d.borrow_mut().as_mut() {
+        Some(v) => {
+            if !v.iter().any(|t| Arc::ptr_eq(t, tx)) {
+                v.push(tx.clone());
+            }
+            true
+        }
+        None => false,
+    });
+    if !deferred {
+        tx.cv.notify_one();
+    }
+}
+
+/// Rings the deferred doorbells before a read of `len` bytes that the
+/// buffer does not hold (it may block).
+fn ring_before_read(r: &BufReader<TcpStream>, len: usize) {
+    if r.buffer().len() < len {
+        ring_deferred();
+    }
+}
+
+/// Rings every deferred doorbell of this thread.
+fn ring_deferred() {
+    let due = DOORBELLS.with(|d| d.borrow_mut().as_mut().map(std::mem::take).unwrap_or_default());
+    for tx in due {
+        tx.cv.notify_one();
+    }
 }
 
 struct Conn {
@@ -492,8 +597,7 @@ struct Conn {
     name: String,
     endpoint: String,
     stream: TcpStream,
-    tx: Mutex<TxQueue>,
-    tx_cv: Condvar,
+    tx: Arc<Tx>,
     st: Mutex<ConnState>,
     dead: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -501,13 +605,7 @@ struct Conn {
 
 impl Conn {
     fn send(&self, item: Outgoing) {
-        let mut q = lock(&self.tx);
-        if q.closed {
-            return;
-        }
-        q.q.push_back(item);
-        drop(q);
-        self.tx_cv.notify_one();
+        self.tx.push(std::iter::once(item));
     }
     fn send_frame(&self, body: &Body) {
         match wire::encode_head(body, 0) {
@@ -516,8 +614,8 @@ impl Conn {
         }
     }
     fn close_tx(&self) {
-        lock(&self.tx).closed = true;
-        self.tx_cv.notify_all();
+        lock(&self.tx.q).closed = true;
+        self.tx.cv.notify_all();
     }
 }
 
@@ -559,6 +657,7 @@ struct NicInner {
     next_wr: AtomicU64,
     next_op: AtomicU64,
     next_key: AtomicU64,
+    message_hook: RwLock<Option<MessageHook>>,
     signal: Arc<Signal>,
     counters: Counters,
     events: Mutex<VecDeque<InboundEvent>>,
@@ -646,6 +745,7 @@ impl SimNic {
             next_wr: AtomicU64::new(1),
             next_op: AtomicU64::new(1),
             next_key: AtomicU64::new(1),
+            message_hook: RwLock::new(None),
             signal: Arc::new(Signal::default()),
             counters: Counters::default(),
             events: Mutex::new(VecDeque::new()),
@@ -875,12 +975,57 @@ impl SimNic {
     /// build their own semantics on this fabric; the data is owned, so no
     /// local slot is involved).
     pub fn write_raw(&self, peer: PeerId, access: RawAccess, data: Bytes) -> Result<RawHandle, NicError> {
-        self.inner.post_raw(peer, access, Some(data), 0)
+        let (handle, done) = RawHandle::pair();
+        self.inner.post_raw(peer, access, Some(data), 0, done)?;
+        Ok(handle)
     }
 
     /// Posts a raw one-sided READ of `len` bytes at `access`.
     pub fn read_raw(&self, peer: PeerId, access: RawAccess, len: u32) -> Result<RawHandle, NicError> {
-        self.inner.post_raw(peer, access, None, len)
+        let (handle, done) = RawHandle::pair();
+        self.inner.post_raw(peer, access, None, len, done)?;
+        Ok(handle)
+    }
+
+    /// [`write_raw`](Self::write_raw) with a completion callback instead of a
+    /// handle: `on_done` runs exactly once if this returns `Ok`, never if it
+    /// returns `Err`. For backends that drive their own completion queue, so
+    /// that no thread has to wait on a handle (see [`RawCallback`] for where
+    /// it runs).
+    pub fn write_raw_with(
+        &self,
+        peer: PeerId,
+        access: RawAccess,
+        data: Bytes,
+        on_done: RawCallback,
+    ) -> Result<(), NicError> {
+        self.inner.post_raw(peer, access, Some(data), 0, on_done)
+    }
+
+    /// [`read_raw`](Self::read_raw) with a completion callback; see
+    /// [`write_raw_with`](Self::write_raw_with).
+    pub fn read_raw_with(
+        &self,
+        peer: PeerId,
+        access: RawAccess,
+        len: u32,
+        on_done: RawCallback,
+    ) -> Result<(), NicError> {
+        self.inner.post_raw(peer, access, None, len, on_done)
+    }
+
+    /// Sends an application message to `peer` on the data connection, after
+    /// every frame already queued there (like a SEND on an RC queue pair).
+    /// Delivered at most once, in order, to the peer's [`MessageHook`] (or
+    /// as [`InboundEvent::Message`]). At most [`wire::MAX_CONTROL`] bytes.
+    pub fn send_message(&self, peer: PeerId, bytes: Bytes) -> Result<(), NicError> {
+        self.inner.send_message(peer, bytes)
+    }
+
+    /// Where inbound application messages go: the hook, or (with `None`) the
+    /// event queue ([`next_event`](Self::next_event)).
+    pub fn set_message_hook(&self, hook: Option<MessageHook>) {
+        *self.inner.message_hook.write().unwrap_or_else(|p| p.into_inner()) = hook;
     }
 }
 
@@ -1012,8 +1157,7 @@ impl NicInner {
             name: name.clone(),
             endpoint: endpoint.clone(),
             stream: s,
-            tx: Mutex::new(TxQueue::default()),
-            tx_cv: Condvar::new(),
+            tx: Arc::default(),
             st: Mutex::new(ConnState::default()),
             dead: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
@@ -1127,7 +1271,8 @@ impl NicInner {
         a: RawAccess,
         data: Option<Bytes>,
         read_len: u32,
-    ) -> Result<RawHandle, NicError> {
+        done: RawCallback,
+    ) -> Result<(), NicError> {
         let conn = self.conn(peer).ok_or(NicError::UnknownPeer(peer))?;
         let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
         let op_id = self.next_op.fetch_add(1, Ordering::Relaxed);
@@ -1142,9 +1287,8 @@ impl NicInner {
             None => (Body::Read(h), 0, Some(Dest::Buf(len))),
         };
         let head = wire::encode_head(&body, pl).map_err(|e| NicError::Handshake(e.to_string()))?;
-        let slot = Arc::new(RawSlot::default());
         let entry = OpEntry {
-            done: OpDone::Raw(slot.clone()),
+            done: OpDone::Raw(done),
             reg: None,
             remaining: 1,
             err: None,
@@ -1168,7 +1312,37 @@ impl NicInner {
             vec![(wr_id, wr)],
             vec![Outgoing::Wr { wr_id, op: op_id, head, src: data.map(Src::Owned) }],
         );
-        Ok(RawHandle { slot })
+        Ok(())
+    }
+
+    fn send_message(&self, peer: PeerId, bytes: Bytes) -> Result<(), NicError> {
+        if bytes.len() > wire::MAX_CONTROL as usize {
+            return Err(NicError::TooLarge(bytes.len()));
+        }
+        let conn = self.conn(peer).filter(|c| !c.dead.load(Ordering::SeqCst)).ok_or(NicError::UnknownPeer(peer))?;
+        let head = wire::encode_head(&Body::Message, bytes.len()).map_err(|e| NicError::Handshake(e.to_string()))?;
+        inc(&self.counters.messages_sent);
+        conn.send(Outgoing::Data { head, payload: bytes });
+        Ok(())
+    }
+
+    fn on_message(
+        &self,
+        conn: &Conn,
+        r: &mut BufReader<TcpStream>,
+        len: usize,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), RxExit> {
+        ring_before_read(r, len);
+        buf.resize(len, 0);
+        r.read_exact(buf)?;
+        inc(&self.counters.messages_received);
+        let hook = self.message_hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+        match hook {
+            Some(h) => h(conn.peer, &conn.name, buf),
+            None => self.event(InboundEvent::Message { peer: conn.peer, bytes: Bytes::copy_from_slice(buf) }),
+        }
+        Ok(())
     }
 
     fn submit(&self, conn: &Arc<Conn>, op_id: u64, entry: OpEntry, wrs: Vec<(u64, WrEntry)>, items: Vec<Outgoing>) {
@@ -1183,12 +1357,7 @@ impl NicInner {
         st.ops.insert(op_id, entry);
         st.wrs.extend(wrs);
         drop(st);
-        let mut q = lock(&conn.tx);
-        if !q.closed {
-            q.q.extend(items);
-        }
-        drop(q);
-        conn.tx_cv.notify_one();
+        conn.tx.push(items);
     }
 
     // ----- sender -----
@@ -1201,12 +1370,14 @@ impl NicInner {
         let mut batch: Vec<Outgoing> = Vec::with_capacity(MAX_BATCH);
         'outer: loop {
             {
-                let mut q = lock(&conn.tx);
+                let mut q = lock(&conn.tx.q);
                 while q.q.is_empty() && !q.closed {
-                    q = match conn.tx_cv.wait(q) {
+                    q.waiting = true;
+                    q = match conn.tx.cv.wait(q) {
                         Ok(g) => g,
                         Err(p) => p.into_inner(),
                     };
+                    q.waiting = false;
                 }
                 if q.closed {
                     break;
@@ -1349,9 +1520,14 @@ impl NicInner {
     // ----- receiver -----
 
     fn rx_loop(self: Arc<Self>, conn: Arc<Conn>, stream: TcpStream) {
+        DOORBELLS.with(|d| *d.borrow_mut() = Some(Vec::new()));
         let mut r = BufReader::with_capacity(8 << 10, stream);
         let mut fields = Vec::with_capacity(wire::READ_FIELDS);
         let res: Result<(), RxExit> = (|| loop {
+            if r.buffer().is_empty() {
+                // About to block on the socket: wake the senders owed.
+                ring_deferred();
+            }
             let mut pre = [0u8; PREFIX_LEN];
             r.read_exact(&mut pre)?;
             let p = wire::decode_prefix(&pre)?;
@@ -1378,6 +1554,7 @@ impl NicInner {
                     inc(&self.counters.abort_acks_received);
                     self.settle_from_peer(&conn, l, false);
                 }
+                Body::Message => self.on_message(&conn, &mut r, p.payload_len(), &mut fields)?,
                 Body::Hello { .. } => {}
             }
         })();
@@ -1390,6 +1567,8 @@ impl NicInner {
             Err(RxExit::Io(e)) => tracing::trace!(peer = conn.peer.0, error = %e, "connection closed"),
             Err(RxExit::Closed) | Ok(()) => {}
         }
+        ring_deferred();
+        DOORBELLS.with(|d| *d.borrow_mut() = None);
         conn.dead.store(true, Ordering::SeqCst);
         let _ = conn.stream.shutdown(Shutdown::Both);
         self.signal.dead(conn.peer);
@@ -1471,6 +1650,8 @@ impl NicInner {
 
     fn on_write(&self, conn: &Conn, r: &mut BufReader<TcpStream>, h: AccessHeader) -> Result<(), RxExit> {
         let len = h.len as usize;
+        // The payload read may block (and so may a gate or a slow target).
+        ring_before_read(r, len);
         // With a gate, the WRITE has arrived at the NIC (payload buffered) and
         // waits there, before any check, until the test opens the gate. While
         // it waits, the NIC still notices the peer going away.
@@ -1546,6 +1727,7 @@ impl NicInner {
         status: WireStatus,
         payload_len: usize,
     ) -> Result<(), RxExit> {
+        ring_before_read(r, payload_len);
         let dest = lock(&conn.st).wrs.get(&wr_id).and_then(|w| w.dest.clone());
         let res = match (status, dest) {
             (WireStatus::Ok, Some(Dest::Local { reg, off, len })) if len == payload_len => {
@@ -1644,11 +1826,7 @@ impl NicInner {
                     tracing::warn!(error = %e, "operation's proof did not settle its lease");
                 }
             }
-            OpDone::Raw(slot) => {
-                let data = op.data;
-                *lock(&slot.done) = Some(result.map(|()| data));
-                slot.cv.notify_all();
-            }
+            OpDone::Raw(done) => done(result.map(|()| op.data)),
         }
     }
 
@@ -1828,7 +2006,7 @@ impl NicInner {
             st.aborts.clear();
             st.ops.drain().map(|(_, o)| o).collect()
         };
-        lock(&conn.tx).q.clear();
+        lock(&conn.tx.q).q.clear();
         for op in ops {
             self.finish_op(peer, op, Err(TransferError::Transport(reason.to_string())), true);
         }

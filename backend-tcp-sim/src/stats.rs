@@ -60,6 +60,10 @@ stats! {
     notifications_sent,
     /// NOTIFY frames received.
     notifications_received,
+    /// Application messages sent ([`SimNic::send_message`](crate::SimNic::send_message)).
+    messages_sent,
+    /// Application messages received.
+    messages_received,
     /// Tenancies in received NOTIFY / ABORT_ACK frames that were not (or no longer) bound here.
     notifications_stale,
     /// ABORT frames sent (escalation: request drain).

@@ -75,6 +75,9 @@ pub enum Kind {
     Abort = 7,
     /// Initiator → target: every operation on these tenancies is terminal.
     AbortAck = 8,
+    /// An application message (its payload, at most [`MAX_CONTROL`] bytes),
+    /// delivered in order with the connection's other frames.
+    Message = 9,
 }
 
 impl Kind {
@@ -88,6 +91,7 @@ impl Kind {
             6 => Self::Notify,
             7 => Self::Abort,
             8 => Self::AbortAck,
+            9 => Self::Message,
             _ => return None,
         })
     }
@@ -178,6 +182,7 @@ impl Prefix {
         match self.kind {
             Kind::Write => WRITE_FIELDS,
             Kind::ReadResp => STATUS_FIELDS,
+            Kind::Message => 0,
             _ => self.len as usize,
         }
     }
@@ -295,6 +300,8 @@ pub enum Body {
     Abort(TenancyList),
     /// Drained.
     AbortAck(TenancyList),
+    /// An application message; its payload follows.
+    Message,
 }
 
 impl Body {
@@ -309,6 +316,7 @@ impl Body {
             Self::Notify(_) => Kind::Notify,
             Self::Abort(_) => Kind::Abort,
             Self::AbortAck(_) => Kind::AbortAck,
+            Self::Message => Kind::Message,
         }
     }
 }
@@ -400,7 +408,10 @@ pub fn decode_prefix(b: &[u8]) -> Result<Prefix, DecodeError> {
                 return Err(bad_len);
             }
         }
-        Kind::Read | Kind::Completion => {}
+        Kind::Message if len > MAX_CONTROL => {
+            return Err(DecodeError::Oversize { kind, len, max: MAX_CONTROL });
+        }
+        Kind::Read | Kind::Completion | Kind::Message => {}
     }
     Ok(Prefix { kind, len })
 }
@@ -468,6 +479,7 @@ pub fn decode_fields(prefix: &Prefix, fields: &[u8]) -> Result<Body, DecodeError
                 _ => Body::AbortAck(list),
             }
         }
+        Kind::Message => Body::Message,
     };
     if !c.b.is_empty() {
         return Err(DecodeError::BadLength { kind: prefix.kind, len: prefix.len });
@@ -513,8 +525,9 @@ fn put_name(out: &mut Vec<u8>, s: &str) -> Result<(), EncodeError> {
 /// Encodes a frame's prefix and fields; a data frame's `payload_len` bytes of
 /// payload must follow (WRITE: `payload_len` must equal the header's `len`).
 pub fn encode_head(body: &Body, payload_len: usize) -> Result<Vec<u8>, EncodeError> {
-    let has_payload = matches!(body, Body::Write(_) | Body::ReadResp { .. });
-    if (!has_payload && payload_len != 0) || payload_len > MAX_PAYLOAD as usize {
+    let has_payload = matches!(body, Body::Write(_) | Body::ReadResp { .. } | Body::Message);
+    let max = if matches!(body, Body::Message) { MAX_CONTROL } else { MAX_PAYLOAD };
+    if (!has_payload && payload_len != 0) || payload_len > max as usize {
         return Err(EncodeError::Payload(payload_len));
     }
     if let Body::Write(h) = body {
@@ -550,6 +563,7 @@ pub fn encode_head(body: &Body, payload_len: usize) -> Result<Vec<u8>, EncodeErr
             out.extend_from_slice(&status.to_bytes());
         }
         Body::Notify(l) | Body::Abort(l) | Body::AbortAck(l) => put_list(&mut out, l)?,
+        Body::Message => {}
     }
     let len = (out.len() - PREFIX_LEN + payload_len) as u32;
     out[4..8].copy_from_slice(&len.to_le_bytes());
@@ -580,6 +594,8 @@ mod tests {
             (Body::Notify(list()), 0),
             (Body::Abort(list()), 0),
             (Body::AbortAck(list()), 0),
+            (Body::Message, 0),
+            (Body::Message, 33),
         ];
         for (b, pl) in bodies {
             let mut buf = encode_head(&b, pl).unwrap();
@@ -604,5 +620,12 @@ mod tests {
         let mut c = encode_head(&Body::Completion { wr_id: 1, status: WireStatus::Ok }, 0).unwrap();
         c[16] = 7;
         assert!(matches!(decode(&c), Err(DecodeError::BadStatus { .. })));
+        let big = (MAX_CONTROL + 1).to_le_bytes();
+        let m = [0x56, 0x4B, 9, 0, big[0], big[1], big[2], big[3]];
+        assert!(matches!(decode(&m), Err(DecodeError::Oversize { kind: Kind::Message, .. })));
+        assert_eq!(
+            encode_head(&Body::Message, MAX_CONTROL as usize + 1),
+            Err(EncodeError::Payload(MAX_CONTROL as usize + 1))
+        );
     }
 }

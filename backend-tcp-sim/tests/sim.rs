@@ -2,7 +2,7 @@
 
 use backend_tcp_sim::wire::{self, AccessHeader, Body, DecodeError, WireStatus};
 use backend_tcp_sim::{
-    block_on, DelayDist, DropSpec, FaultPlan, Gate, InboundEvent, NicConfig, RawAccess, ReleasePolicy, SimNic,
+    block_on, DelayDist, DropSpec, FaultPlan, Gate, InboundEvent, NicConfig, NicError, RawAccess, ReleasePolicy, SimNic,
 };
 use bytes::Bytes;
 use kv_transfer_core::{
@@ -655,4 +655,63 @@ fn reorder_across_connections_follows_the_seed() {
         target.revoke(&e);
         settle_within(e).release();
     }
+}
+
+/// Application messages ride the data connection: in order, after the
+/// frames queued before them, to the hook (with the sender's name) or to the
+/// event queue; an oversize one is refused. Raw callbacks run exactly once.
+#[test]
+fn messages_and_raw_callbacks() {
+    let p = pair();
+    let init_peer = p.init.peer_by_name(p.target.name()).unwrap();
+    // No hook: events.
+    p.init.send_message(init_peer, Bytes::from_static(b"one")).unwrap();
+    let msg = |nic: &SimNic| {
+        let deadline = Instant::now() + WAIT;
+        while Instant::now() < deadline {
+            match nic.next_event(Duration::from_millis(50)) {
+                Some(InboundEvent::Message { peer, bytes }) => return Some((peer, bytes)),
+                _ => continue,
+            }
+        }
+        None
+    };
+    assert_eq!(msg(&p.target), Some((p.peer, Bytes::from_static(b"one"))));
+    // A hook: every message, in order, with the sender's name.
+    let got = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let g = got.clone();
+    p.target.set_message_hook(Some(Arc::new(move |peer, name: &str, bytes: &[u8]| {
+        g.lock().unwrap().push((peer, name.to_string(), bytes.to_vec()));
+    })));
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let access = RawAccess::of(&remote, 0).unwrap();
+    // A write, then a message: the message comes after the write was applied.
+    let (tx, rx) = std::sync::mpsc::channel();
+    p.init.write_raw_with(init_peer, access, Bytes::from(vec![9; 64]), Box::new(move |r| tx.send(r).unwrap())).unwrap();
+    for i in 0..100u32 {
+        p.init.send_message(init_peer, Bytes::from(i.to_le_bytes().to_vec())).unwrap();
+    }
+    assert_eq!(rx.recv_timeout(WAIT), Ok(Ok(None)));
+    assert!(rx.recv_timeout(Duration::from_millis(50)).is_err(), "a callback runs once");
+    wait_until("100 messages", || got.lock().unwrap().len() == 100);
+    for (i, (peer, name, bytes)) in got.lock().unwrap().iter().enumerate() {
+        assert_eq!((*peer, name.as_str(), &bytes[..]), (p.peer, p.init.name(), &(i as u32).to_le_bytes()[..]));
+    }
+    assert_eq!(&slot_bytes(&p.tpool, access.slot.0)[..64], &[9; 64]);
+    // A read through a callback; a rejected one too.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t2 = tx.clone();
+    p.init.read_raw_with(init_peer, access, 64, Box::new(move |r| tx.send(r).unwrap())).unwrap();
+    assert_eq!(rx.recv_timeout(WAIT), Ok(Ok(Some(Bytes::from(vec![9; 64])))));
+    let stale = RawAccess { generation: Generation(access.generation.0 + 1), ..access };
+    p.init.read_raw_with(init_peer, stale, 64, Box::new(move |r| t2.send(r).unwrap())).unwrap();
+    assert_eq!(rx.recv_timeout(WAIT), Ok(Err(TransferError::Rejected(RejectReason::StaleGeneration))));
+    // Oversize and unknown peer are refused at once.
+    let big = Bytes::from(vec![0; wire::MAX_CONTROL as usize + 1]);
+    assert!(matches!(p.init.send_message(init_peer, big), Err(NicError::TooLarge(_))));
+    assert!(matches!(p.init.send_message(PeerId(9999), Bytes::new()), Err(NicError::UnknownPeer(_))));
+    let s = (p.init.stats(), p.target.stats());
+    assert_eq!((s.0.messages_sent, s.1.messages_received), (101, 101));
+    p.target.revoke(&exposed);
+    settle_within(exposed).release();
 }
