@@ -58,7 +58,7 @@
 //!   fence, call [`MoriTransfer::add_peer`] again to reconnect.
 //! - `Exhausted`: logged; the slots stay quarantined (a leak, never a reuse).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
@@ -78,7 +78,7 @@ use crate::status::{StatusCode, TransferStatus};
 use crate::types::{
     BatchRequest, EngineDesc, EngineKey, InboundStatus, MemoryDesc, MemoryLocation, MemoryRegion, Segment, Tag,
 };
-use crate::util::lock;
+use crate::util::{lock, HashMap, HashSet};
 
 /// Name of this backend in [`Transfer::backend`].
 pub const BACKEND: &str = "mori";
@@ -87,6 +87,8 @@ pub const BACKEND: &str = "mori";
 const DRIVER_TICK: Duration = Duration::from_millis(200);
 /// Tombstoned remote tenancies remembered (oldest forgotten first).
 const TOMBSTONES: usize = 1 << 16;
+/// Decoded remote descriptors kept (see `Inner::endpoints`).
+const MAX_ENDPOINTS: usize = 1024;
 
 const MSG_ABORT: u8 = 1;
 const MSG_ABORT_ACK: u8 = 2;
@@ -418,6 +420,10 @@ struct FailedSet {
 }
 
 struct Inner {
+    /// Remote memory descriptors already decoded from an endpoint string,
+    /// by key (a fresh registration gets a fresh key): a post then parses
+    /// nothing. Bounded by the remote registrations this adapter was shown.
+    endpoints: RwLock<HashMap<u64, (String, MemoryDesc)>>,
     failed: Mutex<FailedSet>,
     engine: Arc<dyn IoEngine>,
     pools: RwLock<Vec<Arc<PoolEntry>>>,
@@ -464,6 +470,7 @@ impl MoriTransfer {
     pub fn new(engine: Arc<dyn IoEngine>) -> Result<Self, AdapterError> {
         let jobs = Arc::new(Jobs::default());
         let inner = Arc::new(Inner {
+            endpoints: RwLock::default(),
             failed: Mutex::default(),
             engine,
             pools: RwLock::new(Vec::new()),
@@ -640,7 +647,7 @@ impl MoriTransfer {
         let Some(entry) = inner.pool_entry(local.pool().id()) else {
             return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
         };
-        let Some(rdesc) = decode_endpoint(&remote.endpoint, remote.key) else {
+        let Some(rdesc) = inner.remote_desc(&remote.endpoint, remote.key) else {
             // The descriptor names no engine this adapter could reach.
             let kind = PostErrorKind::Peer(format!("not a MORI endpoint: {}", remote.endpoint));
             return Err(PostError { lease: local, kind });
@@ -680,24 +687,11 @@ impl MoriTransfer {
         }
         let exposed = local.expose_local(peer);
         let (handle, completer) = TransferHandle::pair(exposed);
-        let local_ts = completer.lease().tenancies().to_vec();
-        let n = local_ts.len();
-        let state = Arc::new(OpState {
-            id,
-            completer: Mutex::new(Some(completer)),
-            statuses: Mutex::new(Vec::new()),
-            remaining: AtomicUsize::new(n),
-            error: Mutex::new(None),
-            unknown: AtomicBool::new(false),
-            peer,
-            peer_key: rdesc.engine_key.clone(),
-            rkey: rdesc.rkey,
-            remote: remote_ts.clone(),
-            settle: opts.notify,
-            pool: entry.clone(),
-        });
-        lock(&inner.ops).inflight.insert(id, state.clone());
-        let requests: Vec<BatchRequest> = local_ts
+        // One MORI transfer per slot, built while the completer still lends
+        // its lease's tenancies.
+        let requests: Vec<BatchRequest> = completer
+            .lease()
+            .tenancies()
             .iter()
             .zip(&remote_ts)
             .zip(&offsets)
@@ -709,6 +703,22 @@ impl MoriTransfer {
                 tag: pack_tag(rdesc.id, *rt, opts.notify),
             })
             .collect();
+        let n = requests.len();
+        let state = Arc::new(OpState {
+            id,
+            completer: Mutex::new(Some(completer)),
+            statuses: Mutex::new(Vec::new()),
+            remaining: AtomicUsize::new(n),
+            error: Mutex::new(None),
+            unknown: AtomicBool::new(false),
+            peer,
+            peer_key: rdesc.engine_key.clone(),
+            rkey: rdesc.rkey,
+            remote: remote_ts,
+            settle: opts.notify,
+            pool: entry,
+        });
+        lock(&inner.ops).inflight.insert(id, state.clone());
         let statuses = match op {
             Op::Write => inner.engine.batch_write(&requests),
             Op::Read => inner.engine.batch_read(&requests),
@@ -721,7 +731,6 @@ impl MoriTransfer {
             tracing::error!(asked = n, got = statuses.len(), "engine returned a wrong number of statuses");
             state.unknown.store(true, Ordering::Release);
         }
-        *lock(&state.statuses) = statuses.clone();
         let missing = n.saturating_sub(statuses.len());
         for _ in 0..missing {
             on_status(&Arc::downgrade(inner), &state, StatusCode::Unknown(u32::MAX), String::new());
@@ -732,6 +741,9 @@ impl MoriTransfer {
             let st2 = st.clone();
             st.on_complete(move |code| on_status(&weak, &s, code, st2.message()));
         }
+        // Kept for the operation's lifetime (cleared when it finishes; an
+        // operation that finished above keeps them until it is dropped).
+        *lock(&state.statuses) = statuses;
         Ok(handle)
     }
 }
@@ -763,12 +775,9 @@ fn on_status(weak: &Weak<Inner>, op: &Arc<OpState>, code: StatusCode, message: S
         }
         return;
     }
-    let proof = op.pool.authority.completed(&local_tenancies(op));
+    let proof = lock(&op.completer).as_ref().map(|c| op.pool.authority.completed(c.lease().tenancies()));
+    let proof = proof.unwrap_or_else(|| op.pool.authority.completed(&[]));
     finish(inner.as_deref(), op, proof.into());
-}
-
-fn local_tenancies(op: &OpState) -> Vec<Tenancy> {
-    lock(&op.completer).as_ref().map(|c| c.lease().tenancies().to_vec()).unwrap_or_default()
 }
 
 /// Completes `op` with `proof` and clears its bookkeeping.
@@ -840,6 +849,26 @@ fn finish(inner: Option<&Inner>, op: &Arc<OpState>, proof: kv_transfer_core::Set
 }
 
 impl Inner {
+    /// The remote memory a descriptor names (cached by key; see `endpoints`).
+    fn remote_desc(&self, endpoint: &str, rkey: u64) -> Option<MemoryDesc> {
+        let cached = self
+            .endpoints
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&rkey)
+            .and_then(|(e, d)| (e == endpoint).then(|| d.clone()));
+        if cached.is_some() {
+            return cached;
+        }
+        let d = decode_endpoint(endpoint, rkey)?;
+        let mut map = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= MAX_ENDPOINTS {
+            map.clear();
+        }
+        map.insert(rkey, (endpoint.to_owned(), d.clone()));
+        Some(d)
+    }
+
     fn pool_entry(&self, id: PoolId) -> Option<Arc<PoolEntry>> {
         self.pools.read().unwrap_or_else(|p| p.into_inner()).iter().find(|e| e.pool.id() == id).cloned()
     }
@@ -934,7 +963,7 @@ impl Inner {
             MSG_ABORT => {
                 inc(&self.counters.aborts_received);
                 let mut ops = lock(&self.ops);
-                let mut waiting = HashSet::new();
+                let mut waiting = HashSet::default();
                 for t in &ts {
                     let k = (from.clone(), rkey, *t);
                     if ops.busy.contains(&k) {

@@ -2,7 +2,7 @@
 //! adapter programs against, mockable) and [`MoriEngine`], their implementation
 //! over any [`MoriTransport`].
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar};
@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 
 use crate::error::{EngineError, TransportError};
 use crate::status::{StatusCode, StatusUpdater, TransferStatus};
-use crate::transport::{MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
+use crate::transport::{Completion, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
 use crate::types::{
     BatchRequest, EngineDesc, EngineKey, InboundStatus, MemoryDesc, MemoryId, MemoryLocation, MemoryRegion, Segment,
     Tag, TransferUniqueId,
 };
-use crate::util::lock;
+use crate::util::{lock, HashMap, HashSet};
 use crate::window::{Admit, NotifWindow, UidAllocator};
 
 /// The engine API, shaped like MORI-IO's `IOEngine`.
@@ -406,7 +406,7 @@ impl MoriEngine {
         let weak = Arc::downgrade(&inner);
         inner.transport.set_event_sink(Some(Arc::new(move |e| {
             if let Some(inner) = weak.upgrade() {
-                inner.handle_events(std::iter::once(e));
+                inner.handle_event(e);
             }
         })));
         let worker = Arc::clone(&inner);
@@ -833,13 +833,13 @@ impl Inner {
             return status;
         }
         let peer_key = remote.engine_key.clone();
-        if !state.peers.contains_key(&peer_key) {
+        let Some(fenced) = state.peers.get(&peer_key).map(|p| p.fenced) else {
             state.stats.transfers_rejected += 1;
             drop(state);
             updater.set(StatusCode::NotFound, format!("remote engine {peer_key} is not registered"));
             return status;
-        }
-        if state.peers.get(&peer_key).is_some_and(|p| p.fenced) {
+        };
+        if fenced {
             state.stats.transfers_rejected += 1;
             drop(state);
             updater.set(StatusCode::BadState, format!("remote engine {peer_key} is fenced"));
@@ -966,7 +966,7 @@ impl Inner {
         if !state.windows.contains_key(&from) {
             state.windows.insert(from.clone(), NotifWindow::new(n.seq, window_size));
         }
-        let Some(window) = state.windows.get_mut(&from) else { return None };
+        let window = state.windows.get_mut(&from)?;
         let before = window.skipped();
         let admit = window.admit(n.seq);
         let skipped = window.skipped() - before;
@@ -1013,6 +1013,57 @@ impl Inner {
         tracing::debug!(engine = %self.key, "progress thread exits");
     }
 
+    /// Accounts one operation's completion; returns the transfer's status
+    /// change if it was the last one.
+    fn complete_wr(&self, state: &mut State, c: Completion) -> Option<Finished> {
+        let Some(transfer_id) = state.wr_owner.remove(&c.wr_id) else {
+            state.stats.stray_completions += 1;
+            tracing::warn!(engine = %self.key, wr_id = c.wr_id, "completion for no posted operation");
+            return None;
+        };
+        let error = c.result.err().map(|e| {
+            let code = match e {
+                TransportError::Unsupported(_) => StatusCode::GpuOp,
+                _ => StatusCode::RdmaOp,
+            };
+            (code, e.to_string())
+        });
+        self.settle(state, transfer_id, 1, error)
+    }
+
+    /// One event from the transport's thread (push delivery): completions and
+    /// notifications without the batch bookkeeping of [`Self::handle_events`].
+    fn handle_event(&self, event: TransportEvent) {
+        match event {
+            TransportEvent::Completion(c) => {
+                let finished = self.complete_wr(&mut lock(&self.state), c);
+                if let Some(f) = finished {
+                    f.apply();
+                }
+            }
+            TransportEvent::Notification { from, notification } => {
+                let hook = lock(&self.inbound_hook).clone();
+                let status = {
+                    let mut state = lock(&self.state);
+                    let status = self.on_inbound(&mut state, from, notification);
+                    match (&hook, status) {
+                        (None, Some(s)) => {
+                            self.file_inbound(&mut state, std::iter::once(s));
+                            return;
+                        }
+                        (_, s) => s,
+                    }
+                };
+                if let (Some(hook), Some(status)) = (hook, status) {
+                    if let Some(back) = hook(status) {
+                        self.file_inbound(&mut lock(&self.state), std::iter::once(back));
+                    }
+                }
+            }
+            other => self.handle_events(std::iter::once(other)),
+        }
+    }
+
     /// Applies transport events: completions settle transfers, notifications
     /// are filed, messages and lost peers go to their hooks. Runs on the
     /// progress thread, or on the transport's thread with push delivery.
@@ -1028,19 +1079,7 @@ impl Inner {
         for event in events {
             match event {
                 TransportEvent::Completion(c) => {
-                    let Some(transfer_id) = state.wr_owner.remove(&c.wr_id) else {
-                        state.stats.stray_completions += 1;
-                        tracing::warn!(engine = %self.key, wr_id = c.wr_id, "completion for no posted operation");
-                        continue;
-                    };
-                    let error = c.result.err().map(|e| {
-                        let code = match e {
-                            TransportError::Unsupported(_) => StatusCode::GpuOp,
-                            _ => StatusCode::RdmaOp,
-                        };
-                        (code, e.to_string())
-                    });
-                    if let Some(f) = self.settle(&mut state, transfer_id, 1, error) {
+                    if let Some(f) = self.complete_wr(&mut state, c) {
                         finished.push(f);
                     }
                 }

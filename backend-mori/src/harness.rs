@@ -222,9 +222,8 @@ impl RawMoriPeer {
         };
         self.next_seq = self.next_seq.wrapping_add(1);
         self.next_uid = self.next_uid.wrapping_add(1);
-        let mut msg = vec![crate::sim::MSG_NOTIFY];
-        msg.extend_from_slice(&crate::sim::encode_notification(&n));
-        self.nic.send_message(self.peer, msg.into()).map_err(|e| crate::TransportError::Remote(e.to_string()))
+        let msg = crate::sim::encode_notification(&n);
+        self.nic.send_message(self.peer, &msg).map_err(|e| crate::TransportError::Remote(e.to_string()))
     }
 }
 

@@ -37,7 +37,7 @@
 //! as with a verbs completion channel. Without a sink, events queue for
 //! [`MoriTransport::poll`].
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -53,7 +53,7 @@ use kv_transfer_core::{
 use crate::error::TransportError;
 use crate::transport::{Completion, EventSink, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
 use crate::types::{EngineDesc, EngineKey, HostBuffer, MemoryId, MemoryLocation, MemoryRegion, Tag};
-use crate::util::lock;
+use crate::util::{lock, HashMap, HashSet};
 
 /// Name the simulator transport publishes in [`EngineDesc::transport`].
 pub const TCP_SIM: &str = "tcp-sim";
@@ -291,11 +291,11 @@ impl SimTransport {
             config,
             attached: OnceLock::new(),
             shared: Arc::new(Shared::default()),
-            regions: RwLock::new(HashMap::new()),
-            peers: Mutex::new(HashMap::new()),
-            peer_cache: RwLock::new(HashMap::new()),
-            sim_names: Mutex::new(HashMap::new()),
-            fenced: Mutex::new(HashSet::new()),
+            regions: RwLock::new(HashMap::default()),
+            peers: Mutex::new(HashMap::default()),
+            peer_cache: RwLock::new(HashMap::default()),
+            sim_names: Mutex::new(HashMap::default()),
+            fenced: Mutex::new(HashSet::default()),
         })
     }
 
@@ -389,39 +389,34 @@ impl SimTransport {
         att.nic.connect(&endpoint).map_err(|e| TransportError::Remote(format!("connect {remote}: {e}")))
     }
 
-    /// Sends an application message to `to` over the data connection. A
-    /// fenced peer gets nothing until the engine connects it again.
-    fn send_app(&self, to: &EngineKey, kind: u8, body: &[u8]) -> Result<(), TransportError> {
+    /// Sends an application message (its kind byte first) to `to` over the
+    /// data connection. A fenced peer gets nothing until the engine connects
+    /// it again.
+    fn send_app(&self, to: &EngineKey, msg: Vec<u8>) -> Result<(), TransportError> {
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(TransportError::Closed);
         }
         if lock(&self.fenced).contains(to) {
             return Err(TransportError::Remote(format!("{to} is fenced")));
         }
-        if body.len() >= wire::MAX_CONTROL as usize {
+        if msg.len() > wire::MAX_CONTROL as usize {
             return Err(TransportError::OutOfBounds);
         }
         let att = self.att()?;
-        let mut msg = Vec::with_capacity(1 + body.len());
-        msg.push(kind);
-        msg.extend_from_slice(body);
-        let msg = bytes::Bytes::from(msg);
-        let peer = self.peer_id(to)?;
-        match att.nic.send_message(peer, msg.clone()) {
-            Err(NicError::UnknownPeer(_)) => {
-                // The cached connection is gone (lost): resolve again, once.
-                self.forget_peer(to);
-                let peer = self.peer_id(to)?;
-                att.nic.send_message(peer, msg)
-            }
-            other => other,
+        let mut peer = self.peer_id(to)?;
+        if !att.nic.is_connected(peer) {
+            // The cached connection is gone (lost): resolve again, once.
+            self.forget_peer(to);
+            peer = self.peer_id(to)?;
         }
-        .map_err(|e| TransportError::Remote(format!("message to {to}: {e}")))
+        att.nic.send_message(peer, &msg).map_err(|e| TransportError::Remote(format!("message to {to}: {e}")))
     }
 }
 
+/// A notification as an application message: [`MSG_NOTIFY`], then the body.
 pub(crate) fn encode_notification(n: &Notification) -> Vec<u8> {
-    let mut v = Vec::with_capacity(32 + n.message.len());
+    let mut v = Vec::with_capacity(33 + n.message.len());
+    v.push(MSG_NOTIFY);
     v.extend_from_slice(&n.seq.to_le_bytes());
     v.extend_from_slice(&n.uid.to_le_bytes());
     v.extend_from_slice(&n.code.to_le_bytes());
@@ -640,7 +635,7 @@ impl MoriTransport for SimTransport {
     }
 
     fn notify(&self, to: &EngineKey, notification: Notification) -> Result<(), TransportError> {
-        self.send_app(to, MSG_NOTIFY, &encode_notification(&notification))
+        self.send_app(to, encode_notification(&notification))
     }
 
     fn set_event_sink(&self, sink: Option<EventSink>) -> bool {
@@ -686,7 +681,10 @@ impl MoriTransport for SimTransport {
     }
 
     fn send_message(&self, to: &EngineKey, bytes: Vec<u8>) -> Result<(), TransportError> {
-        self.send_app(to, MSG_CONTROL, &bytes)
+        let mut msg = Vec::with_capacity(1 + bytes.len());
+        msg.push(MSG_CONTROL);
+        msg.extend_from_slice(&bytes);
+        self.send_app(to, msg)
     }
 
     fn grant(&self, id: MemoryId, remote: &EngineKey, slot: u32, generation: u64) -> Result<(), TransportError> {

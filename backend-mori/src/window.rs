@@ -12,7 +12,7 @@
 //!   `base` when `seq.wrapping_sub(base) < 2^31`, *behind* otherwise. Nothing
 //!   uses `<` on raw values, so `u32::MAX` followed by `0` is in order.
 
-use std::collections::HashSet;
+use crate::util::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::types::TransferUniqueId;
@@ -62,7 +62,7 @@ pub(crate) struct NotifWindow {
 
 impl NotifWindow {
     pub(crate) fn new(base: u32, max_ahead: usize) -> Self {
-        Self { base, ahead: HashSet::new(), max_ahead: max_ahead.max(1), skipped: 0 }
+        Self { base, ahead: HashSet::default(), max_ahead: max_ahead.max(1), skipped: 0 }
     }
 
     /// Numbers given up on because the window had to skip a gap.

@@ -18,7 +18,7 @@ use kv_transfer_core::{
     TransferOptions,
 };
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -35,6 +35,12 @@ const MAX_BATCH: usize = 256;
 const MAX_EVENTS: usize = 4096;
 /// Longest sleep of the escalation driver between checks.
 const DRIVER_TICK: Duration = Duration::from_millis(100);
+
+/// `HashMap` with foldhash's fast hasher (seeded per process) instead of
+/// SipHash: the work-request tables are hit on every post and completion.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+/// `HashSet` with the same hasher.
+type HashSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -461,8 +467,21 @@ enum Src {
 
 enum Outgoing {
     Frame(Vec<u8>),
-    Wr { wr_id: u64, op: u64, head: Vec<u8>, src: Option<Src> },
-    Data { head: Vec<u8>, payload: Bytes },
+    /// A Message frame: its head and its records, appended to while queued.
+    Messages {
+        head: Vec<u8>,
+        records: Vec<u8>,
+    },
+    Wr {
+        wr_id: u64,
+        op: u64,
+        head: Vec<u8>,
+        src: Option<Src>,
+    },
+    Data {
+        head: Vec<u8>,
+        payload: Bytes,
+    },
 }
 
 #[derive(Clone)]
@@ -535,6 +554,33 @@ struct Tx {
 }
 
 impl Tx {
+    /// Queues an application message: appended to the Message frame at the
+    /// back of the queue if there is one with room (the sender has not taken
+    /// it yet), so a burst of small messages leaves as one frame.
+    fn push_message(self: &Arc<Self>, msg: &[u8]) {
+        let mut q = lock(&self.q);
+        if q.closed {
+            return;
+        }
+        if let Some(Outgoing::Messages { head, records }) = q.q.back_mut() {
+            if wire::push_message(records, msg).is_ok() {
+                head[4..8].copy_from_slice(&(records.len() as u32).to_le_bytes());
+                return;
+            }
+        }
+        let mut records = Vec::with_capacity(64);
+        if wire::push_message(&mut records, msg).is_err() {
+            return;
+        }
+        let Ok(head) = wire::encode_head(&Body::Message, records.len()) else { return };
+        q.q.push_back(Outgoing::Messages { head, records });
+        let wake = std::mem::take(&mut q.waiting);
+        drop(q);
+        if wake {
+            ring(self);
+        }
+    }
+
     /// Queues items; wakes the sender if it sleeps (see [`ring`]).
     fn push(self: &Arc<Self>, items: impl IntoIterator<Item = Outgoing>) {
         let mut q = lock(&self.q);
@@ -738,8 +784,8 @@ impl SimNic {
             endpoint,
             key_salt: salt & 0xFFFF_FFFF_0000_0000,
             regs: RwLock::new(Vec::new()),
-            conns: Mutex::new(HashMap::new()),
-            fenced: Mutex::new(HashSet::new()),
+            conns: Mutex::new(HashMap::default()),
+            fenced: Mutex::new(HashSet::default()),
             next_peer: AtomicU32::new(1),
             next_conn_index: AtomicU32::new(0),
             next_wr: AtomicU64::new(1),
@@ -1018,8 +1064,13 @@ impl SimNic {
     /// every frame already queued there (like a SEND on an RC queue pair).
     /// Delivered at most once, in order, to the peer's [`MessageHook`] (or
     /// as [`InboundEvent::Message`]). At most [`wire::MAX_CONTROL`] bytes.
-    pub fn send_message(&self, peer: PeerId, bytes: Bytes) -> Result<(), NicError> {
-        self.inner.send_message(peer, bytes)
+    pub fn send_message(&self, peer: PeerId, msg: &[u8]) -> Result<(), NicError> {
+        self.inner.send_message(peer, msg)
+    }
+
+    /// Whether the connection to `peer` is up (not torn down or lost).
+    pub fn is_connected(&self, peer: PeerId) -> bool {
+        self.inner.conn(peer).is_some_and(|c| !c.dead.load(Ordering::SeqCst))
     }
 
     /// Where inbound application messages go: the hook, or (with `None`) the
@@ -1315,14 +1366,13 @@ impl NicInner {
         Ok(())
     }
 
-    fn send_message(&self, peer: PeerId, bytes: Bytes) -> Result<(), NicError> {
-        if bytes.len() > wire::MAX_CONTROL as usize {
-            return Err(NicError::TooLarge(bytes.len()));
+    fn send_message(&self, peer: PeerId, msg: &[u8]) -> Result<(), NicError> {
+        if msg.len() + wire::RECORD_PREFIX > wire::MAX_CONTROL as usize {
+            return Err(NicError::TooLarge(msg.len()));
         }
         let conn = self.conn(peer).filter(|c| !c.dead.load(Ordering::SeqCst)).ok_or(NicError::UnknownPeer(peer))?;
-        let head = wire::encode_head(&Body::Message, bytes.len()).map_err(|e| NicError::Handshake(e.to_string()))?;
         inc(&self.counters.messages_sent);
-        conn.send(Outgoing::Data { head, payload: bytes });
+        conn.tx.push_message(msg);
         Ok(())
     }
 
@@ -1336,11 +1386,14 @@ impl NicInner {
         ring_before_read(r, len);
         buf.resize(len, 0);
         r.read_exact(buf)?;
-        inc(&self.counters.messages_received);
+        let msgs = wire::split_messages(buf)?;
+        add(&self.counters.messages_received, msgs.len() as u64);
         let hook = self.message_hook.read().unwrap_or_else(|p| p.into_inner()).clone();
-        match hook {
-            Some(h) => h(conn.peer, &conn.name, buf),
-            None => self.event(InboundEvent::Message { peer: conn.peer, bytes: Bytes::copy_from_slice(buf) }),
+        for m in msgs {
+            match &hook {
+                Some(h) => h(conn.peer, &conn.name, m),
+                None => self.event(InboundEvent::Message { peer: conn.peer, bytes: Bytes::copy_from_slice(m) }),
+            }
         }
         Ok(())
     }
@@ -1422,6 +1475,10 @@ impl NicInner {
                     Outgoing::Data { head, payload } => {
                         slices.push(head);
                         slices.push(payload);
+                    }
+                    Outgoing::Messages { head, records } => {
+                        slices.push(head);
+                        slices.push(records);
                     }
                     Outgoing::Wr { wr_id, head, src, .. } => {
                         let body: Option<&[u8]> = match src {
@@ -1866,7 +1923,7 @@ impl NicInner {
         inc(&self.counters.aborts_received);
         let set: HashSet<Tenancy> = l.tenancies.iter().copied().collect();
         let mut st = lock(&conn.st);
-        let mut waiting = HashSet::new();
+        let mut waiting = HashSet::default();
         for (id, w) in st.wrs.iter_mut() {
             if w.key == l.key && set.contains(&w.tenancy) {
                 if !w.sent {

@@ -75,8 +75,11 @@ pub enum Kind {
     Abort = 7,
     /// Initiator → target: every operation on these tenancies is terminal.
     AbortAck = 8,
-    /// An application message (its payload, at most [`MAX_CONTROL`] bytes),
-    /// delivered in order with the connection's other frames.
+    /// Application messages: the payload (at most [`MAX_CONTROL`] bytes) is
+    /// one or more records, each a `u32` length and that many bytes (see
+    /// [`split_messages`]), delivered in order with the connection's other
+    /// frames. A sender appends to a frame still queued, so a burst of small
+    /// messages crosses as one frame.
     Message = 9,
 }
 
@@ -487,6 +490,43 @@ pub fn decode_fields(prefix: &Prefix, fields: &[u8]) -> Result<Body, DecodeError
     Ok(body)
 }
 
+/// Bytes of a message record's length prefix.
+pub const RECORD_PREFIX: usize = 4;
+
+/// Appends one message record (length, then bytes) to a Message payload.
+pub fn push_message(payload: &mut Vec<u8>, msg: &[u8]) -> Result<(), EncodeError> {
+    let len = u32::try_from(msg.len()).map_err(|_| EncodeError::Payload(msg.len()))?;
+    if payload.len() + RECORD_PREFIX + msg.len() > MAX_CONTROL as usize {
+        return Err(EncodeError::Payload(payload.len() + RECORD_PREFIX + msg.len()));
+    }
+    payload.extend_from_slice(&len.to_le_bytes());
+    payload.extend_from_slice(msg);
+    Ok(())
+}
+
+/// The records of a Message payload, all checked before any is returned (a
+/// malformed payload yields none).
+pub fn split_messages(payload: &[u8]) -> Result<Vec<&[u8]>, DecodeError> {
+    let bad = DecodeError::BadLength { kind: Kind::Message, len: payload.len() as u32 };
+    let mut out = Vec::new();
+    let mut rest = payload;
+    // Bounded: every turn consumes at least RECORD_PREFIX bytes.
+    while !rest.is_empty() {
+        let (len, tail) = rest.split_first_chunk::<RECORD_PREFIX>().ok_or_else(|| bad.clone())?;
+        let len = u32::from_le_bytes(*len) as usize;
+        if tail.len() < len {
+            return Err(bad);
+        }
+        let (msg, tail) = tail.split_at(len);
+        out.push(msg);
+        rest = tail;
+    }
+    if out.is_empty() {
+        return Err(bad);
+    }
+    Ok(out)
+}
+
 /// Decodes one whole frame from the front of `buf`.
 pub fn decode(buf: &[u8]) -> Result<Decoded<'_>, DecodeError> {
     let prefix = decode_prefix(buf)?;
@@ -608,6 +648,24 @@ mod tests {
                 assert!(decode(&buf[..cut]).is_err());
             }
         }
+    }
+
+    #[test]
+    fn message_records() {
+        let mut p = Vec::new();
+        push_message(&mut p, b"one").unwrap();
+        push_message(&mut p, b"").unwrap();
+        push_message(&mut p, &[7; 100]).unwrap();
+        let got = split_messages(&p).unwrap();
+        assert_eq!(got, vec![&b"one"[..], &b""[..], &[7u8; 100][..]]);
+        // Truncated, trailing garbage, empty: typed errors, nothing returned.
+        assert!(split_messages(&p[..p.len() - 1]).is_err());
+        assert!(split_messages(&p[..2]).is_err());
+        assert!(split_messages(&[]).is_err());
+        // The frame limit holds for the sum.
+        let mut big = Vec::new();
+        assert!(push_message(&mut big, &vec![0; MAX_CONTROL as usize]).is_err());
+        assert!(big.is_empty());
     }
 
     #[test]

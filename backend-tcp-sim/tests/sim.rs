@@ -665,7 +665,7 @@ fn messages_and_raw_callbacks() {
     let p = pair();
     let init_peer = p.init.peer_by_name(p.target.name()).unwrap();
     // No hook: events.
-    p.init.send_message(init_peer, Bytes::from_static(b"one")).unwrap();
+    p.init.send_message(init_peer, b"one").unwrap();
     let msg = |nic: &SimNic| {
         let deadline = Instant::now() + WAIT;
         while Instant::now() < deadline {
@@ -689,7 +689,7 @@ fn messages_and_raw_callbacks() {
     let (tx, rx) = std::sync::mpsc::channel();
     p.init.write_raw_with(init_peer, access, Bytes::from(vec![9; 64]), Box::new(move |r| tx.send(r).unwrap())).unwrap();
     for i in 0..100u32 {
-        p.init.send_message(init_peer, Bytes::from(i.to_le_bytes().to_vec())).unwrap();
+        p.init.send_message(init_peer, &i.to_le_bytes()).unwrap();
     }
     assert_eq!(rx.recv_timeout(WAIT), Ok(Ok(None)));
     assert!(rx.recv_timeout(Duration::from_millis(50)).is_err(), "a callback runs once");
@@ -707,9 +707,9 @@ fn messages_and_raw_callbacks() {
     p.init.read_raw_with(init_peer, stale, 64, Box::new(move |r| t2.send(r).unwrap())).unwrap();
     assert_eq!(rx.recv_timeout(WAIT), Ok(Err(TransferError::Rejected(RejectReason::StaleGeneration))));
     // Oversize and unknown peer are refused at once.
-    let big = Bytes::from(vec![0; wire::MAX_CONTROL as usize + 1]);
-    assert!(matches!(p.init.send_message(init_peer, big), Err(NicError::TooLarge(_))));
-    assert!(matches!(p.init.send_message(PeerId(9999), Bytes::new()), Err(NicError::UnknownPeer(_))));
+    let big = vec![0; wire::MAX_CONTROL as usize];
+    assert!(matches!(p.init.send_message(init_peer, &big), Err(NicError::TooLarge(_))));
+    assert!(matches!(p.init.send_message(PeerId(9999), b""), Err(NicError::UnknownPeer(_))));
     let s = (p.init.stats(), p.target.stats());
     assert_eq!((s.0.messages_sent, s.1.messages_received), (101, 101));
     p.target.revoke(&exposed);
