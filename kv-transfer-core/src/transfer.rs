@@ -228,10 +228,16 @@ enum OpState {
     Taken,
 }
 
-struct OpShared {
-    state: Mutex<OpState>,
+/// Both ends' view of the operation under one lock, so that completing and
+/// dropping the handle cannot interleave (and a completion costs one lock).
+struct OpSlot {
+    state: OpState,
     /// Handle still alive (someone may wait for the outcome).
-    handle_alive: Mutex<bool>,
+    handle_alive: bool,
+}
+
+struct OpShared {
+    slot: Mutex<OpSlot>,
     cancel: std::sync::atomic::AtomicBool,
 }
 
@@ -268,8 +274,7 @@ impl TransferHandle {
     /// Backends call this when they post.
     pub fn pair(lease: SlotLease<Exposed>) -> (TransferHandle, Completer) {
         let shared = Arc::new(OpShared {
-            state: Mutex::new(OpState::Pending { waker: None }),
-            handle_alive: Mutex::new(true),
+            slot: Mutex::new(OpSlot { state: OpState::Pending { waker: None }, handle_alive: true }),
             cancel: std::sync::atomic::AtomicBool::new(false),
         });
         (TransferHandle { shared: shared.clone() }, Completer { shared, lease: Some(lease) })
@@ -291,30 +296,34 @@ impl TransferHandle {
 impl Future for TransferHandle {
     type Output = Result<TransferOutcome, Abandoned>;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut st = lock(&self.shared.state);
-        match std::mem::replace(&mut *st, OpState::Taken) {
-            OpState::Done(out) => Poll::Ready(out),
-            OpState::Pending { .. } => {
-                *st = OpState::Pending { waker: Some(cx.waker().clone()) };
+        let mut slot = lock(&self.shared.slot);
+        match &mut slot.state {
+            OpState::Pending { waker } => {
+                // Re-polled by the same task: keep its waker (no clone).
+                if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    *waker = Some(cx.waker().clone());
+                }
                 Poll::Pending
             }
             OpState::Taken => Poll::Pending,
+            OpState::Done(_) => match std::mem::replace(&mut slot.state, OpState::Taken) {
+                OpState::Done(out) => Poll::Ready(out),
+                _ => Poll::Pending,
+            },
         }
     }
 }
 
 impl Drop for TransferHandle {
     fn drop(&mut self) {
-        *lock(&self.shared.handle_alive) = false;
-        // An outcome already delivered but never taken: release its lease.
+        // An outcome already delivered but never taken: release its lease
+        // (outside the lock: releasing takes the pool's).
         let leftover = {
-            let mut st = lock(&self.shared.state);
-            match std::mem::replace(&mut *st, OpState::Taken) {
-                OpState::Done(out) => Some(out),
-                other => {
-                    *st = other;
-                    None
-                }
+            let mut slot = lock(&self.shared.slot);
+            slot.handle_alive = false;
+            match &slot.state {
+                OpState::Done(_) => Some(std::mem::replace(&mut slot.state, OpState::Taken)),
+                _ => None,
             }
         };
         drop(leftover);
@@ -337,7 +346,7 @@ impl Completer {
 
     /// Whether the handle was dropped (nobody waits for the outcome).
     pub fn is_detached(&self) -> bool {
-        !*lock(&self.shared.handle_alive)
+        !lock(&self.shared.slot).handle_alive
     }
 
     /// Finishes the operation at a terminal status with the proof that
@@ -378,25 +387,20 @@ impl Completer {
     }
 
     fn finish(&self, out: Result<TransferOutcome, Abandoned>) {
-        let alive = *lock(&self.shared.handle_alive);
-        if !alive {
-            // Nobody waits: dropping the outcome releases the settled lease.
-            drop(out);
-            return;
-        }
-        let waker = {
-            let mut st = lock(&self.shared.state);
-            match std::mem::replace(&mut *st, OpState::Done(out)) {
-                OpState::Pending { waker } => waker,
-                _ => None,
+        let (waker, unclaimed) = {
+            let mut slot = lock(&self.shared.slot);
+            if slot.handle_alive {
+                match std::mem::replace(&mut slot.state, OpState::Done(out)) {
+                    OpState::Pending { waker } => (waker, None),
+                    _ => (None, None),
+                }
+            } else {
+                (None, Some(out))
             }
         };
-        // The handle may have gone between the two checks; its `Drop` takes
-        // `Done` and releases it, so nothing leaks either way.
-        if !*lock(&self.shared.handle_alive) {
-            let leftover = std::mem::replace(&mut *lock(&self.shared.state), OpState::Taken);
-            drop(leftover);
-        }
+        // Nobody waits: dropping the outcome (outside the lock) releases the
+        // settled lease.
+        drop(unclaimed);
         if let Some(w) = waker {
             w.wake();
         }

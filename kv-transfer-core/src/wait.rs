@@ -22,8 +22,14 @@ impl Wake for ThreadWaker {
     }
 }
 
+thread_local! {
+    /// This thread's waker, made once: a wait per operation then costs a
+    /// reference count, not an allocation.
+    static THREAD_WAKER: Waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
+}
+
 fn thread_waker() -> Waker {
-    Waker::from(Arc::new(ThreadWaker(std::thread::current())))
+    THREAD_WAKER.with(Waker::clone)
 }
 
 /// Runs a future to completion on the current thread.
