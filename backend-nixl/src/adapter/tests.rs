@@ -187,6 +187,9 @@ fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine 
     m
 }
 
+/// Short timings; requests go to the driver at once (no inline polling) and are
+/// released at completion (no request cache), so each test sees its requests in
+/// flight. The inline and cached paths have their own tests.
 fn fast() -> AdapterConfig {
     AdapterConfig {
         poll_min: Duration::from_micros(50),
@@ -195,6 +198,8 @@ fn fast() -> AdapterConfig {
         notif_interval: Duration::from_micros(200),
         idle_interval: Duration::from_millis(2),
         teardown_timeout: Duration::from_millis(500),
+        inline_poll: Duration::ZERO,
+        request_cache: 0,
         ..AdapterConfig::default()
     }
 }
@@ -625,4 +630,61 @@ fn request_cache_reposts_only_completed_requests_and_releases_them_before_teardo
     let at = |what: &str| g.log.iter().position(|l| l == what).unwrap_or(usize::MAX);
     assert!(at("release 1") < at("invalidate"), "{:?}", g.log);
     assert!(at("invalidate") < at("deregister"), "{:?}", g.log);
+}
+
+#[test]
+fn inline_poll_finishes_in_the_posting_thread_only_at_a_terminal_status() {
+    // Default request cache and a generous inline window: the mock's requests end
+    // while the posting thread polls them.
+    let sim: Shared = Arc::default();
+    lock(&sim).behaviour = Some(Behaviour::DoneAfter(3));
+    let cfg = AdapterConfig { inline_poll: Duration::from_secs(1), request_cache: 4, ..fast() };
+    assert_eq!(AdapterConfig::default().request_cache, 64, "the cache is on by default");
+    let ini = NixlTransfer::new(Arc::new(mock(&sim, "ini", "tgt")), cfg).expect("ini");
+    let tgt = NixlTransfer::new(Arc::new(mock(&sim, "tgt", "ini")), fast()).expect("tgt");
+    let src = ini.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
+    let dst = tgt.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
+    ini.add_peer(b"tgt").expect("peer");
+    let to_ini = tgt.add_peer(b"ini").expect("peer");
+    let (exposed, remote) = tgt.expose(dst.reserve(1).expect("r"), to_ini).expect("expose");
+    let mut lease = src.reserve(1).expect("r");
+    for i in 0..3u64 {
+        let h = futures::executor::block_on(ini.write(lease, &remote, TransferOptions::notify(false))).expect("post");
+        // Finished before `post` returned: the handle is ready, the request was
+        // polled to `Done` (never released early), and kept for re-posting.
+        let out = h.now_or_never().expect("finished inline").expect("not abandoned");
+        assert_eq!(out.result, Ok(()));
+        {
+            let g = lock(&sim);
+            assert!(g.reqs[&1].done && g.reqs[&1].polls > 3);
+            assert!(g.releases.is_empty());
+            assert_eq!(g.early_releases, 0);
+        }
+        let m = ini.metrics();
+        assert_eq!((m.posted, m.reposted, m.completed_ok, m.in_flight), (i + 1, i, i + 1, 0));
+        lease = out.lease.into_reserved();
+    }
+    // An error status met while polling inline proves nothing: the handle ends
+    // `Abandoned`, the lease stays quarantined, and the request is released only
+    // once terminal.
+    lock(&sim).behaviour = Some(Behaviour::FailAfter(2));
+    let (exposed2, remote2) = tgt.expose(dst.reserve(1).expect("r"), to_ini).expect("expose");
+    let h =
+        futures::executor::block_on(ini.write(src.reserve(1).expect("r"), &remote2, TransferOptions::notify(false)))
+            .expect("post");
+    let ab = futures::executor::block_on(h).expect_err("abandoned");
+    assert!(ab.error.is_some());
+    assert!(wait_until(Duration::from_secs(2), || ini.metrics().in_flight == 0));
+    assert_eq!(ini.metrics().failed_unproven, 1);
+    assert_eq!(src.metrics().quarantined, 1);
+    assert_eq!(lock(&sim).early_releases, 0);
+    lease.release();
+    exposed.abort();
+    exposed2.abort();
+    // Teardown releases the kept request before deregistering.
+    let r = ini.shutdown(Duration::from_secs(1));
+    assert_eq!(r.in_flight_left, 0);
+    let g = lock(&sim);
+    let at = |what: &str| g.log.iter().position(|l| l == what).unwrap_or(usize::MAX);
+    assert!(at("release 1") < at("deregister"), "{:?}", g.log);
 }

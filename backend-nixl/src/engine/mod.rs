@@ -17,6 +17,7 @@ mod types;
 pub use error::{xfer_state, EngineError, LoadError, NixlError, NixlOp, RegId, ReqId, Status, XferState, INSTALL_HINT};
 pub use raw::{Agent, AgentConfig, Backend, HostBuffer, NixlLibrary, Registration, ThreadSync, XferRequest};
 pub use real::{EngineConfig, RealNixlEngine};
+pub(crate) use types::IdMap;
 pub use types::{validate_descs, MemRegion, Notification, XferOp, XferSpec};
 
 /// NIXL's API, one agent's worth, with opaque ids instead of handles.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::error::{EngineError, RegId, ReqId, XferState};
 use super::raw::{Agent, AgentConfig, Backend, NixlLibrary, Registration, XferRequest};
-use super::types::{MemRegion, Notification, XferSpec};
+use super::types::{IdMap, MemRegion, Notification, XferSpec};
 use super::NixlEngine;
 
 /// How to build a [`RealNixlEngine`].
@@ -48,7 +48,7 @@ struct Entry {
 #[derive(Default)]
 struct Tables {
     next: u64,
-    reqs: HashMap<ReqId, Entry>,
+    reqs: IdMap<ReqId, Entry>,
     regs: HashMap<RegId, Registration>,
 }
 
