@@ -6,7 +6,9 @@
 //! picks block sizes (for profiling).
 //!
 //! Each round runs the bare bench and the MORI bench back to back (the order
-//! alternates between rounds); the figures are the means over the rounds.
+//! alternates between rounds); the figures are medians over the rounds, and
+//! the ratio is the median of the per-round ratios (each round compares two
+//! runs seconds apart, so slow drift on a shared machine cancels out).
 use backend_tcp_sim::bench::{run_write_bench as bare_bench, BenchConfig, BenchResult};
 use std::time::Duration;
 
@@ -22,11 +24,13 @@ fn cpu_seconds() -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-fn mean(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        0.0
-    } else {
-        v.iter().sum::<f64>() / v.len() as f64
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 
@@ -90,14 +94,18 @@ fn main() {
                 }
             }
         }
-        let (b, m) = (mean(&bare), mean(&mori));
-        let ratio = if b > 0.0 { m / b } else { 0.0 };
-        let (bc, mc) = (mean(&bare_cpu), mean(&mori_cpu));
+        let (b, m) = (median(&bare), median(&mori));
+        let ratios: Vec<f64> = bare.iter().zip(&mori).filter(|(b, _)| **b > 0.0).map(|(b, m)| m / b).collect();
+        let ratio = median(&ratios);
+        let (bc, mc) = (median(&bare_cpu), median(&mori_cpu));
         println!(
-            "block {:>5} KiB: bare tcp-sim {b:.3} GB/s, mori adapter {m:.3} GB/s, ratio {ratio:.3} ({:+.1}%); \
-             CPU-s/GB bare {bc:.3}, mori {mc:.3} ({:+.1}%)",
+            "block {:>5} KiB: bare tcp-sim {b:.3} GB/s, mori adapter {m:.3} GB/s, ratio {ratio:.3} ({:+.1}%; \
+             {} rounds, {:.3}..{:.3}); CPU-s/GB bare {bc:.3}, mori {mc:.3} ({:+.1}%)",
             block >> 10,
             (ratio - 1.0) * 100.0,
+            ratios.len(),
+            ratios.iter().copied().fold(f64::INFINITY, f64::min),
+            ratios.iter().copied().fold(0.0, f64::max),
             if bc > 0.0 { (mc / bc - 1.0) * 100.0 } else { 0.0 }
         );
     }

@@ -392,7 +392,7 @@ impl SimTransport {
     /// Sends an application message (its kind byte first) to `to` over the
     /// data connection. A fenced peer gets nothing until the engine connects
     /// it again.
-    fn send_app(&self, to: &EngineKey, msg: Vec<u8>) -> Result<(), TransportError> {
+    fn send_app(&self, to: &EngineKey, msg: &[u8]) -> Result<(), TransportError> {
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(TransportError::Closed);
         }
@@ -409,19 +409,29 @@ impl SimTransport {
             self.forget_peer(to);
             peer = self.peer_id(to)?;
         }
-        att.nic.send_message(peer, &msg).map_err(|e| TransportError::Remote(format!("message to {to}: {e}")))
+        att.nic.send_message(peer, msg).map_err(|e| TransportError::Remote(format!("message to {to}: {e}")))
     }
 }
 
-/// A notification as an application message: [`MSG_NOTIFY`], then the body.
+/// Bytes of a notification message before its text: kind, seq, uid, code, tag.
+const NOTIFY_HEAD: usize = 33;
+
+fn encode_notification_head(b: &mut [u8; NOTIFY_HEAD], n: &Notification) {
+    b[0] = MSG_NOTIFY;
+    b[1..5].copy_from_slice(&n.seq.to_le_bytes());
+    b[5..13].copy_from_slice(&n.uid.to_le_bytes());
+    b[13..17].copy_from_slice(&n.code.to_le_bytes());
+    b[17..25].copy_from_slice(&n.tag.slot.to_le_bytes());
+    b[25..33].copy_from_slice(&n.tag.generation.to_le_bytes());
+}
+
+/// A notification as an application message: [`MSG_NOTIFY`], the fixed
+/// fields, then the text.
 pub(crate) fn encode_notification(n: &Notification) -> Vec<u8> {
-    let mut v = Vec::with_capacity(33 + n.message.len());
-    v.push(MSG_NOTIFY);
-    v.extend_from_slice(&n.seq.to_le_bytes());
-    v.extend_from_slice(&n.uid.to_le_bytes());
-    v.extend_from_slice(&n.code.to_le_bytes());
-    v.extend_from_slice(&n.tag.slot.to_le_bytes());
-    v.extend_from_slice(&n.tag.generation.to_le_bytes());
+    let mut head = [0u8; NOTIFY_HEAD];
+    encode_notification_head(&mut head, n);
+    let mut v = Vec::with_capacity(NOTIFY_HEAD + n.message.len());
+    v.extend_from_slice(&head);
     v.extend_from_slice(n.message.as_bytes());
     v
 }
@@ -635,7 +645,13 @@ impl MoriTransport for SimTransport {
     }
 
     fn notify(&self, to: &EngineKey, notification: Notification) -> Result<(), TransportError> {
-        self.send_app(to, encode_notification(&notification))
+        if notification.message.is_empty() {
+            // The usual case (success): encoded on the stack, copied once into the frame.
+            let mut head = [0u8; NOTIFY_HEAD];
+            encode_notification_head(&mut head, &notification);
+            return self.send_app(to, &head);
+        }
+        self.send_app(to, &encode_notification(&notification))
     }
 
     fn set_event_sink(&self, sink: Option<EventSink>) -> bool {
@@ -684,7 +700,7 @@ impl MoriTransport for SimTransport {
         let mut msg = Vec::with_capacity(1 + bytes.len());
         msg.push(MSG_CONTROL);
         msg.extend_from_slice(&bytes);
-        self.send_app(to, msg)
+        self.send_app(to, &msg)
     }
 
     fn grant(&self, id: MemoryId, remote: &EngineKey, slot: u32, generation: u64) -> Result<(), TransportError> {

@@ -146,6 +146,8 @@ type Listener = Box<dyn FnOnce(StatusCode) + Send + 'static>;
 struct State {
     code: StatusCode,
     message: String,
+    /// The first listener (registration order is call order).
+    first_listener: Option<Listener>,
     listeners: Vec<Listener>,
     /// Threads blocked in `wait`/`wait_for` (the condvar is signalled only
     /// when someone waits: a syscall saved per transfer otherwise).
@@ -204,6 +206,7 @@ impl TransferStatus {
             state: Mutex::new(State {
                 code: StatusCode::Init,
                 message: String::new(),
+                first_listener: None,
                 listeners: Vec::new(),
                 waiters: 0,
             }),
@@ -314,7 +317,11 @@ impl TransferStatus {
     pub fn on_complete(&self, f: impl FnOnce(StatusCode) + Send + 'static) {
         let mut state = lock(&self.shared.state);
         if state.code.is_pending() {
-            state.listeners.push(Box::new(f));
+            match state.first_listener {
+                // Most statuses get one listener (the adapter's): kept inline.
+                None => state.first_listener = Some(Box::new(f)),
+                Some(_) => state.listeners.push(Box::new(f)),
+            }
         } else {
             let code = state.code;
             drop(state);
@@ -349,13 +356,17 @@ impl StatusUpdater {
         if !message.is_empty() {
             state.message = message;
         }
-        let listeners = if code.is_pending() { Vec::new() } else { std::mem::take(&mut state.listeners) };
+        let (first, listeners) = if code.is_pending() {
+            (None, Vec::new())
+        } else {
+            (state.first_listener.take(), std::mem::take(&mut state.listeners))
+        };
         let waiters = state.waiters > 0;
         drop(state);
         if waiters {
             self.shared.cv.notify_all();
         }
-        for listener in listeners {
+        for listener in first.into_iter().chain(listeners) {
             listener(code);
         }
         true
