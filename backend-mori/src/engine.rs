@@ -116,10 +116,13 @@ pub trait IoEngine: Send + Sync {
         timeout: Duration,
     ) -> Option<InboundStatus>;
 
-    /// Installs (or with `None` removes) a hook called with `(remote, uid, tag)`
-    /// each time an inbound status is filed, so an async adapter can wake the
-    /// task that will pop it. It runs on the progress thread with no engine
-    /// lock held; keep it short and do not block in it.
+    /// Installs (or with `None` removes) a hook that sees each inbound status
+    /// before it is filed: it takes the status (returns `None`, and nothing is
+    /// filed) or hands it back to be filed for [`pop_inbound_status`](Self::pop_inbound_status).
+    /// An async adapter settles from it without polling. It runs on the
+    /// engine's event thread (the progress thread, or the transport's with
+    /// push delivery) with no engine lock held; keep it short and do not
+    /// block in it.
     fn set_inbound_hook(&self, hook: Option<InboundHook>);
 
     /// Sends a control message to a registered peer (not in MORI; the
@@ -128,15 +131,16 @@ pub trait IoEngine: Send + Sync {
     fn send_message(&self, to: &EngineKey, bytes: Vec<u8>) -> Result<(), EngineError>;
 
     /// Installs (or with `None` removes) the hook called with `(remote,
-    /// bytes)` for each control message received. It runs on the progress
-    /// thread with no engine lock held; keep it short and do not block in it.
+    /// bytes)` for each control message received. It runs on the engine's
+    /// event thread with no engine lock held; keep it short and do not block
+    /// in it.
     fn set_message_hook(&self, hook: Option<MessageHook>);
 
     /// Installs (or with `None` removes) the hook called with a peer's key
     /// when the transport reports the connection to it lost
     /// ([`TransportEvent::PeerLost`]: a fence the transport confirmed). The
     /// peer is then treated as fenced (new transfers refused until it is
-    /// registered again). Runs on the progress thread; do not block in it.
+    /// registered again). Runs on the engine's event thread; do not block in it.
     fn set_peer_lost_hook(&self, hook: Option<PeerLostHook>);
 
     /// Grants a registered peer access to one slot of local memory under
@@ -358,7 +362,10 @@ struct Inner {
 /// closed (see the crate docs).
 ///
 /// It owns a progress thread that polls the transport, completes statuses and
-/// files inbound notifications. Dropping the engine stops accepting transfers;
+/// files inbound notifications. A transport with push delivery
+/// ([`MoriTransport::set_event_sink`]) hands completions and notifications to
+/// the engine on its own thread instead (no thread hop per transfer); the
+/// progress thread then only sees what `poll` still reports. Dropping the engine stops accepting transfers;
 /// the progress thread keeps polling until every pending transfer is terminal,
 /// then exits (a transfer that never completes keeps it alive, honestly
 /// `IN_PROGRESS`).

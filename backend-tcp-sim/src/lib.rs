@@ -19,6 +19,14 @@
 //!   ABORT / ABORT_ACK (`Completed`), revocation of the binding (`Revoked`),
 //!   fence of the connection (`Fenced`).
 //! - [`SimNic`] implements core's [`Transfer`](kv_transfer_core::Transfer).
+//! - For backends that build their own semantics on this fabric (MORI): raw
+//!   one-sided accesses outside any lease ([`SimNic::write_raw`], or
+//!   [`SimNic::write_raw_with`] with a completion callback run on the NIC's
+//!   thread), and application messages on the data connection
+//!   ([`SimNic::send_message`], like SEND/RECV on a queue pair), in order with
+//!   the data; a burst of small messages leaves as one frame.
+//! - A receiving thread wakes the senders it queued work for once per burst
+//!   of frames, not once per frame (a condvar wake-up is a syscall).
 //! - Faults are seeded and reproducible ([`FaultPlan`], [`Gate`]).
 //! - [`ReleasePolicy::Naive`] exists **only** as the race tests' positive
 //!   control: it frees aborted slots at once without a proof.

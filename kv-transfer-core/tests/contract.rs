@@ -278,6 +278,41 @@ fn dropped_handle_returns_the_lease_only_after_completion() {
 }
 
 #[test]
+fn completion_racing_the_handle_drop_never_loses_or_leaks_a_lease() {
+    // Completed first and never polled, dropped first, or both at once on two
+    // threads: the lease comes back to the pool exactly once every time.
+    let (pool, authority) = pool(1);
+    let authority = Arc::new(authority);
+    for i in 0..2_000 {
+        let exposed = pool.reserve(1).unwrap().expose_local(PeerId(1));
+        let (handle, completer) = TransferHandle::pair(exposed);
+        match i % 3 {
+            0 => {
+                let proof = authority.completed_lease(completer.lease());
+                completer.complete(proof, Ok(())).unwrap();
+                drop(handle);
+            }
+            1 => {
+                drop(handle);
+                let proof = authority.completed_lease(completer.lease());
+                completer.complete(proof, Ok(())).unwrap();
+            }
+            _ => {
+                let a = authority.clone();
+                let t = std::thread::spawn(move || {
+                    let proof = a.completed_lease(completer.lease());
+                    completer.complete(proof, Ok(())).unwrap();
+                });
+                drop(handle);
+                t.join().unwrap();
+            }
+        }
+        assert_eq!(pool.metrics().free, 1, "round {i}");
+    }
+    pool.check_invariants().unwrap();
+}
+
+#[test]
 fn handle_resolves_only_at_terminal_status_and_returns_the_lease() {
     let (pool, authority) = pool(1);
     let mut lease = pool.reserve(1).unwrap();
