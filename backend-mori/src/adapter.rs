@@ -1155,25 +1155,6 @@ impl Transfer for MoriTransfer {
     ) -> Result<TransferHandle, PostError> {
         self.post_inner(op, local, remote, opts)
     }
-
-    // `write` and `read` go straight to the adapter: one boxed future per post, not two.
-    async fn write(
-        &self,
-        local: SlotLease<Reserved>,
-        remote: &RemoteSlots,
-        opts: TransferOptions,
-    ) -> Result<TransferHandle, PostError> {
-        self.post_inner(Op::Write, local, remote, opts)
-    }
-
-    async fn read(
-        &self,
-        local: SlotLease<Reserved>,
-        remote: &RemoteSlots,
-        opts: TransferOptions,
-    ) -> Result<TransferHandle, PostError> {
-        self.post_inner(Op::Read, local, remote, opts)
-    }
 }
 
 #[cfg(test)]

@@ -177,26 +177,30 @@ pub trait Transfer: Send + Sync {
         opts: TransferOptions,
     ) -> Result<TransferHandle, PostError>;
 
-    /// Posts a WRITE of the local lease into the remote slots.
-    async fn write(
-        &self,
+    /// Posts a WRITE of the local lease into the remote slots: [`post`](Self::post)'s
+    /// own future, so a WRITE costs one allocation, not two.
+    fn write<'a>(
+        &'a self,
         local: SlotLease<Reserved>,
-        remote: &RemoteSlots,
+        remote: &'a RemoteSlots,
         opts: TransferOptions,
-    ) -> Result<TransferHandle, PostError> {
-        self.post(Op::Write, local, remote, opts).await
+    ) -> PostFuture<'a> {
+        self.post(Op::Write, local, remote, opts)
     }
 
-    /// Posts a READ of the remote slots into the local lease.
-    async fn read(
-        &self,
+    /// Posts a READ of the remote slots into the local lease (as [`write`](Self::write)).
+    fn read<'a>(
+        &'a self,
         local: SlotLease<Reserved>,
-        remote: &RemoteSlots,
+        remote: &'a RemoteSlots,
         opts: TransferOptions,
-    ) -> Result<TransferHandle, PostError> {
-        self.post(Op::Read, local, remote, opts).await
+    ) -> PostFuture<'a> {
+        self.post(Op::Read, local, remote, opts)
     }
 }
+
+/// The future of [`Transfer::post`], [`Transfer::write`] and [`Transfer::read`].
+pub type PostFuture<'a> = Pin<Box<dyn Future<Output = Result<TransferHandle, PostError>> + Send + 'a>>;
 
 /// What a finished operation hands back.
 #[derive(Debug)]

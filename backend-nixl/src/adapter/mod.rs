@@ -825,25 +825,6 @@ impl Transfer for NixlTransfer {
     ) -> Result<TransferHandle, PostError> {
         self.inner.post(op, local, remote, opts)
     }
-
-    // `write` and `read` call the adapter directly: one boxed future per post, not two.
-    async fn write(
-        &self,
-        local: SlotLease<Reserved>,
-        remote: &RemoteSlots,
-        opts: TransferOptions,
-    ) -> Result<TransferHandle, PostError> {
-        self.inner.post(Op::Write, local, remote, opts)
-    }
-
-    async fn read(
-        &self,
-        local: SlotLease<Reserved>,
-        remote: &RemoteSlots,
-        opts: TransferOptions,
-    ) -> Result<TransferHandle, PostError> {
-        self.inner.post(Op::Read, local, remote, opts)
-    }
 }
 
 impl Inner {
