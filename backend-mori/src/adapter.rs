@@ -4,8 +4,9 @@
 //!
 //! [`Transfer::post`] checks shapes, takes the lease only if its pool was
 //! registered here ([`MoriTransfer::register_pool`]), exposes it locally to
-//! the peer and posts **one MORI transfer per slot** (one `batch_write` /
-//! `batch_read` call) with the [`Tag`] of the *remote* tenancy. MORI has no
+//! the peer and posts **one MORI transfer per slot** (`write` / `read` for a
+//! one-slot lease, else one `batch_write` / `batch_read` call) with the
+//! [`Tag`] of the *remote* tenancy. MORI has no
 //! cancel, so there is none here: [`TransferHandle::cancel`] is recorded and
 //! ignored, and the operation is drained. Every status gets an
 //! [`TransferStatus::on_complete`] callback (no thread waits, nothing spins);
@@ -656,14 +657,16 @@ impl MoriTransfer {
             let kind = PostErrorKind::Peer(format!("engine {} was not added", rdesc.engine_key));
             return Err(PostError { lease: local, kind });
         };
-        let mut offsets = Vec::with_capacity(remote.slots.len());
+        // Every remote slot must lie inside the remote memory (its offset is
+        // then `addr - rdesc.addr`, computed again below).
         for s in &remote.slots {
-            match s.addr.checked_sub(rdesc.addr) {
-                Some(off) if off.checked_add(remote.slot_size).is_some_and(|e| e <= rdesc.size) => offsets.push(off),
-                _ => {
-                    let kind = PostErrorKind::Descriptor(format!("slot {} lies outside the remote memory", s.slot.0));
-                    return Err(PostError { lease: local, kind });
-                }
+            let inside = s
+                .addr
+                .checked_sub(rdesc.addr)
+                .is_some_and(|off| off.checked_add(remote.slot_size).is_some_and(|e| e <= rdesc.size));
+            if !inside {
+                let kind = PostErrorKind::Descriptor(format!("slot {} lies outside the remote memory", s.slot.0));
+                return Err(PostError { lease: local, kind });
             }
         }
         let remote_ts = remote.tenancies();
@@ -689,21 +692,34 @@ impl MoriTransfer {
         let (handle, completer) = TransferHandle::pair(exposed);
         // One MORI transfer per slot, built while the completer still lends
         // its lease's tenancies.
-        let requests: Vec<BatchRequest> = completer
-            .lease()
-            .tenancies()
-            .iter()
-            .zip(&remote_ts)
-            .zip(&offsets)
-            .map(|((lt, rt), roff)| BatchRequest {
-                local: entry.desc.clone(),
-                remote: rdesc.clone(),
-                segments: vec![Segment::new(u64::from(lt.slot.0) * entry.slot_size, *roff, entry.slot_size)],
-                uid: inner.engine.allocate_transfer_unique_id(),
-                tag: pack_tag(rdesc.id, *rt, opts.notify),
-            })
-            .collect();
-        let n = requests.len();
+        let plan = {
+            let lease_ts = completer.lease().tenancies();
+            let segment = |lt: &Tenancy, rs: &kv_transfer_core::RemoteSlot| {
+                Segment::new(u64::from(lt.slot.0) * entry.slot_size, rs.addr - rdesc.addr, entry.slot_size)
+            };
+            match (lease_ts, remote.slots.as_slice()) {
+                // One slot, the usual post: MORI's single-transfer call, no request vectors.
+                ([lt], [rs]) => Plan::One {
+                    segment: segment(lt, rs),
+                    uid: inner.engine.allocate_transfer_unique_id(),
+                    tag: pack_tag(rdesc.id, rs.tenancy(), opts.notify),
+                },
+                _ => Plan::Many(
+                    lease_ts
+                        .iter()
+                        .zip(&remote.slots)
+                        .map(|(lt, rs)| BatchRequest {
+                            local: entry.desc.clone(),
+                            remote: rdesc.clone(),
+                            segments: vec![segment(lt, rs)],
+                            uid: inner.engine.allocate_transfer_unique_id(),
+                            tag: pack_tag(rdesc.id, rs.tenancy(), opts.notify),
+                        })
+                        .collect(),
+                ),
+            }
+        };
+        let n = remote_ts.len();
         let state = Arc::new(OpState {
             id,
             completer: Mutex::new(Some(completer)),
@@ -719,9 +735,17 @@ impl MoriTransfer {
             pool: entry,
         });
         lock(&inner.ops).inflight.insert(id, state.clone());
-        let statuses = match op {
-            Op::Write => inner.engine.batch_write(&requests),
-            Op::Read => inner.engine.batch_read(&requests),
+        let statuses = match (plan, op) {
+            (Plan::One { segment: s, uid, tag }, Op::Write) => {
+                let (l, r) = (&state.pool.desc, &rdesc);
+                vec![inner.engine.write(l, s.local_offset, r, s.remote_offset, s.size, uid, tag)]
+            }
+            (Plan::One { segment: s, uid, tag }, Op::Read) => {
+                let (l, r) = (&state.pool.desc, &rdesc);
+                vec![inner.engine.read(l, s.local_offset, r, s.remote_offset, s.size, uid, tag)]
+            }
+            (Plan::Many(requests), Op::Write) => inner.engine.batch_write(&requests),
+            (Plan::Many(requests), Op::Read) => inner.engine.batch_read(&requests),
         };
         inc(&inner.counters.posts);
         inner.counters.transfers.fetch_add(n as u64, Ordering::Relaxed);
@@ -746,6 +770,14 @@ impl MoriTransfer {
         *lock(&state.statuses) = statuses;
         Ok(handle)
     }
+}
+
+/// The MORI calls of one post.
+enum Plan {
+    /// One slot: `write` / `read`.
+    One { segment: Segment, uid: u64, tag: Tag },
+    /// Several: `batch_write` / `batch_read`, one transfer per slot.
+    Many(Vec<BatchRequest>),
 }
 
 fn on_status(weak: &Weak<Inner>, op: &Arc<OpState>, code: StatusCode, message: String) {

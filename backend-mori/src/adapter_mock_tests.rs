@@ -217,9 +217,9 @@ fn unknown_code_fences_the_peer_and_failed_fence_keeps_it_parked() {
         let cap = Arc::new(Captured::default());
         let c = cap.clone();
         let e = engine(&cap, 0, move |e| {
-            e.expect_batch_write().returning(|reqs| {
-                reqs.iter().map(|r| TransferStatus::ready(r.uid, r.tag, StatusCode::Unknown(99), "?")).collect()
-            });
+            // A one-slot post takes MORI's single-transfer call.
+            e.expect_write()
+                .returning(|_, _, _, _, _, uid, tag| TransferStatus::ready(uid, tag, StatusCode::Unknown(99), "?"));
             e.expect_fence_remote_engine().returning(move |_| {
                 c.fences.fetch_add(1, Ordering::SeqCst);
                 if fence_ok {
