@@ -403,13 +403,15 @@ impl SimTransport {
             return Err(TransportError::OutOfBounds);
         }
         let att = self.att()?;
-        let mut peer = self.peer_id(to)?;
-        if !att.nic.is_connected(peer) {
-            // The cached connection is gone (lost): resolve again, once.
-            self.forget_peer(to);
-            peer = self.peer_id(to)?;
-        }
-        att.nic.send_message(peer, msg).map_err(|e| TransportError::Remote(format!("message to {to}: {e}")))
+        let sent = match att.nic.send_message(self.peer_id(to)?, msg) {
+            Err(NicError::UnknownPeer(_)) => {
+                // The cached connection is gone (lost): resolve again, once.
+                self.forget_peer(to);
+                att.nic.send_message(self.peer_id(to)?, msg)
+            }
+            other => other,
+        };
+        sent.map_err(|e| TransportError::Remote(format!("message to {to}: {e}")))
     }
 }
 

@@ -710,6 +710,7 @@ fn messages_and_raw_callbacks() {
     let big = vec![0; wire::MAX_CONTROL as usize];
     assert!(matches!(p.init.send_message(init_peer, &big), Err(NicError::TooLarge(_))));
     assert!(matches!(p.init.send_message(PeerId(9999), b""), Err(NicError::UnknownPeer(_))));
+    assert!(p.init.is_connected(init_peer) && !p.init.is_connected(PeerId(9999)));
     let s = (p.init.stats(), p.target.stats());
     assert_eq!((s.0.messages_sent, s.1.messages_received), (101, 101));
     p.target.revoke(&exposed);
