@@ -245,20 +245,7 @@ fn inc(c: &AtomicU64) {
 }
 
 /// Why [`MoriTransfer::expose`] refused. The lease comes back unexposed.
-#[derive(thiserror::Error)]
-#[error("expose failed: {kind}")]
-pub struct ExposeError {
-    /// The lease, still reserved.
-    pub lease: SlotLease<Reserved>,
-    /// Why.
-    pub kind: ExposeErrorKind,
-}
-
-impl fmt::Debug for ExposeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ExposeError").field("kind", &self.kind).field("lease", &self.lease).finish()
-    }
-}
+pub type ExposeError = kv_transfer_core::ExposeError<ExposeErrorKind>;
 
 /// Reasons of an [`ExposeError`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -28,44 +28,30 @@
 
 use std::sync::Arc;
 
-use backend_tcp_sim::bench::measure;
+use backend_tcp_sim::bench::{measure, per_thread};
 pub use backend_tcp_sim::bench::{BenchConfig, BenchError, BenchResult};
-use kv_transfer_core::{Op, RemoteSlots, Transfer};
+use kv_transfer_core::{Op, Transfer};
 
 use crate::harness::{sim_pair, PairConfig};
-
-fn other(e: impl std::fmt::Display) -> BenchError {
-    BenchError::Other(e.to_string())
-}
 
 /// Runs the WRITE loop through the MORI adapter and reports throughput and
 /// per-batch latency (same configuration and result types as the simulator's bench).
 pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
-    if cfg.block_size == 0 || cfg.batch == 0 || cfg.threads == 0 {
-        return Err(other("block_size, batch and threads must be non-zero"));
-    }
-    let slots = cfg.threads * cfg.batch;
+    let slots = cfg.slots()?;
     let mut pc = PairConfig::new(slots, cfg.block_size);
     pc.keys = ("bench-initiator".to_owned(), "bench-target".to_owned());
     // The same NIC settings as the simulator's bench.
     pc.transport.nic.socket_buffer = cfg.socket_buffer;
-    let pair = sim_pair(&pc).map_err(other)?;
+    let pair = sim_pair(&pc).map_err(BenchError::other)?;
     let (init, target) = (pair.prefill.clone(), pair.decode.clone());
-
-    let mut exposures = Vec::new();
-    let mut per_thread: Vec<Vec<RemoteSlots>> = Vec::new();
-    for _ in 0..cfg.threads {
-        let lease = target.pool.reserve(cfg.batch).map_err(other)?;
-        let (exposed, remote) = target.transfer.expose(lease, pair.prefill_at_decode).map_err(|e| other(e.kind))?;
-        let singles = remote.slots.iter().map(|s| RemoteSlots { slots: vec![*s], ..remote.clone() }).collect();
-        per_thread.push(singles);
-        exposures.push(exposed);
-    }
+    let lease = target.pool.reserve(slots).map_err(BenchError::other)?;
+    let (exposed, remote) =
+        target.transfer.expose(lease, pair.prefill_at_decode).map_err(|e| BenchError::other(e.kind))?;
 
     let transfer: Arc<dyn Transfer> = Arc::new(init.transfer.clone());
-    let result = measure(&transfer, &init.pool, Op::Write, per_thread, cfg);
-    // The exposures are aborted: the ladder asks the initiator to drain (it
-    // has nothing in flight) and its ABORT_ACK settles them.
-    drop(exposures);
+    let result = measure(&transfer, &init.pool, Op::Write, per_thread(&remote, cfg.threads, cfg.batch), cfg);
+    // The exposure is aborted: the ladder asks the initiator to drain (it
+    // has nothing in flight) and its ABORT_ACK settles it.
+    drop(exposed);
     result
 }

@@ -98,45 +98,48 @@ pub enum BenchError {
     Other(String),
 }
 
-fn other(e: impl std::fmt::Display) -> BenchError {
-    BenchError::Other(e.to_string())
+impl BenchError {
+    /// An [`Other`](Self::Other) error from anything printable.
+    pub fn other(e: impl std::fmt::Display) -> Self {
+        Self::Other(e.to_string())
+    }
+}
+
+impl BenchConfig {
+    /// Slots one side registers (`threads × batch`), refusing a zero size,
+    /// batch or thread count.
+    pub fn slots(&self) -> Result<usize, BenchError> {
+        if self.block_size == 0 || self.batch == 0 || self.threads == 0 {
+            return Err(BenchError::other("block_size, batch and threads must be non-zero"));
+        }
+        self.threads.checked_mul(self.batch).ok_or_else(|| BenchError::other("threads × batch overflows"))
+    }
 }
 
 /// Runs the WRITE loop and reports throughput and per-batch latency.
 pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
-    if cfg.block_size == 0 || cfg.batch == 0 || cfg.threads == 0 {
-        return Err(other("block_size, batch and threads must be non-zero"));
-    }
-    let slots = cfg.threads * cfg.batch;
-    let bytes = slots.checked_mul(cfg.block_size).ok_or_else(|| other("too large"))?;
+    let slots = cfg.slots()?;
+    let bytes = slots.checked_mul(cfg.block_size).ok_or_else(|| BenchError::other("too large"))?;
     let nic_cfg = |name: &str| NicConfig { socket_buffer: cfg.socket_buffer, ..NicConfig::new(name) };
     let target = SimNic::start(nic_cfg("bench-target"))?;
-    let tpool =
-        target.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
+    let tpool = target
+        .register_pool(Arc::new(HostRegion::new(bytes).map_err(BenchError::other)?), PoolConfig::new(cfg.block_size))?;
     let init = SimNic::start(nic_cfg("bench-initiator"))?;
-    let ipool =
-        init.register_pool(Arc::new(HostRegion::new(bytes).map_err(other)?), PoolConfig::new(cfg.block_size))?;
+    let ipool = init
+        .register_pool(Arc::new(HostRegion::new(bytes).map_err(BenchError::other)?), PoolConfig::new(cfg.block_size))?;
     init.connect(target.endpoint())?;
-    let peer =
-        target.wait_for_peer("bench-initiator", Duration::from_secs(5)).ok_or_else(|| other("peer did not connect"))?;
+    let peer = target
+        .wait_for_peer("bench-initiator", Duration::from_secs(5))
+        .ok_or_else(|| BenchError::other("peer did not connect"))?;
 
-    let mut exposures = Vec::new();
-    let mut per_thread: Vec<Vec<RemoteSlots>> = Vec::new();
-    for _ in 0..cfg.threads {
-        let lease = tpool.reserve(cfg.batch).map_err(other)?;
-        let (exposed, remote) = target.expose(lease, peer).map_err(|e| other(e.kind))?;
-        let singles = remote.slots.iter().map(|s| RemoteSlots { slots: vec![*s], ..remote.clone() }).collect();
-        per_thread.push(singles);
-        exposures.push(exposed);
-    }
-
+    let (exposed, remote) =
+        target.expose(tpool.reserve(slots).map_err(BenchError::other)?, peer).map_err(|e| BenchError::other(e.kind))?;
     let transfer: Arc<dyn Transfer> = Arc::new(init.clone());
-    let result = measure(&transfer, &ipool, Op::Write, per_thread, cfg);
-    for e in exposures {
-        target.revoke(&e);
-        if let Ok(s) = e.try_settled() {
-            s.release();
-        }
+    let result = measure(&transfer, &ipool, Op::Write, per_thread(&remote, cfg.threads, cfg.batch), cfg);
+    // The loop posts without notifications; revoking settles the exposure.
+    target.revoke(&exposed);
+    if let Ok(s) = exposed.try_settled() {
+        s.release();
     }
     result
 }
@@ -164,10 +167,10 @@ pub fn measure(
     cfg: &BenchConfig,
 ) -> Result<BenchResult, BenchError> {
     if remotes.is_empty() || remotes.iter().any(|r| r.len() != cfg.batch) {
-        return Err(other(format!("every thread needs {} single-slot descriptors", cfg.batch)));
+        return Err(BenchError::other(format!("every thread needs {} single-slot descriptors", cfg.batch)));
     }
     if remotes.iter().flatten().any(|r| r.slot_size != cfg.block_size as u64) {
-        return Err(other(format!("the target's slots are not {} B", cfg.block_size)));
+        return Err(BenchError::other(format!("the target's slots are not {} B", cfg.block_size)));
     }
     let barrier = Arc::new(Barrier::new(remotes.len() + 1));
     let mut joins = Vec::new();
@@ -176,8 +179,8 @@ pub fn measure(
         joins.push(std::thread::spawn(move || -> Result<(u64, Vec<u64>, Duration), BenchError> {
             let mut leases = Vec::with_capacity(cfg.batch);
             for i in 0..cfg.batch {
-                let mut l = pool.reserve(1).map_err(other)?;
-                l.write_at(0, 0, &vec![(i % 251) as u8; cfg.block_size]).map_err(other)?;
+                let mut l = pool.reserve(1).map_err(BenchError::other)?;
+                l.write_at(0, 0, &vec![(i % 251) as u8; cfg.block_size]).map_err(BenchError::other)?;
                 leases.push(l);
             }
             barrier.wait();
@@ -189,14 +192,16 @@ pub fn measure(
                 let mut handles = Vec::with_capacity(cfg.batch);
                 for (l, r) in leases.drain(..).zip(&remotes) {
                     let h = block_on(transfer.post(op, l, r, TransferOptions::notify(false)))
-                        .map_err(|e| other(format!("post failed: {}", e.kind)))?;
+                        .map_err(|e| BenchError::other(format!("post failed: {}", e.kind)))?;
                     handles.push(h);
                 }
                 for mut h in handles {
                     let out = poll_until(std::pin::Pin::new(&mut h), OP_TIMEOUT)
-                        .ok_or_else(|| other(format!("an operation did not complete within {OP_TIMEOUT:?}")))?
-                        .map_err(other)?;
-                    out.result.map_err(other)?;
+                        .ok_or_else(|| {
+                            BenchError::other(format!("an operation did not complete within {OP_TIMEOUT:?}"))
+                        })?
+                        .map_err(BenchError::other)?;
+                    out.result.map_err(BenchError::other)?;
                     leases.push(out.lease.into_reserved());
                 }
                 if b0 >= measure_from {
@@ -218,7 +223,7 @@ pub fn measure(
                 lat.extend(l);
             }
             Ok(Err(e)) => first_err = Some(e),
-            Err(_) => first_err = Some(other("bench thread panicked")),
+            Err(_) => first_err = Some(BenchError::other("bench thread panicked")),
         }
     }
     if let Some(e) = first_err {

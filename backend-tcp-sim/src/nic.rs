@@ -144,14 +144,7 @@ pub enum NicError {
 }
 
 /// Why [`SimNic::expose`] refused. The lease comes back unexposed.
-#[derive(Debug, thiserror::Error)]
-#[error("expose failed: {kind}")]
-pub struct ExposeError {
-    /// The lease, still reserved.
-    pub lease: SlotLease<Reserved>,
-    /// Why.
-    pub kind: ExposeErrorKind,
-}
+pub type ExposeError = kv_transfer_core::ExposeError<ExposeErrorKind>;
 
 /// Reasons of an [`ExposeError`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]

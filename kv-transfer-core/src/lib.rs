@@ -78,7 +78,7 @@ pub use proof::{Completed, Fenced, Revoked, Settlement, SettlementAuthority, Set
 pub use region::{HostRegion, MemoryKind, Region, RegionError};
 pub use remote::{RemoteSlot, RemoteSlots};
 pub use transfer::{
-    check_shapes, Abandoned, Completer, Op, PostError, PostErrorKind, PostFuture, RejectReason, Transfer,
+    check_shapes, Abandoned, Completer, ExposeError, Op, PostError, PostErrorKind, PostFuture, RejectReason, Transfer,
     TransferError, TransferHandle, TransferOptions, TransferOutcome,
 };
 

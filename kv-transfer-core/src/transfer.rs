@@ -138,6 +138,23 @@ impl fmt::Debug for PostError {
     }
 }
 
+/// A backend's `expose` refused, with the lease handed back unexposed
+/// (rule 3); `K` is the backend's reason.
+#[derive(thiserror::Error)]
+#[error("expose failed: {kind}")]
+pub struct ExposeError<K: fmt::Display + fmt::Debug> {
+    /// The lease, still reserved.
+    pub lease: SlotLease<Reserved>,
+    /// Why.
+    pub kind: K,
+}
+
+impl<K: fmt::Display + fmt::Debug> fmt::Debug for ExposeError<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExposeError").field("kind", &self.kind).field("lease", &self.lease).finish()
+    }
+}
+
 /// Checks that a local lease and a remote descriptor describe the same shape
 /// (slot count and slot size). Backends call this before exposing anything.
 pub fn check_shapes(local: &SlotLease<Reserved>, remote: &RemoteSlots) -> Result<(), PostErrorKind> {
