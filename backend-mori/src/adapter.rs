@@ -75,11 +75,12 @@ use kv_transfer_core::{
 
 use crate::engine::IoEngine;
 use crate::error::EngineError;
-use crate::status::{StatusCode, TransferStatus};
+use crate::status::{StatusCode, StatusListener, TransferStatus};
 use crate::types::{
     BatchRequest, EngineDesc, EngineKey, InboundStatus, MemoryDesc, MemoryLocation, MemoryRegion, Segment, Tag,
 };
 use crate::util::{lock, HashMap, HashSet};
+use smallvec::SmallVec;
 
 /// Name of this backend in [`Transfer::backend`].
 pub const BACKEND: &str = "mori";
@@ -219,12 +220,9 @@ pub struct AdapterStats {
 
 #[derive(Default)]
 struct Counters {
-    posts: AtomicU64,
-    transfers: AtomicU64,
-    transfers_succeeded: AtomicU64,
+    // posts, transfers, transfers_succeeded and ops_completed: in `OpTable`.
     transfers_failed: AtomicU64,
     transfers_unknown: AtomicU64,
-    ops_completed: AtomicU64,
     inbound_settled: AtomicU64,
     inbound_stale: AtomicU64,
     inbound_unknown: AtomicU64,
@@ -306,26 +304,52 @@ impl PoolEntry {
     }
 }
 
-type RemoteKey = (EngineKey, u64, Tenancy);
+/// A remote tenancy: (peer, the target memory's rkey, slot and generation).
+type RemoteKey = (PeerId, u64, Tenancy);
+
+/// Remote tenancies of one post (one, usually: kept inline).
+type Tenancies = SmallVec<[Tenancy; 2]>;
 
 /// One posted operation, from post to proof.
 struct OpState {
-    id: u64,
-    completer: Mutex<Option<Completer>>,
-    statuses: Mutex<Vec<TransferStatus>>,
+    /// The adapter (weak: an op never keeps it alive).
+    inner: Weak<Inner>,
+    /// One lock for what the last status hands over: the completer and the
+    /// first error.
+    done: Mutex<OpDone>,
     remaining: AtomicUsize,
-    error: Mutex<Option<(StatusCode, String)>>,
     unknown: AtomicBool,
     peer: PeerId,
-    peer_key: EngineKey,
     rkey: u64,
-    remote: Vec<Tenancy>,
+    remote: Tenancies,
     settle: bool,
     pool: Arc<PoolEntry>,
 }
 
+struct OpDone {
+    completer: Option<Completer>,
+    error: Option<(StatusCode, String)>,
+    /// Statuses that did not end in `SUCCESS`.
+    failed: usize,
+    /// The op's statuses, kept until it finishes: a status whose updater
+    /// is gone (never terminal) keeps its listener, and with it this op and
+    /// its lease, parked for good (a leak, never a reuse).
+    statuses: SmallVec<[TransferStatus; 1]>,
+}
+
+impl OpState {
+    /// What `finish` needs, taken once: the completer, the first error and
+    /// how many statuses failed.
+    fn take_done(&self) -> (Option<Completer>, Option<(StatusCode, String)>, usize) {
+        let mut done = lock(&self.done);
+        done.statuses.clear();
+        (done.completer.take(), done.error.take(), done.failed)
+    }
+}
+
 struct PendingAbort {
     from: EngineKey,
+    peer: PeerId,
     rkey: u64,
     list: Vec<Tenancy>,
     waiting: HashSet<Tenancy>,
@@ -333,17 +357,26 @@ struct PendingAbort {
 
 #[derive(Default)]
 struct OpTable {
-    inflight: HashMap<u64, Arc<OpState>>,
     /// Remote tenancies with a transfer that is not terminal.
     busy: HashSet<RemoteKey>,
     tombstones: HashSet<RemoteKey>,
     tombstone_order: VecDeque<RemoteKey>,
     aborts: Vec<PendingAbort>,
+    /// Ops whose status proved nothing and whose peer could not be fenced:
+    /// kept (with their leases) for good.
+    parked: Vec<Arc<OpState>>,
+    /// The hot counters, kept under the lock every post and every finish
+    /// takes anyway (atomics shared by the posting threads and the
+    /// completing one would move a cache line per transfer).
+    posts: u64,
+    transfers: u64,
+    transfers_succeeded: u64,
+    ops_completed: u64,
 }
 
 impl OpTable {
     fn tombstone(&mut self, k: RemoteKey) {
-        if self.tombstones.insert(k.clone()) {
+        if self.tombstones.insert(k) {
             self.tombstone_order.push_back(k);
             if self.tombstone_order.len() > TOMBSTONES {
                 if let Some(old) = self.tombstone_order.pop_front() {
@@ -417,7 +450,6 @@ struct Inner {
     pools: RwLock<Vec<Arc<PoolEntry>>>,
     peers: RwLock<PeerTable>,
     ops: Mutex<OpTable>,
-    next_op: AtomicU64,
     jobs: Arc<Jobs>,
     counters: Counters,
 }
@@ -464,7 +496,6 @@ impl MoriTransfer {
             pools: RwLock::new(Vec::new()),
             peers: RwLock::new(PeerTable { next: 1, ..PeerTable::default() }),
             ops: Mutex::new(OpTable::default()),
-            next_op: AtomicU64::new(1),
             jobs: jobs.clone(),
             counters: Counters::default(),
         });
@@ -584,14 +615,15 @@ impl MoriTransfer {
     pub fn stats(&self) -> AdapterStats {
         let c = &self.inner.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let ops = lock(&self.inner.ops);
         AdapterStats {
-            posts: l(&c.posts),
-            transfers: l(&c.transfers),
-            transfers_succeeded: l(&c.transfers_succeeded),
+            posts: ops.posts,
+            transfers: ops.transfers,
+            transfers_succeeded: ops.transfers_succeeded,
             transfers_failed: l(&c.transfers_failed),
             transfers_unknown: l(&c.transfers_unknown),
-            ops_completed: l(&c.ops_completed),
-            ops_draining: lock(&self.inner.ops).inflight.len() as u64,
+            ops_completed: ops.ops_completed,
+            ops_draining: ops.posts - ops.ops_completed,
             inbound_settled: l(&c.inbound_settled),
             inbound_stale: l(&c.inbound_stale),
             inbound_unknown: l(&c.inbound_unknown),
@@ -656,24 +688,28 @@ impl MoriTransfer {
                 return Err(PostError { lease: local, kind });
             }
         }
-        let remote_ts = remote.tenancies();
-        let id = inner.next_op.fetch_add(1, Ordering::Relaxed);
+        let remote_ts: Tenancies = remote.slots.iter().map(|s| s.tenancy()).collect();
         {
             let mut ops = lock(&inner.ops);
-            let refused = remote_ts.iter().find(|t| {
-                let k = (rdesc.engine_key.clone(), rdesc.rkey, **t);
-                ops.tombstones.contains(&k) || ops.busy.contains(&k)
+            // Claim every remote tenancy, or none.
+            let refused = remote_ts.iter().position(|t| {
+                let k = (peer, rdesc.rkey, *t);
+                ops.tombstones.contains(&k) || !ops.busy.insert(k)
             });
-            if let Some(t) = refused {
+            if let Some(at) = refused {
+                for t in &remote_ts[..at] {
+                    ops.busy.remove(&(peer, rdesc.rkey, *t));
+                }
+                drop(ops);
                 inc(&inner.counters.posts_refused_tombstone);
                 let kind = PostErrorKind::Descriptor(format!(
-                    "{t} is settled, aborted or busy at the target: post a fresh descriptor"
+                    "{} is settled, aborted or busy at the target: post a fresh descriptor",
+                    remote_ts[at]
                 ));
                 return Err(PostError { lease: local, kind });
             }
-            for t in &remote_ts {
-                ops.busy.insert((rdesc.engine_key.clone(), rdesc.rkey, *t));
-            }
+            ops.posts += 1;
+            ops.transfers += remote_ts.len() as u64;
         }
         let exposed = local.expose_local(peer);
         let (handle, completer) = TransferHandle::pair(exposed);
@@ -708,34 +744,35 @@ impl MoriTransfer {
         };
         let n = remote_ts.len();
         let state = Arc::new(OpState {
-            id,
-            completer: Mutex::new(Some(completer)),
-            statuses: Mutex::new(Vec::new()),
+            inner: Arc::downgrade(inner),
+            done: Mutex::new(OpDone { completer: Some(completer), error: None, failed: 0, statuses: SmallVec::new() }),
             remaining: AtomicUsize::new(n),
-            error: Mutex::new(None),
             unknown: AtomicBool::new(false),
             peer,
-            peer_key: rdesc.engine_key.clone(),
             rkey: rdesc.rkey,
             remote: remote_ts,
             settle: opts.notify,
             pool: entry,
         });
-        lock(&inner.ops).inflight.insert(id, state.clone());
+        // Each status reports to `on_status` once it is no longer pending
+        // (at once if the engine refused it), then is kept by the op.
+        let listen = |st: TransferStatus| {
+            st.on_complete_shared(state.clone());
+            keep(&state, st);
+        };
+        let (l, r) = (&state.pool.desc, &rdesc);
         let statuses = match (plan, op) {
             (Plan::One { segment: s, uid, tag }, Op::Write) => {
-                let (l, r) = (&state.pool.desc, &rdesc);
-                vec![inner.engine.write(l, s.local_offset, r, s.remote_offset, s.size, uid, tag)]
+                listen(inner.engine.write(l, s.local_offset, r, s.remote_offset, s.size, uid, tag));
+                return Ok(handle);
             }
             (Plan::One { segment: s, uid, tag }, Op::Read) => {
-                let (l, r) = (&state.pool.desc, &rdesc);
-                vec![inner.engine.read(l, s.local_offset, r, s.remote_offset, s.size, uid, tag)]
+                listen(inner.engine.read(l, s.local_offset, r, s.remote_offset, s.size, uid, tag));
+                return Ok(handle);
             }
             (Plan::Many(requests), Op::Write) => inner.engine.batch_write(&requests),
             (Plan::Many(requests), Op::Read) => inner.engine.batch_read(&requests),
         };
-        inc(&inner.counters.posts);
-        inner.counters.transfers.fetch_add(n as u64, Ordering::Relaxed);
         if statuses.len() != n {
             // The engine answered for fewer (or more) transfers than asked:
             // nothing proves the others are over. Treat as unknown.
@@ -744,18 +781,22 @@ impl MoriTransfer {
         }
         let missing = n.saturating_sub(statuses.len());
         for _ in 0..missing {
-            on_status(&Arc::downgrade(inner), &state, StatusCode::Unknown(u32::MAX), String::new());
+            state.clone().on_status(StatusCode::Unknown(u32::MAX), "");
         }
-        for st in statuses.iter().take(n) {
-            let weak = Arc::downgrade(inner);
-            let s = state.clone();
-            let st2 = st.clone();
-            st.on_complete(move |code| on_status(&weak, &s, code, st2.message()));
+        for st in statuses.into_iter().take(n) {
+            listen(st);
         }
-        // Kept for the operation's lifetime (cleared when it finishes; an
-        // operation that finished above keeps them until it is dropped).
-        *lock(&state.statuses) = statuses;
         Ok(handle)
+    }
+}
+
+/// Keeps `st` with its op until the op finishes (see [`OpDone::statuses`]);
+/// an op that finished already (its statuses were terminal at once) does
+/// not need it.
+fn keep(op: &OpState, st: TransferStatus) {
+    let mut done = lock(&op.done);
+    if done.completer.is_some() {
+        done.statuses.push(st);
     }
 }
 
@@ -767,18 +808,24 @@ enum Plan {
     Many(Vec<BatchRequest>),
 }
 
-fn on_status(weak: &Weak<Inner>, op: &Arc<OpState>, code: StatusCode, message: String) {
-    let inner = weak.upgrade();
-    if let Some(inner) = &inner {
-        let c = &inner.counters;
-        match code {
-            StatusCode::Success => inc(&c.transfers_succeeded),
-            StatusCode::Unknown(_) => inc(&c.transfers_unknown),
-            _ => inc(&c.transfers_failed),
-        }
+impl StatusListener for OpState {
+    fn on_status(self: Arc<Self>, code: StatusCode, message: &str) {
+        on_status(&self, code, message);
     }
+}
+
+fn on_status(op: &Arc<OpState>, code: StatusCode, message: &str) {
+    let inner = op.inner.upgrade();
     if !code.is_success() {
-        lock(&op.error).get_or_insert((code, message));
+        if let Some(inner) = &inner {
+            match code {
+                StatusCode::Unknown(_) => inc(&inner.counters.transfers_unknown),
+                _ => inc(&inner.counters.transfers_failed),
+            }
+        }
+        let mut done = lock(&op.done);
+        done.failed += 1;
+        done.error.get_or_insert_with(|| (code, message.to_owned()));
     }
     if matches!(code, StatusCode::Unknown(_)) {
         op.unknown.store(true, Ordering::Release);
@@ -790,13 +837,16 @@ fn on_status(weak: &Weak<Inner>, op: &Arc<OpState>, code: StatusCode, message: S
     if op.unknown.load(Ordering::Acquire) {
         match inner {
             Some(inner) => inner.jobs.push(Job::Fence(op.clone())),
-            None => tracing::error!(op = op.id, "unknown status after shutdown: operation stays parked"),
+            None => tracing::error!(peer = op.peer.0, "unknown status after shutdown: operation stays parked"),
         }
         return;
     }
-    let proof = lock(&op.completer).as_ref().map(|c| op.pool.authority.completed(c.lease().tenancies()));
-    let proof = proof.unwrap_or_else(|| op.pool.authority.completed(&[]));
-    finish(inner.as_deref(), op, proof.into());
+    let (completer, error, failed) = op.take_done();
+    let proof = match &completer {
+        Some(c) => op.pool.authority.completed(c.lease().tenancies()),
+        None => op.pool.authority.completed(&[]),
+    };
+    finish(inner.as_deref(), op, (completer, error, failed), proof.into());
 }
 
 /// Completes `op` with `proof` and clears its bookkeeping.
@@ -823,8 +873,15 @@ fn to_transfer_error(code: StatusCode, message: String) -> TransferError {
     TransferError::Engine { engine: BACKEND, code: i64::from(code.raw()), message }
 }
 
-fn finish(inner: Option<&Inner>, op: &Arc<OpState>, proof: kv_transfer_core::Settlement) {
-    let result = match lock(&op.error).take() {
+/// Completes `op` (its completer, with the first error if a status failed;
+/// what [`OpState::take_done`] returned) with `proof` and clears its bookkeeping.
+fn finish(
+    inner: Option<&Inner>,
+    op: &Arc<OpState>,
+    (completer, error, failed): (Option<Completer>, Option<(StatusCode, String)>, usize),
+    proof: kv_transfer_core::Settlement,
+) {
+    let result = match error {
         None => Ok(()),
         Some((code, message)) => Err(to_transfer_error(code, message)),
     };
@@ -832,35 +889,36 @@ fn finish(inner: Option<&Inner>, op: &Arc<OpState>, proof: kv_transfer_core::Set
         let mut acks = Vec::new();
         {
             let mut ops = lock(&inner.ops);
-            ops.inflight.remove(&op.id);
+            ops.ops_completed += 1;
+            ops.transfers_succeeded += op.remote.len().saturating_sub(failed) as u64;
             for t in &op.remote {
-                let k = (op.peer_key.clone(), op.rkey, *t);
+                let k = (op.peer, op.rkey, *t);
                 ops.busy.remove(&k);
                 if op.settle {
                     ops.tombstone(k);
                 }
             }
-            ops.aborts.retain_mut(|a| {
-                if a.from == op.peer_key && a.rkey == op.rkey {
-                    for t in &op.remote {
-                        a.waiting.remove(t);
+            if !ops.aborts.is_empty() {
+                ops.aborts.retain_mut(|a| {
+                    if a.peer == op.peer && a.rkey == op.rkey {
+                        for t in &op.remote {
+                            a.waiting.remove(t);
+                        }
                     }
-                }
-                if a.waiting.is_empty() {
-                    acks.push((a.from.clone(), encode_list(MSG_ABORT_ACK, a.rkey, &a.list)));
-                    false
-                } else {
-                    true
-                }
-            });
+                    if a.waiting.is_empty() {
+                        acks.push((a.from.clone(), encode_list(MSG_ABORT_ACK, a.rkey, &a.list)));
+                        false
+                    } else {
+                        true
+                    }
+                });
+            }
         }
         for (to, bytes) in acks {
             inner.jobs.push(Job::Send(to, bytes));
         }
-        inc(&inner.counters.ops_completed);
     }
-    lock(&op.statuses).clear();
-    if let Some(c) = lock(&op.completer).take() {
+    if let Some(c) = completer {
         if let Err(e) = c.complete(proof, result) {
             tracing::error!(error = %e, "operation's proof did not settle its lease");
         }
@@ -981,10 +1039,15 @@ impl Inner {
         match kind {
             MSG_ABORT => {
                 inc(&self.counters.aborts_received);
+                // A peer never added has no transfer of ours to wait for.
+                let Some(peer) = self.peer_id(from) else {
+                    self.send(from, encode_list(MSG_ABORT_ACK, rkey, &ts));
+                    return;
+                };
                 let mut ops = lock(&self.ops);
                 let mut waiting = HashSet::default();
                 for t in &ts {
-                    let k = (from.clone(), rkey, *t);
+                    let k = (peer, rkey, *t);
                     if ops.busy.contains(&k) {
                         waiting.insert(*t);
                     }
@@ -994,7 +1057,7 @@ impl Inner {
                     drop(ops);
                     self.send(from, encode_list(MSG_ABORT_ACK, rkey, &ts));
                 } else {
-                    ops.aborts.push(PendingAbort { from: from.clone(), rkey, list: ts, waiting });
+                    ops.aborts.push(PendingAbort { from: from.clone(), peer, rkey, list: ts, waiting });
                 }
             }
             MSG_ABORT_ACK => {
@@ -1142,9 +1205,10 @@ fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
                 Job::Fence(op) => {
                     if inner.fence(op.peer) {
                         let proof = op.pool.authority.fenced(op.peer);
-                        finish(Some(&inner), &op, proof.into());
+                        finish(Some(&inner), &op, op.take_done(), proof.into());
                     } else {
-                        tracing::error!(op = op.id, "unknown status and no fence: the operation stays parked");
+                        tracing::error!(peer = op.peer.0, "unknown status and no fence: the operation stays parked");
+                        lock(&inner.ops).parked.push(op);
                     }
                 }
             }

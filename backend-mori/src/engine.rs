@@ -298,8 +298,17 @@ struct LocalMem {
 struct Peer {
     desc: EngineDesc,
     next_seq: u32,
-    in_flight: usize,
+    /// Transfer ids towards this peer that are not terminal (a second
+    /// transfer with the same id is refused: its notification would be filed
+    /// under the first one's key).
+    pending: HashSet<TransferUniqueId>,
     fenced: bool,
+}
+
+impl Peer {
+    fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
 }
 
 struct Transfer {
@@ -307,6 +316,8 @@ struct Transfer {
     tag: Tag,
     remote: EngineKey,
     local_mem: MemoryId,
+    /// Posted as several work requests (ids with [`MULTI_WR`], in `wr_owner`).
+    multi: bool,
     outstanding: usize,
     error: Option<(StatusCode, String)>,
     updater: StatusUpdater,
@@ -331,16 +342,22 @@ struct State {
     next_mem_id: MemoryId,
     peers: HashMap<EngineKey, Peer>,
     windows: HashMap<EngineKey, NotifWindow>,
+    /// Transfers not yet terminal, by engine-internal id. A one-segment
+    /// transfer's work request carries that id as its `wr_id`; the work
+    /// requests of a batch get ids with [`MULTI_WR`] set, mapped in `wr_owner`.
     transfers: HashMap<u64, Transfer>,
     next_transfer: u64,
     wr_owner: HashMap<u64, u64>,
     next_wr: u64,
-    pending_uids: HashSet<(EngineKey, TransferUniqueId)>,
     inbound: HashMap<(EngineKey, TransferUniqueId), VecDeque<InboundStatus>>,
     /// Threads in `wait_inbound_status` (the condvar is signalled only for them).
     inbound_waiters: usize,
     stats: EngineStats,
 }
+
+/// Top bit of a `wr_id` that belongs to a multi-segment transfer (looked up
+/// in `wr_owner`); without it the `wr_id` is the transfer's own id.
+const MULTI_WR: u64 = 1 << 63;
 
 struct Inner {
     key: EngineKey,
@@ -660,12 +677,15 @@ impl Inner {
                 }
                 return Ok(());
             }
-            if peer.in_flight > 0 {
-                return Err(EngineError::PeerBusy { key: desc.key.clone(), in_flight: peer.in_flight });
+            if peer.in_flight() > 0 {
+                return Err(EngineError::PeerBusy { key: desc.key.clone(), in_flight: peer.in_flight() });
             }
         }
         self.transport.connect(desc)?;
-        state.peers.insert(desc.key.clone(), Peer { desc: desc.clone(), next_seq, in_flight: 0, fenced: false });
+        state.peers.insert(
+            desc.key.clone(),
+            Peer { desc: desc.clone(), next_seq, pending: HashSet::default(), fenced: false },
+        );
         state.windows.insert(desc.key.clone(), NotifWindow::new(desc.notif_seq_start, self.config.notif_window));
         tracing::debug!(engine = %self.key, peer = %desc.key, "registered remote engine");
         Ok(())
@@ -678,7 +698,7 @@ impl Inner {
         };
         self.transport.fence(key)?;
         peer.fenced = true;
-        tracing::info!(engine = %self.key, peer = %key, pending = peer.in_flight, "fenced remote engine");
+        tracing::info!(engine = %self.key, peer = %key, pending = peer.in_flight(), "fenced remote engine");
         Ok(())
     }
 
@@ -687,8 +707,8 @@ impl Inner {
         let Some(peer) = state.peers.get(key) else {
             return Err(EngineError::NotFound(format!("remote engine {key} is not registered")));
         };
-        if peer.in_flight > 0 {
-            return Err(EngineError::PeerBusy { key: key.clone(), in_flight: peer.in_flight });
+        if peer.in_flight() > 0 {
+            return Err(EngineError::PeerBusy { key: key.clone(), in_flight: peer.in_flight() });
         }
         self.transport.disconnect(key)?;
         state.peers.remove(key);
@@ -795,28 +815,30 @@ impl Inner {
         Ok(())
     }
 
-    /// Sends the terminal notification for `uid` to `remote`; called with the lock held so
-    /// sequence numbers leave in order.
+    /// Sends the terminal notification for `uid` to `remote` (whose entry is
+    /// `peer`); called with the lock held so sequence numbers leave in order.
+    #[allow(clippy::too_many_arguments)]
     fn send_notification(
         &self,
-        state: &mut State,
+        peer: Option<&mut Peer>,
+        stats: &mut EngineStats,
         remote: &EngineKey,
         uid: TransferUniqueId,
         tag: Tag,
         code: StatusCode,
         message: &str,
     ) {
-        let Some(peer) = state.peers.get_mut(remote) else {
-            state.stats.notifications_send_failed += 1;
+        let Some(peer) = peer else {
+            stats.notifications_send_failed += 1;
             return;
         };
         let seq = peer.next_seq;
         peer.next_seq = seq.wrapping_add(1);
         let notification = Notification { seq, uid, code: code.raw(), message: message.to_owned(), tag };
         match self.transport.notify(remote, notification) {
-            Ok(()) => state.stats.notifications_sent += 1,
+            Ok(()) => stats.notifications_sent += 1,
             Err(e) => {
-                state.stats.notifications_send_failed += 1;
+                stats.notifications_send_failed += 1;
                 tracing::warn!(engine = %self.key, peer = %remote, uid, error = %e, "notification not sent");
             }
         }
@@ -831,62 +853,50 @@ impl Inner {
         uid: TransferUniqueId,
         tag: Tag,
     ) -> TransferStatus {
-        let (status, updater) = TransferStatus::pending(uid, tag);
         let mut state = lock(&self.state);
-        if self.shutdown.load(Ordering::Acquire) {
-            state.stats.transfers_rejected += 1;
-            drop(state);
-            updater.set(StatusCode::BadState, "engine is shut down");
-            return status;
-        }
-        let peer_key = remote.engine_key.clone();
-        let Some(fenced) = state.peers.get(&peer_key).map(|p| p.fenced) else {
-            state.stats.transfers_rejected += 1;
-            drop(state);
-            updater.set(StatusCode::NotFound, format!("remote engine {peer_key} is not registered"));
-            return status;
+        let peer_key = &remote.engine_key;
+        // Refusals: nothing is posted and the status is terminal at once.
+        let refusal = if self.shutdown.load(Ordering::Acquire) {
+            Some((StatusCode::BadState, "engine is shut down".to_owned()))
+        } else {
+            match state.peers.get(peer_key) {
+                None => Some((StatusCode::NotFound, format!("remote engine {peer_key} is not registered"))),
+                Some(p) if p.fenced => Some((StatusCode::BadState, format!("remote engine {peer_key} is fenced"))),
+                // No notification: it would be filed under the pending transfer's key.
+                Some(p) if p.pending.contains(&uid) => {
+                    Some((StatusCode::BadState, format!("transfer id {uid} is still pending towards {peer_key}")))
+                }
+                Some(_) => match self.validate(&state, local, remote, segments) {
+                    Ok(()) => None,
+                    Err((code, message)) => {
+                        // Nothing was posted; tell the target anyway so it can stop waiting.
+                        let State { peers, stats, .. } = &mut *state;
+                        self.send_notification(peers.get_mut(peer_key), stats, peer_key, uid, tag, code, &message);
+                        Some((code, message))
+                    }
+                },
+            }
         };
-        if fenced {
+        if let Some((code, message)) = refusal {
             state.stats.transfers_rejected += 1;
             drop(state);
-            updater.set(StatusCode::BadState, format!("remote engine {peer_key} is fenced"));
-            return status;
-        }
-        if state.pending_uids.contains(&(peer_key.clone(), uid)) {
-            // No notification: it would be filed under the pending transfer's key.
-            state.stats.transfers_rejected += 1;
-            drop(state);
-            updater.set(StatusCode::BadState, format!("transfer id {uid} is still pending towards {peer_key}"));
-            return status;
-        }
-        if let Err((code, message)) = self.validate(&state, local, remote, segments) {
-            // Nothing was posted; tell the target anyway so it can stop waiting.
-            state.stats.transfers_rejected += 1;
-            self.send_notification(&mut state, &peer_key, uid, tag, code, &message);
-            drop(state);
-            updater.set(code, message);
-            return status;
+            return TransferStatus::ready(uid, tag, code, message);
         }
 
-        let transfer_id = state.next_transfer;
-        state.next_transfer = state.next_transfer.wrapping_add(1);
-        let mut wrs = Vec::with_capacity(segments.len());
-        for seg in segments {
-            let wr_id = state.next_wr;
-            state.next_wr = state.next_wr.wrapping_add(1);
-            state.wr_owner.insert(wr_id, transfer_id);
-            wrs.push(WorkRequest {
-                wr_id,
-                op,
-                local: local.clone(),
-                local_offset: seg.local_offset,
-                remote: remote.clone(),
-                remote_offset: seg.remote_offset,
-                len: seg.size,
-                tag,
-            });
-        }
-        updater.set(StatusCode::InProgress, "");
+        let (status, updater) = TransferStatus::posted(uid, tag);
+        let transfer_id = state.next_transfer & !MULTI_WR;
+        state.next_transfer = transfer_id.wrapping_add(1) & !MULTI_WR;
+        // One segment (the usual transfer): its work request is the transfer.
+        let first_wr = if segments.len() == 1 {
+            transfer_id
+        } else {
+            let first = state.next_wr | MULTI_WR;
+            for i in 0..segments.len() as u64 {
+                state.wr_owner.insert(first.wrapping_add(i) | MULTI_WR, transfer_id);
+            }
+            state.next_wr = state.next_wr.wrapping_add(segments.len() as u64) & !MULTI_WR;
+            first
+        };
         state.transfers.insert(
             transfer_id,
             Transfer {
@@ -894,30 +904,43 @@ impl Inner {
                 tag,
                 remote: peer_key.clone(),
                 local_mem: local.id,
-                outstanding: wrs.len(),
+                multi: segments.len() > 1,
+                outstanding: segments.len(),
                 error: None,
                 updater,
             },
         );
-        state.pending_uids.insert((peer_key.clone(), uid));
+        if let Some(peer) = state.peers.get_mut(peer_key) {
+            peer.pending.insert(uid);
+        }
         if let Some(mem) = state.memory.get_mut(&local.id) {
             mem.in_flight += 1;
-        }
-        if let Some(peer) = state.peers.get_mut(&peer_key) {
-            peer.in_flight += 1;
         }
         state.stats.transfers_posted += 1;
         drop(state);
 
-        let total = wrs.len();
-        for (i, wr) in wrs.into_iter().enumerate() {
-            let wr_id = wr.wr_id;
+        // Posted without the lock: a completion may arrive (and re-enter the
+        // engine on the transport's thread) before `post` returns.
+        let wr_id = |i: usize| if segments.len() == 1 { first_wr } else { first_wr.wrapping_add(i as u64) | MULTI_WR };
+        for (i, seg) in segments.iter().enumerate() {
+            let wr = WorkRequest {
+                wr_id: wr_id(i),
+                op,
+                local: local.clone(),
+                local_offset: seg.local_offset,
+                remote: remote.clone(),
+                remote_offset: seg.remote_offset,
+                len: seg.size,
+                tag,
+            };
             if let Err(e) = self.transport.post(wr) {
                 // This request and the ones after it were never posted: no completion will come for them.
                 let mut state = lock(&self.state);
-                let unposted = total - i;
-                for offset in 0..unposted {
-                    state.wr_owner.remove(&wr_id.wrapping_add(offset as u64));
+                let unposted = segments.len() - i;
+                if segments.len() > 1 {
+                    for j in i..segments.len() {
+                        state.wr_owner.remove(&wr_id(j));
+                    }
                 }
                 let finished = self.settle(&mut state, transfer_id, unposted, Some((e.code(), format!("post: {e}"))));
                 drop(state);
@@ -948,12 +971,8 @@ impl Inner {
             return None;
         }
         let transfer = state.transfers.remove(&transfer_id)?;
-        state.pending_uids.remove(&(transfer.remote.clone(), transfer.uid));
         if let Some(mem) = state.memory.get_mut(&transfer.local_mem) {
             mem.in_flight = mem.in_flight.saturating_sub(1);
-        }
-        if let Some(peer) = state.peers.get_mut(&transfer.remote) {
-            peer.in_flight = peer.in_flight.saturating_sub(1);
         }
         let (code, message) = transfer.error.unwrap_or((StatusCode::Success, String::new()));
         if code.is_success() {
@@ -961,7 +980,12 @@ impl Inner {
         } else {
             state.stats.transfers_failed += 1;
         }
-        self.send_notification(state, &transfer.remote, transfer.uid, transfer.tag, code, &message);
+        let State { peers, stats, .. } = state;
+        let mut peer = peers.get_mut(&transfer.remote);
+        if let Some(p) = peer.as_deref_mut() {
+            p.pending.remove(&transfer.uid);
+        }
+        self.send_notification(peer, stats, &transfer.remote, transfer.uid, transfer.tag, code, &message);
         Some(Finished { updater: transfer.updater, code, message })
     }
 
@@ -970,10 +994,10 @@ impl Inner {
     /// duplicate is dropped.
     fn on_inbound(&self, state: &mut State, from: EngineKey, n: Notification) -> Option<InboundStatus> {
         let window_size = self.config.notif_window;
-        if !state.windows.contains_key(&from) {
-            state.windows.insert(from.clone(), NotifWindow::new(n.seq, window_size));
-        }
-        let window = state.windows.get_mut(&from)?;
+        let window = match state.windows.get_mut(&from) {
+            Some(w) => w,
+            None => state.windows.entry(from.clone()).or_insert_with(|| NotifWindow::new(n.seq, window_size)),
+        };
         let before = window.skipped();
         let admit = window.admit(n.seq);
         let skipped = window.skipped() - before;
@@ -1023,7 +1047,12 @@ impl Inner {
     /// Accounts one operation's completion; returns the transfer's status
     /// change if it was the last one.
     fn complete_wr(&self, state: &mut State, c: Completion) -> Option<Finished> {
-        let Some(transfer_id) = state.wr_owner.remove(&c.wr_id) else {
+        let owner = if c.wr_id & MULTI_WR == 0 {
+            state.transfers.get(&c.wr_id).filter(|t| !t.multi).map(|_| c.wr_id)
+        } else {
+            state.wr_owner.remove(&c.wr_id)
+        };
+        let Some(transfer_id) = owner else {
             state.stats.stray_completions += 1;
             tracing::warn!(engine = %self.key, wr_id = c.wr_id, "completion for no posted operation");
             return None;

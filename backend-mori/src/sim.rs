@@ -44,10 +44,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
-use backend_tcp_sim::{wire, ExposeErrorKind, InboundEvent, NicConfig, NicError, RawAccess, RawCallback, SimNic};
+use backend_tcp_sim::{
+    wire, ExposeErrorKind, InboundEvent, NicConfig, NicError, RawAccess, RawCallback, RawCompletions, SimNic,
+};
 use bytes::Bytes;
 use kv_transfer_core::{
     Exposed, Generation, MemoryKind, PeerId, PoolConfig, Region, RegionError, Reserved, SlotId, SlotLease, SlotPool,
+    TransferError,
 };
 
 use crate::error::TransportError;
@@ -155,24 +158,6 @@ impl Region for SimMem {
     }
 }
 
-/// Zero-copy view of registered external memory for a raw WRITE.
-struct MemSlice {
-    ptr: usize,
-    len: usize,
-    _keep: Arc<SimRegionEntry>,
-}
-
-impl AsRef<[u8]> for MemSlice {
-    fn as_ref(&self) -> &[u8] {
-        // SAFETY: the range was bounds-checked against the registered region
-        // when the slice was made; the region stays registered (and, by
-        // `MemoryRegion::external`'s contract, allocated) while the operation
-        // is pending (deregistration refuses while `busy > 0`), and the
-        // simulator reads these bytes only before it reports the completion.
-        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
-    }
-}
-
 enum Shadow {
     Empty,
     Reserved(SlotLease<Reserved>),
@@ -198,6 +183,36 @@ struct SimRegionEntry {
     /// always gets the same slot back.
     shadow: Mutex<Vec<Shadow>>,
     busy: AtomicUsize,
+    /// Where this region's operations complete to.
+    shared: Arc<Shared>,
+}
+
+impl SimRegionEntry {
+    /// The operation `wr_id` on this region is terminal: a read's bytes are
+    /// copied into the region, the in-flight count drops, and the
+    /// completion is delivered.
+    fn finish(&self, wr_id: u64, read_into: Option<(usize, usize)>, res: Result<Option<Bytes>, TransferError>) {
+        let result = match res {
+            Ok(data) => match (read_into, data) {
+                (Some((off, len)), Some(bytes)) if bytes.len() == len => {
+                    self.mem.write(off, &bytes).map_err(|e| TransportError::Remote(e.to_string()))
+                }
+                (Some(_), _) => Err(TransportError::Remote("read returned an unexpected length".into())),
+                (None, _) => Ok(()),
+            },
+            Err(e) => Err(TransportError::Remote(e.to_string())),
+        };
+        self.busy.fetch_sub(1, Ordering::AcqRel);
+        self.shared.deliver(TransportEvent::Completion(Completion { wr_id, result }));
+    }
+}
+
+/// A WRITE from a registered region completes here (the region is the
+/// simulator's completion queue for it: no callback per operation).
+impl RawCompletions for SimRegionEntry {
+    fn complete(&self, token: u64, result: Result<Option<Bytes>, TransferError>) {
+        self.finish(token, None, result);
+    }
 }
 
 struct PeerEntry {
@@ -396,13 +411,22 @@ impl SimTransport {
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(TransportError::Closed);
         }
+        let att = self.att()?;
+        // The usual case: the cached connection. A fenced peer has none
+        // (`fence` forgets it and the NIC tears the connection down, so a
+        // stale entry only refuses and the checks below run).
+        let cached = self.peer_cache.read().unwrap_or_else(|p| p.into_inner()).get(to).copied();
+        if let Some(peer) = cached {
+            if msg.len() <= wire::MAX_CONTROL as usize && att.nic.send_message(peer, msg).is_ok() {
+                return Ok(());
+            }
+        }
         if lock(&self.fenced).contains(to) {
             return Err(TransportError::Remote(format!("{to} is fenced")));
         }
         if msg.len() > wire::MAX_CONTROL as usize {
             return Err(TransportError::OutOfBounds);
         }
-        let att = self.att()?;
         let sent = match att.nic.send_message(self.peer_id(to)?, msg) {
             Err(NicError::UnknownPeer(_)) => {
                 // The cached connection is gone (lost): resolve again, once.
@@ -447,31 +471,6 @@ fn decode_notification(b: &[u8]) -> Option<Notification> {
         code: u32_at(12)?,
         tag: Tag::new(u64_at(16)?, u64_at(24)?),
         message: String::from_utf8_lossy(b.get(32..)?).into_owned(),
-    })
-}
-
-/// The callback a raw operation completes through: a read's bytes are
-/// copied into the local region, the region's in-flight count drops, and the
-/// completion is delivered.
-fn on_done(
-    shared: Arc<Shared>,
-    wr_id: u64,
-    region: Arc<SimRegionEntry>,
-    read_into: Option<(usize, usize)>,
-) -> RawCallback {
-    Box::new(move |res| {
-        let result = match res {
-            Ok(data) => match (read_into, data) {
-                (Some((off, len)), Some(bytes)) if bytes.len() == len => {
-                    region.mem.write(off, &bytes).map_err(|e| TransportError::Remote(e.to_string()))
-                }
-                (Some(_), _) => Err(TransportError::Remote("read returned an unexpected length".into())),
-                (None, _) => Ok(()),
-            },
-            Err(e) => Err(TransportError::Remote(e.to_string())),
-        };
-        region.busy.fetch_sub(1, Ordering::AcqRel);
-        shared.deliver(TransportEvent::Completion(Completion { wr_id, result }));
     })
 }
 
@@ -564,7 +563,14 @@ impl MoriTransport for SimTransport {
         }
         regions.insert(
             id,
-            Arc::new(SimRegionEntry { rkey, mem, pool, shadow: Mutex::new(shadow), busy: AtomicUsize::new(0) }),
+            Arc::new(SimRegionEntry {
+                rkey,
+                mem,
+                pool,
+                shadow: Mutex::new(shadow),
+                busy: AtomicUsize::new(0),
+                shared: self.shared.clone(),
+            }),
         );
         Ok(rkey)
     }
@@ -602,25 +608,17 @@ impl MoriTransport for SimTransport {
             slot: SlotId((wr.tag.slot & 0xFFFF_FFFF) as u32),
             generation: Generation(wr.tag.generation),
         };
-        let data = match wr.op {
-            OpKind::Write => Some(match &region.mem.0 {
-                Mem::External { addr, .. } => {
-                    Bytes::from_owner(MemSlice { ptr: *addr as usize + off, len, _keep: region.clone() })
-                }
-                Mem::Host(b) => {
-                    let mut v = vec![0u8; len];
-                    b.read_at(off as u64, &mut v)?;
-                    Bytes::from(v)
-                }
-            }),
-            OpKind::Read => None,
-        };
-        let read_into = data.is_none().then_some((off, len));
-        let submit = |peer: PeerId| {
-            let done = on_done(self.shared.clone(), wr.wr_id, region.clone(), read_into);
-            match &data {
-                Some(d) => att.nic.write_raw_with(peer, access, d.clone(), done),
-                None => att.nic.read_raw_with(peer, access, raw_len, done),
+        // A WRITE is sent from the registered region itself (the simulated
+        // NIC reads it as it sends) and completes to the region; a READ's
+        // bytes are copied in by its callback.
+        let submit = |peer: PeerId| match wr.op {
+            OpKind::Write => {
+                att.nic.write_raw_registered(peer, access, (region.rkey, off, len), region.clone(), wr.wr_id)
+            }
+            OpKind::Read => {
+                let (region, wr_id) = (region.clone(), wr.wr_id);
+                let done: RawCallback = Box::new(move |res| region.finish(wr_id, Some((off, len)), res));
+                att.nic.read_raw_with(peer, access, raw_len, done)
             }
         };
         region.busy.fetch_add(1, Ordering::AcqRel);
@@ -689,8 +687,10 @@ impl MoriTransport for SimTransport {
 
     fn fence(&self, remote: &EngineKey) -> Result<(), TransportError> {
         let att = self.att()?;
-        self.forget_peer(remote);
+        // Fenced first, then forgotten: a send that misses the cache from
+        // now on sees the fence.
         lock(&self.fenced).insert(remote.clone());
+        self.forget_peer(remote);
         // Bounded: one turn per live connection to the peer.
         for p in att.nic.peers().into_iter().filter(|p| p.name == remote.as_str()) {
             att.nic.fence(p.peer);

@@ -141,7 +141,30 @@ impl From<StatusCode> for u32 {
     }
 }
 
-type Listener = Box<dyn FnOnce(StatusCode) + Send + 'static>;
+/// A listener that is an object the caller shares already (see
+/// [`TransferStatus::on_complete_shared`]): registering it allocates nothing.
+pub trait StatusListener: Send + Sync {
+    /// Called once with the terminal code and the status's message (empty on
+    /// success), on the thread that sets the code, with no engine lock held.
+    fn on_status(self: Arc<Self>, code: StatusCode, message: &str);
+}
+
+type ListenerFn = Box<dyn FnOnce(StatusCode, &str) + Send + 'static>;
+
+/// Called once with the terminal code and the status's message.
+enum Listener {
+    Boxed(ListenerFn),
+    Shared(Arc<dyn StatusListener>),
+}
+
+impl Listener {
+    fn call(self, code: StatusCode, message: &str) {
+        match self {
+            Self::Boxed(f) => f(code, message),
+            Self::Shared(l) => l.on_status(code, message),
+        }
+    }
+}
 
 struct State {
     code: StatusCode,
@@ -200,11 +223,21 @@ impl fmt::Debug for StatusUpdater {
 impl TransferStatus {
     /// A fresh status in `INIT` and the updater that moves it.
     pub fn pending(uid: TransferUniqueId, tag: Tag) -> (Self, StatusUpdater) {
+        Self::with_code(uid, tag, StatusCode::Init)
+    }
+
+    /// A fresh status already `IN_PROGRESS` (what an engine hands back for a
+    /// transfer it posted) and the updater that moves it on.
+    pub fn posted(uid: TransferUniqueId, tag: Tag) -> (Self, StatusUpdater) {
+        Self::with_code(uid, tag, StatusCode::InProgress)
+    }
+
+    fn with_code(uid: TransferUniqueId, tag: Tag, code: StatusCode) -> (Self, StatusUpdater) {
         let shared = Arc::new(Shared {
             uid,
             tag,
             state: Mutex::new(State {
-                code: StatusCode::Init,
+                code,
                 message: String::new(),
                 first_listener: None,
                 listeners: Vec::new(),
@@ -315,17 +348,34 @@ impl TransferStatus {
     /// if it already is). `f` runs on the thread that sets the code, with no
     /// engine lock held; keep it short (wake a task, send on a channel).
     pub fn on_complete(&self, f: impl FnOnce(StatusCode) + Send + 'static) {
+        self.on_complete_with_message(move |code, _| f(code));
+    }
+
+    /// [`Self::on_complete`], with the status's message too (empty on
+    /// success): a listener that needs the message does not have to keep the
+    /// status alive to read it.
+    pub fn on_complete_with_message(&self, f: impl FnOnce(StatusCode, &str) + Send + 'static) {
+        self.listen(Listener::Boxed(Box::new(f)));
+    }
+
+    /// [`Self::on_complete_with_message`] for a listener that is an object
+    /// shared already: no allocation per status.
+    pub fn on_complete_shared(&self, listener: Arc<dyn StatusListener>) {
+        self.listen(Listener::Shared(listener));
+    }
+
+    fn listen(&self, listener: Listener) {
         let mut state = lock(&self.shared.state);
         if state.code.is_pending() {
             match state.first_listener {
                 // Most statuses get one listener (the adapter's): kept inline.
-                None => state.first_listener = Some(Box::new(f)),
-                Some(_) => state.listeners.push(Box::new(f)),
+                None => state.first_listener = Some(listener),
+                Some(_) => state.listeners.push(listener),
             }
         } else {
-            let code = state.code;
+            let (code, message) = (state.code, state.message.clone());
             drop(state);
-            f(code);
+            listener.call(code, &message);
         }
     }
 
@@ -362,12 +412,15 @@ impl StatusUpdater {
             (state.first_listener.take(), std::mem::take(&mut state.listeners))
         };
         let waiters = state.waiters > 0;
+        // Listeners see the message without the lock held; the copy is made
+        // only when there is one (success carries none).
+        let message = if first.is_some() && !state.message.is_empty() { state.message.clone() } else { String::new() };
         drop(state);
         if waiters {
             self.shared.cv.notify_all();
         }
         for listener in first.into_iter().chain(listeners) {
-            listener(code);
+            listener.call(code, &message);
         }
         true
     }
@@ -425,5 +478,32 @@ mod tests {
             let _ = tx2.send(code);
         });
         assert_eq!(rx.recv_timeout(Duration::from_secs(1)), Ok(StatusCode::Success));
+    }
+
+    #[test]
+    fn shared_listener_gets_code_and_message_once() {
+        #[derive(Default)]
+        struct Seen(Mutex<Vec<(StatusCode, String)>>);
+        impl StatusListener for Seen {
+            fn on_status(self: Arc<Self>, code: StatusCode, message: &str) {
+                lock(&self.0).push((code, message.to_owned()));
+            }
+        }
+        let seen = Arc::new(Seen::default());
+        let (status, updater) = TransferStatus::posted(3, Tag::default());
+        assert_eq!(status.code(), StatusCode::InProgress);
+        status.on_complete_shared(seen.clone());
+        status.on_complete_with_message({
+            let seen = seen.clone();
+            move |code, message| lock(&seen.0).push((code, format!("second: {message}")))
+        });
+        assert!(lock(&seen.0).is_empty());
+        assert!(updater.set(StatusCode::RdmaOp, "boom"));
+        assert!(!updater.set(StatusCode::Success, ""));
+        // Registered after the end: called at once, with the message.
+        status.on_complete_shared(seen.clone());
+        let got = lock(&seen.0).clone();
+        let boom = (StatusCode::RdmaOp, "boom".to_owned());
+        assert_eq!(got, vec![boom.clone(), (StatusCode::RdmaOp, "second: boom".to_owned()), boom]);
     }
 }

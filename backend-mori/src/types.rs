@@ -19,39 +19,129 @@ pub type TransferUniqueId = u64;
 
 /// The name of an engine, unique in a deployment (MORI's `EngineKey`).
 ///
-/// Shared text (`Arc<str>`): the engine keys every transfer, notification
-/// and inbound status by it, so cloning must not allocate.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct EngineKey(Arc<str>);
+/// The engine keys every transfer, notification and inbound status by it, so
+/// it must be cheap to clone, hash and compare:
+/// - a key of up to [`EngineKey::INLINE`] bytes (the usual case) is stored in
+///   place and cloned by copy, with no allocation and no shared reference
+///   count for the posting threads to contend on; a longer one is shared text
+///   (`Arc<str>`);
+/// - a fingerprint of the text, computed once, is what a hasher sees (one
+///   `u64`), and what equality compares first.
+///
+/// Equality and order are those of the text, whatever the storage.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub struct EngineKey {
+    fingerprint: u64,
+    repr: KeyRepr,
+}
+
+#[derive(Clone)]
+enum KeyRepr {
+    Inline { len: u8, bytes: [u8; EngineKey::INLINE] },
+    Shared(Arc<str>),
+}
 
 impl EngineKey {
+    /// Longest key stored in place.
+    pub const INLINE: usize = 22;
+
     /// Builds a key.
-    pub fn new(key: impl Into<String>) -> Self {
-        Self(Arc::from(key.into()))
+    pub fn new(key: impl AsRef<str>) -> Self {
+        let key = key.as_ref();
+        // FNV-1a: stable, and the same text always gives the same fingerprint.
+        let fingerprint =
+            key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        let repr = match u8::try_from(key.len()) {
+            Ok(len) if key.len() <= Self::INLINE => {
+                let mut bytes = [0u8; Self::INLINE];
+                bytes[..key.len()].copy_from_slice(key.as_bytes());
+                KeyRepr::Inline { len, bytes }
+            }
+            _ => KeyRepr::Shared(Arc::from(key)),
+        };
+        Self { fingerprint, repr }
     }
 
     /// The key as text.
     pub fn as_str(&self) -> &str {
-        &self.0
+        match &self.repr {
+            // Valid UTF-8: copied from a `str` in `new`.
+            KeyRepr::Inline { .. } => std::str::from_utf8(self.as_bytes()).unwrap_or_default(),
+            KeyRepr::Shared(s) => s,
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        match &self.repr {
+            KeyRepr::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            KeyRepr::Shared(s) => s.as_bytes(),
+        }
+    }
+}
+
+impl PartialEq for EngineKey {
+    fn eq(&self, other: &Self) -> bool {
+        if self.fingerprint != other.fingerprint {
+            return false;
+        }
+        match (&self.repr, &other.repr) {
+            // Fixed-size compare (the bytes past `len` are zero).
+            (KeyRepr::Inline { len: a, bytes: x }, KeyRepr::Inline { len: b, bytes: y }) => a == b && x == y,
+            _ => self.as_bytes() == other.as_bytes(),
+        }
+    }
+}
+
+impl Eq for EngineKey {}
+
+impl std::hash::Hash for EngineKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // Equal keys have equal fingerprints.
+        state.write_u64(self.fingerprint);
+    }
+}
+
+impl PartialOrd for EngineKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for EngineKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        // Byte order is `str` order.
+        self.as_bytes().cmp(other.as_bytes())
+    }
+}
+
+impl fmt::Debug for EngineKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
     }
 }
 
 impl fmt::Display for EngineKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
 impl From<&str> for EngineKey {
     fn from(key: &str) -> Self {
-        Self(Arc::from(key))
+        Self::new(key)
     }
 }
 
 impl From<String> for EngineKey {
     fn from(key: String) -> Self {
-        Self(Arc::from(key))
+        Self::new(key)
+    }
+}
+
+impl From<EngineKey> for String {
+    fn from(key: EngineKey) -> Self {
+        key.as_str().to_owned()
     }
 }
 
@@ -373,4 +463,35 @@ pub struct InboundStatus {
     pub tag: Tag,
     /// Notification sequence number (per initiator and target, wrapping `u32`).
     pub seq: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EngineKey;
+    use std::collections::HashSet;
+
+    /// Short keys live in place, long ones are shared; either way equality,
+    /// hashing, order and the serialized form are those of the text.
+    #[test]
+    fn engine_keys_behave_as_their_text() {
+        let long = "k".repeat(EngineKey::INLINE + 1);
+        let texts = ["", "a", "b", "prefill-0", "prefill-1", &"x".repeat(EngineKey::INLINE), &long, "k"];
+        let keys: Vec<EngineKey> = texts.iter().map(EngineKey::new).collect();
+        for (a, ka) in texts.iter().zip(&keys) {
+            assert_eq!(ka.as_str(), *a);
+            assert_eq!(ka.to_string(), *a);
+            assert_eq!(format!("{ka:?}"), format!("{a:?}"));
+            assert_eq!(ka.clone(), *ka);
+            let json = serde_json::to_string(ka).unwrap();
+            assert_eq!(json, serde_json::to_string(a).unwrap());
+            assert_eq!(serde_json::from_str::<EngineKey>(&json).unwrap(), *ka);
+            for (b, kb) in texts.iter().zip(&keys) {
+                assert_eq!(ka == kb, a == b, "{a:?} vs {b:?}");
+                assert_eq!(ka.cmp(kb), a.cmp(b), "{a:?} vs {b:?}");
+            }
+        }
+        let set: HashSet<EngineKey> = keys.iter().cloned().chain(texts.iter().map(EngineKey::new)).collect();
+        assert_eq!(set.len(), texts.len());
+        assert!(set.contains(&EngineKey::from(long.clone())));
+    }
 }

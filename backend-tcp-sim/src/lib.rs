@@ -22,7 +22,9 @@
 //! - For backends that build their own semantics on this fabric (MORI): raw
 //!   one-sided accesses outside any lease ([`SimNic::write_raw`], or
 //!   [`SimNic::write_raw_with`] with a completion callback run on the NIC's
-//!   thread), and application messages on the data connection
+//!   thread, or [`SimNic::write_raw_registered`] from the NIC's own
+//!   registered memory to a [`RawCompletions`] queue: no copy, no callback
+//!   to allocate), and application messages on the data connection
 //!   ([`SimNic::send_message`], like SEND/RECV on a queue pair), in order with
 //!   the data; a burst of small messages leaves as one frame.
 //! - A receiving thread wakes the senders it queued work for once per burst
@@ -58,7 +60,7 @@ pub mod wire;
 pub use fault::{splitmix64, DelayDist, DropSpec, FaultPlan, Gate};
 pub use nic::{
     ExposeError, ExposeErrorKind, FaultRecord, InboundEvent, MessageHook, NicConfig, NicError, PeerInfo, RawAccess,
-    RawCallback, RawHandle, ReleasePolicy, SimNic,
+    RawCallback, RawCompletions, RawHandle, ReleasePolicy, SimNic,
 };
 pub use stats::NicStats;
 

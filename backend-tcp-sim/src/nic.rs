@@ -141,6 +141,16 @@ pub enum NicError {
     /// The NIC is shut down (or crashed).
     #[error("NIC is shut down")]
     ShuttingDown,
+    /// No region of this NIC has this key (or the range lies outside it).
+    #[error("no registered range {len} bytes at {offset} in region {key:#x}")]
+    LocalRange {
+        /// The key asked for.
+        key: u64,
+        /// Start of the range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+    },
 }
 
 /// Why [`SimNic::expose`] refused. The lease comes back unexposed.
@@ -216,6 +226,17 @@ pub type MessageHook = Arc<dyn Fn(PeerId, &str, &[u8]) + Send + Sync>;
 /// poster's own thread when the connection was already fenced), so the same
 /// rules as for a [`MessageHook`] apply.
 pub type RawCallback = Box<dyn FnOnce(Result<Option<Bytes>, TransferError>) + Send>;
+
+/// A completion queue for raw operations ([`SimNic::write_raw_registered`]):
+/// one shared object receives the terminal status of every operation posted
+/// to it, by the token given at post time, so a post allocates no callback
+/// (what a verbs CQ is to its work requests).
+///
+/// It runs where a [`RawCallback`] runs, under the same rules.
+pub trait RawCompletions: Send + Sync {
+    /// The operation posted with `token` is terminal: `Ok(None)` for a write.
+    fn complete(&self, token: u64, result: Result<Option<Bytes>, TransferError>);
+}
 
 /// A live connection, as [`SimNic::peers`] lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -422,7 +443,9 @@ impl Reg {
         if self.base != 0 && off.checked_add(len).is_some_and(|e| e <= self.len) {
             // SAFETY: in bounds (checked); the region outlives the borrow
             // (`self` holds it). The operation's lease keeps the slot exposed
-            // to this operation until its terminal status, after the send.
+            // to this operation until its terminal status, after the send; a
+            // raw registered write's caller keeps the bytes unchanged until
+            // its completion (`SimNic::write_raw_registered`).
             let s = unsafe { std::slice::from_raw_parts((self.base + off) as *const u8, len) };
             return Ok(SrcBytes::Borrowed(s));
         }
@@ -495,6 +518,7 @@ struct WrEntry {
 enum OpDone {
     Lease(Completer),
     Raw(RawCallback),
+    Queue(Arc<dyn RawCompletions>, u64),
 }
 
 struct OpEntry {
@@ -511,7 +535,7 @@ impl OpEntry {
     fn cancel_requested(&self) -> bool {
         match &self.done {
             OpDone::Lease(c) => c.cancel_requested(),
-            OpDone::Raw(_) => false,
+            OpDone::Raw(_) | OpDone::Queue(..) => false,
         }
     }
 }
@@ -561,7 +585,8 @@ impl Tx {
                 return;
             }
         }
-        let mut records = Vec::with_capacity(64);
+        // Room for a burst of small messages (a MORI notification is 37 bytes).
+        let mut records = Vec::with_capacity(512);
         if wire::push_message(&mut records, msg).is_err() {
             return;
         }
@@ -1015,14 +1040,14 @@ impl SimNic {
     /// local slot is involved).
     pub fn write_raw(&self, peer: PeerId, access: RawAccess, data: Bytes) -> Result<RawHandle, NicError> {
         let (handle, done) = RawHandle::pair();
-        self.inner.post_raw(peer, access, Some(data), 0, done)?;
+        self.inner.post_raw(peer, access, Some(Src::Owned(data)), 0, OpDone::Raw(done))?;
         Ok(handle)
     }
 
     /// Posts a raw one-sided READ of `len` bytes at `access`.
     pub fn read_raw(&self, peer: PeerId, access: RawAccess, len: u32) -> Result<RawHandle, NicError> {
         let (handle, done) = RawHandle::pair();
-        self.inner.post_raw(peer, access, None, len, done)?;
+        self.inner.post_raw(peer, access, None, len, OpDone::Raw(done))?;
         Ok(handle)
     }
 
@@ -1038,7 +1063,33 @@ impl SimNic {
         data: Bytes,
         on_done: RawCallback,
     ) -> Result<(), NicError> {
-        self.inner.post_raw(peer, access, Some(data), 0, on_done)
+        self.inner.post_raw(peer, access, Some(Src::Owned(data)), 0, OpDone::Raw(on_done))
+    }
+
+    /// A raw one-sided WRITE of `len` bytes at `offset` of this NIC's own
+    /// region `local_key` (registered with [`register_pool`](Self::register_pool)),
+    /// sent from that memory as a lease's WRITE is (no copy into an owned
+    /// buffer), completing to `cq` with `token` (no callback to allocate).
+    ///
+    /// The caller keeps those bytes unchanged, and the region registered,
+    /// until the completion: the NIC reads them while it sends. `cq`
+    /// receives exactly one completion if this returns `Ok`, none if it
+    /// returns `Err`.
+    pub fn write_raw_registered(
+        &self,
+        peer: PeerId,
+        access: RawAccess,
+        (local_key, offset, len): (u64, usize, usize),
+        cq: Arc<dyn RawCompletions>,
+        token: u64,
+    ) -> Result<(), NicError> {
+        let bad = || NicError::LocalRange { key: local_key, offset, len };
+        let reg = self.inner.reg_for_key(local_key).ok_or_else(bad)?;
+        if !offset.checked_add(len).is_some_and(|end| end <= reg.len) {
+            return Err(bad());
+        }
+        let src = Src::Local { reg, off: offset, len };
+        self.inner.post_raw(peer, access, Some(src), 0, OpDone::Queue(cq, token))
     }
 
     /// [`read_raw`](Self::read_raw) with a completion callback; see
@@ -1050,7 +1101,7 @@ impl SimNic {
         len: u32,
         on_done: RawCallback,
     ) -> Result<(), NicError> {
-        self.inner.post_raw(peer, access, None, len, on_done)
+        self.inner.post_raw(peer, access, None, len, OpDone::Raw(on_done))
     }
 
     /// Sends an application message to `peer` on the data connection, after
@@ -1313,14 +1364,18 @@ impl NicInner {
         self: &Arc<Self>,
         peer: PeerId,
         a: RawAccess,
-        data: Option<Bytes>,
+        data: Option<Src>,
         read_len: u32,
-        done: RawCallback,
+        done: OpDone,
     ) -> Result<(), NicError> {
         let conn = self.conn(peer).ok_or(NicError::UnknownPeer(peer))?;
         let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
         let op_id = self.next_op.fetch_add(1, Ordering::Relaxed);
-        let len = data.as_ref().map_or(read_len as usize, Bytes::len);
+        let len = match &data {
+            None => read_len as usize,
+            Some(Src::Owned(b)) => b.len(),
+            Some(Src::Local { len, .. }) => *len,
+        };
         if len > wire::MAX_PAYLOAD as usize {
             return Err(NicError::TooLarge(len));
         }
@@ -1331,15 +1386,7 @@ impl NicInner {
             None => (Body::Read(h), 0, Some(Dest::Buf(len))),
         };
         let head = wire::encode_head(&body, pl).map_err(|e| NicError::Handshake(e.to_string()))?;
-        let entry = OpEntry {
-            done: OpDone::Raw(done),
-            reg: None,
-            remaining: 1,
-            err: None,
-            data: None,
-            notify: None,
-            sent_any: false,
-        };
+        let entry = OpEntry { done, reg: None, remaining: 1, err: None, data: None, notify: None, sent_any: false };
         let wr = WrEntry {
             op: op_id,
             key: a.key,
@@ -1349,13 +1396,7 @@ impl NicInner {
             dest,
         };
         inc(&self.counters.wrs_posted);
-        self.submit(
-            &conn,
-            op_id,
-            entry,
-            vec![(wr_id, wr)],
-            vec![Outgoing::Wr { wr_id, op: op_id, head, src: data.map(Src::Owned) }],
-        );
+        self.submit(&conn, op_id, entry, vec![(wr_id, wr)], vec![Outgoing::Wr { wr_id, op: op_id, head, src: data }]);
         Ok(())
     }
 
@@ -1877,6 +1918,7 @@ impl NicInner {
                 }
             }
             OpDone::Raw(done) => done(result.map(|()| op.data)),
+            OpDone::Queue(cq, token) => cq.complete(token, result.map(|()| op.data)),
         }
     }
 

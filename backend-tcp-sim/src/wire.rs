@@ -505,10 +505,11 @@ pub fn push_message(payload: &mut Vec<u8>, msg: &[u8]) -> Result<(), EncodeError
 }
 
 /// The records of a Message payload, all checked before any is returned (a
-/// malformed payload yields none).
-pub fn split_messages(payload: &[u8]) -> Result<Vec<&[u8]>, DecodeError> {
+/// malformed payload yields none). The records are borrowed from `payload`,
+/// in order; nothing is allocated.
+pub fn split_messages(payload: &[u8]) -> Result<Messages<'_>, DecodeError> {
     let bad = DecodeError::BadLength { kind: Kind::Message, len: payload.len() as u32 };
-    let mut out = Vec::new();
+    let mut count = 0;
     let mut rest = payload;
     // Bounded: every turn consumes at least RECORD_PREFIX bytes.
     while !rest.is_empty() {
@@ -517,15 +518,40 @@ pub fn split_messages(payload: &[u8]) -> Result<Vec<&[u8]>, DecodeError> {
         if tail.len() < len {
             return Err(bad);
         }
-        let (msg, tail) = tail.split_at(len);
-        out.push(msg);
-        rest = tail;
+        rest = &tail[len..];
+        count += 1;
     }
-    if out.is_empty() {
+    if count == 0 {
         return Err(bad);
     }
-    Ok(out)
+    Ok(Messages { rest: payload, left: count })
 }
+
+/// The records of a checked Message payload ([`split_messages`]).
+#[derive(Clone, Debug)]
+pub struct Messages<'a> {
+    rest: &'a [u8],
+    left: usize,
+}
+
+impl<'a> Iterator for Messages<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        // Checked by `split_messages`: every record is whole.
+        let (len, tail) = self.rest.split_first_chunk::<RECORD_PREFIX>()?;
+        let (msg, tail) = tail.split_at_checked(u32::from_le_bytes(*len) as usize)?;
+        self.rest = tail;
+        self.left = self.left.saturating_sub(1);
+        Some(msg)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl ExactSizeIterator for Messages<'_> {}
 
 /// Decodes one whole frame from the front of `buf`.
 pub fn decode(buf: &[u8]) -> Result<Decoded<'_>, DecodeError> {
@@ -657,7 +683,8 @@ mod tests {
         push_message(&mut p, b"").unwrap();
         push_message(&mut p, &[7; 100]).unwrap();
         let got = split_messages(&p).unwrap();
-        assert_eq!(got, vec![&b"one"[..], &b""[..], &[7u8; 100][..]]);
+        assert_eq!(got.len(), 3);
+        assert_eq!(got.collect::<Vec<_>>(), vec![&b"one"[..], &b""[..], &[7u8; 100][..]]);
         // Truncated, trailing garbage, empty: typed errors, nothing returned.
         assert!(split_messages(&p[..p.len() - 1]).is_err());
         assert!(split_messages(&p[..2]).is_err());

@@ -2,7 +2,8 @@
 
 use backend_tcp_sim::wire::{self, AccessHeader, Body, DecodeError, WireStatus};
 use backend_tcp_sim::{
-    block_on, DelayDist, DropSpec, FaultPlan, Gate, InboundEvent, NicConfig, NicError, RawAccess, ReleasePolicy, SimNic,
+    block_on, DelayDist, DropSpec, FaultPlan, Gate, InboundEvent, NicConfig, NicError, RawAccess, RawCompletions,
+    ReleasePolicy, SimNic,
 };
 use bytes::Bytes;
 use kv_transfer_core::{
@@ -713,6 +714,45 @@ fn messages_and_raw_callbacks() {
     assert!(p.init.is_connected(init_peer) && !p.init.is_connected(PeerId(9999)));
     let s = (p.init.stats(), p.target.stats());
     assert_eq!((s.0.messages_sent, s.1.messages_received), (101, 101));
+    p.target.revoke(&exposed);
+    settle_within(exposed).release();
+}
+
+/// A raw WRITE sent from the initiator's own registered region completes to
+/// the completion queue it names, once, with its token; the bytes land. A
+/// rejected one completes there too, with the reason; an unknown region or
+/// a range outside it is refused at once and completes nowhere.
+#[test]
+fn raw_write_from_a_registered_region_completes_to_its_queue() {
+    type Entry = (u64, Result<Option<Bytes>, TransferError>);
+    #[derive(Default)]
+    struct Queue(std::sync::Mutex<Vec<Entry>>);
+    impl RawCompletions for Queue {
+        fn complete(&self, token: u64, result: Result<Option<Bytes>, TransferError>) {
+            self.0.lock().unwrap().push((token, result));
+        }
+    }
+    let p = pair();
+    let init_peer = p.init.peer_by_name(p.target.name()).unwrap();
+    let local_key = p.init.key_of(&p.ipool).unwrap();
+    p.ipool.region().write(SLOT, &[5; 64]).unwrap();
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    let access = RawAccess::of(&remote, 0).unwrap();
+    let q = Arc::new(Queue::default());
+    p.init.write_raw_registered(init_peer, access, (local_key, SLOT, 64), q.clone(), 7).unwrap();
+    wait_until("one completion", || q.0.lock().unwrap().len() == 1);
+    assert_eq!(q.0.lock().unwrap()[0], (7, Ok(None)));
+    assert_eq!(&slot_bytes(&p.tpool, access.slot.0)[..64], &[5; 64]);
+    let stale = RawAccess { generation: Generation(access.generation.0 + 1), ..access };
+    p.init.write_raw_registered(init_peer, stale, (local_key, 0, 64), q.clone(), 8).unwrap();
+    wait_until("two completions", || q.0.lock().unwrap().len() == 2);
+    assert_eq!(q.0.lock().unwrap()[1], (8, Err(TransferError::Rejected(RejectReason::StaleGeneration))));
+    for bad in [(local_key ^ 1, 0, 64), (local_key, SLOTS * SLOT - 32, 64), (local_key, usize::MAX, 2)] {
+        let r = p.init.write_raw_registered(init_peer, access, bad, q.clone(), 9);
+        assert!(matches!(r, Err(NicError::LocalRange { .. })), "{bad:?}: {r:?}");
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(q.0.lock().unwrap().len(), 2, "a refused post completes nowhere, a posted one once");
     p.target.revoke(&exposed);
     settle_within(exposed).release();
 }
