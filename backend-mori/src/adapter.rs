@@ -312,8 +312,8 @@ type Tenancies = SmallVec<[Tenancy; 2]>;
 
 /// One posted operation, from post to proof.
 struct OpState {
-    /// The adapter (weak: an op never keeps it alive).
-    inner: Weak<Inner>,
+    /// The adapter's op table, queue and counters.
+    hub: Arc<OpHub>,
     /// One lock for what the last status hands over: the completer and the
     /// first error.
     done: Mutex<OpDone>,
@@ -440,15 +440,43 @@ struct FailedSet {
     order: VecDeque<(PoolId, Tenancy)>,
 }
 
-struct Inner {
+/// What a post looks up, behind one lock (one shared lock word taken per
+/// post, not three).
+#[derive(Default)]
+struct Routes {
+    pools: Vec<Arc<PoolEntry>>,
     /// Remote memory descriptors already decoded from an endpoint string,
     /// by key (a fresh registration gets a fresh key): a post then parses
     /// nothing. Bounded by the remote registrations this adapter was shown.
-    endpoints: RwLock<HashMap<u64, (String, MemoryDesc)>>,
+    endpoints: HashMap<u64, (String, MemoryDesc)>,
+    peers: PeerTable,
+}
+
+impl Routes {
+    /// The local pool, remote memory and peer of a post, if the endpoint
+    /// was seen before.
+    fn of_post(&self, pool: PoolId, endpoint: &str, rkey: u64) -> Option<(Arc<PoolEntry>, MemoryDesc, Option<PeerId>)> {
+        let (e, d) = self.endpoints.get(&rkey)?;
+        if e != endpoint {
+            return None;
+        }
+        let entry = self.pools.iter().find(|e| e.pool.id() == pool)?;
+        Some((entry.clone(), d.clone(), self.peers.by_key.get(&d.engine_key).copied()))
+    }
+}
+
+struct Inner {
+    routes: RwLock<Routes>,
     failed: Mutex<FailedSet>,
     engine: Arc<dyn IoEngine>,
-    pools: RwLock<Vec<Arc<PoolEntry>>>,
-    peers: RwLock<PeerTable>,
+    /// Shared with every operation (held strongly by each, so a
+    /// completion reaches it without upgrading a weak reference).
+    hub: Arc<OpHub>,
+}
+
+/// What an operation needs when its statuses end: the op table, the
+/// driver's queue and the counters.
+struct OpHub {
     ops: Mutex<OpTable>,
     jobs: Arc<Jobs>,
     counters: Counters,
@@ -472,8 +500,8 @@ impl Drop for Owner {
         self.inner.engine.set_inbound_hook(None);
         self.inner.engine.set_message_hook(None);
         self.inner.engine.set_peer_lost_hook(None);
-        lock(&self.inner.jobs.m).shutdown = true;
-        self.inner.jobs.cv.notify_all();
+        lock(&self.inner.hub.jobs.m).shutdown = true;
+        self.inner.hub.jobs.cv.notify_all();
     }
 }
 
@@ -490,24 +518,22 @@ impl MoriTransfer {
     pub fn new(engine: Arc<dyn IoEngine>) -> Result<Self, AdapterError> {
         let jobs = Arc::new(Jobs::default());
         let inner = Arc::new(Inner {
-            endpoints: RwLock::default(),
+            routes: RwLock::new(Routes { peers: PeerTable { next: 1, ..PeerTable::default() }, ..Routes::default() }),
             failed: Mutex::default(),
             engine,
-            pools: RwLock::new(Vec::new()),
-            peers: RwLock::new(PeerTable { next: 1, ..PeerTable::default() }),
-            ops: Mutex::new(OpTable::default()),
-            jobs: jobs.clone(),
-            counters: Counters::default(),
+            hub: Arc::new(OpHub {
+                ops: Mutex::new(OpTable::default()),
+                jobs: jobs.clone(),
+                counters: Counters::default(),
+            }),
         });
         let j = jobs.clone();
-        let weak_inner = Arc::downgrade(&inner);
+        let hub = inner.hub.clone();
         inner.engine.set_inbound_hook(Some(Arc::new(move |st: InboundStatus| {
             if st.tag.slot & TAG_SETTLE == 0 {
                 // Nothing to settle: counted here, on the engine's thread
                 // (no lock, no blocking), instead of waking the driver.
-                if let Some(i) = weak_inner.upgrade() {
-                    inc(&i.counters.inbound_no_settle);
-                }
+                inc(&hub.counters.inbound_no_settle);
             } else {
                 j.push(Job::Filed(st));
             }
@@ -546,10 +572,10 @@ impl MoriTransfer {
         let mem = unsafe { MemoryRegion::external(region.addr(), region.len() as u64, MemoryLocation::Cpu, -1) }
             .with_slot_size(slot_size);
         let desc = self.inner.engine.register_memory(mem)?;
-        let jobs = self.inner.jobs.clone();
+        let jobs = self.inner.hub.jobs.clone();
         authority.on_quarantine(move || jobs.kick());
         let entry = Arc::new(PoolEntry { pool: pool.clone(), authority, desc, slot_size, exposures: Mutex::default() });
-        self.inner.pools.write().unwrap_or_else(|p| p.into_inner()).push(entry);
+        self.inner.routes_mut().pools.push(entry);
         Ok(pool)
     }
 
@@ -563,7 +589,8 @@ impl MoriTransfer {
     /// the number.
     pub fn add_peer(&self, desc: &EngineDesc) -> Result<PeerId, AdapterError> {
         self.inner.engine.register_remote_engine(desc)?;
-        let mut peers = self.inner.peers.write().unwrap_or_else(|p| p.into_inner());
+        let mut routes = self.inner.routes_mut();
+        let peers = &mut routes.peers;
         if let Some(p) = peers.by_key.get(&desc.key) {
             return Ok(*p);
         }
@@ -613,9 +640,9 @@ impl MoriTransfer {
 
     /// Counters.
     pub fn stats(&self) -> AdapterStats {
-        let c = &self.inner.counters;
+        let c = &self.inner.hub.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let ops = lock(&self.inner.ops);
+        let ops = lock(&self.inner.hub.ops);
         AdapterStats {
             posts: ops.posts,
             transfers: ops.transfers,
@@ -650,7 +677,7 @@ impl MoriTransfer {
 
     /// Wakes the driver now (after advancing a manual clock).
     pub fn kick(&self) {
-        self.inner.jobs.kick();
+        self.inner.hub.jobs.kick();
     }
 
     fn post_inner(
@@ -664,17 +691,9 @@ impl MoriTransfer {
         if let Err(kind) = check_shapes(&local, remote) {
             return Err(PostError { lease: local, kind });
         }
-        let Some(entry) = inner.pool_entry(local.pool().id()) else {
-            return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
-        };
-        let Some(rdesc) = inner.remote_desc(&remote.endpoint, remote.key) else {
-            // The descriptor names no engine this adapter could reach.
-            let kind = PostErrorKind::Peer(format!("not a MORI endpoint: {}", remote.endpoint));
-            return Err(PostError { lease: local, kind });
-        };
-        let Some(peer) = inner.peer_id(&rdesc.engine_key) else {
-            let kind = PostErrorKind::Peer(format!("engine {} was not added", rdesc.engine_key));
-            return Err(PostError { lease: local, kind });
+        let (entry, rdesc, peer) = match inner.route(local.pool().id(), &remote.endpoint, remote.key) {
+            Ok(r) => r,
+            Err(kind) => return Err(PostError { lease: local, kind }),
         };
         // Every remote slot must lie inside the remote memory (its offset is
         // then `addr - rdesc.addr`, computed again below).
@@ -690,7 +709,7 @@ impl MoriTransfer {
         }
         let remote_ts: Tenancies = remote.slots.iter().map(|s| s.tenancy()).collect();
         {
-            let mut ops = lock(&inner.ops);
+            let mut ops = lock(&inner.hub.ops);
             // Claim every remote tenancy, or none.
             let refused = remote_ts.iter().position(|t| {
                 let k = (peer, rdesc.rkey, *t);
@@ -701,7 +720,7 @@ impl MoriTransfer {
                     ops.busy.remove(&(peer, rdesc.rkey, *t));
                 }
                 drop(ops);
-                inc(&inner.counters.posts_refused_tombstone);
+                inc(&inner.hub.counters.posts_refused_tombstone);
                 let kind = PostErrorKind::Descriptor(format!(
                     "{} is settled, aborted or busy at the target: post a fresh descriptor",
                     remote_ts[at]
@@ -744,7 +763,7 @@ impl MoriTransfer {
         };
         let n = remote_ts.len();
         let state = Arc::new(OpState {
-            inner: Arc::downgrade(inner),
+            hub: inner.hub.clone(),
             done: Mutex::new(OpDone { completer: Some(completer), error: None, failed: 0, statuses: SmallVec::new() }),
             remaining: AtomicUsize::new(n),
             unknown: AtomicBool::new(false),
@@ -815,13 +834,11 @@ impl StatusListener for OpState {
 }
 
 fn on_status(op: &Arc<OpState>, code: StatusCode, message: &str) {
-    let inner = op.inner.upgrade();
+    let hub = &op.hub;
     if !code.is_success() {
-        if let Some(inner) = &inner {
-            match code {
-                StatusCode::Unknown(_) => inc(&inner.counters.transfers_unknown),
-                _ => inc(&inner.counters.transfers_failed),
-            }
+        match code {
+            StatusCode::Unknown(_) => inc(&hub.counters.transfers_unknown),
+            _ => inc(&hub.counters.transfers_failed),
         }
         let mut done = lock(&op.done);
         done.failed += 1;
@@ -835,10 +852,9 @@ fn on_status(op: &Arc<OpState>, code: StatusCode, message: &str) {
     }
     // Every status left the pending states.
     if op.unknown.load(Ordering::Acquire) {
-        match inner {
-            Some(inner) => inner.jobs.push(Job::Fence(op.clone())),
-            None => tracing::error!(peer = op.peer.0, "unknown status after shutdown: operation stays parked"),
-        }
+        // The driver fences the peer; if it is gone (the adapter was
+        // dropped), the job stays queued with the op: parked.
+        hub.jobs.push(Job::Fence(op.clone()));
         return;
     }
     let (completer, error, failed) = op.take_done();
@@ -846,10 +862,9 @@ fn on_status(op: &Arc<OpState>, code: StatusCode, message: &str) {
         Some(c) => op.pool.authority.completed(c.lease().tenancies()),
         None => op.pool.authority.completed(&[]),
     };
-    finish(inner.as_deref(), op, (completer, error, failed), proof.into());
+    finish(op, (completer, error, failed), proof.into());
 }
 
-/// Completes `op` with `proof` and clears its bookkeeping.
 /// A target's refusal carried in an engine message (`RDMA_OP` with the
 /// transport's words, "rejected by the target: <reason>") as core's typed
 /// rejection; any other error stays the engine's.
@@ -876,7 +891,6 @@ fn to_transfer_error(code: StatusCode, message: String) -> TransferError {
 /// Completes `op` (its completer, with the first error if a status failed;
 /// what [`OpState::take_done`] returned) with `proof` and clears its bookkeeping.
 fn finish(
-    inner: Option<&Inner>,
     op: &Arc<OpState>,
     (completer, error, failed): (Option<Completer>, Option<(StatusCode, String)>, usize),
     proof: kv_transfer_core::Settlement,
@@ -885,38 +899,37 @@ fn finish(
         None => Ok(()),
         Some((code, message)) => Err(to_transfer_error(code, message)),
     };
-    if let Some(inner) = inner {
-        let mut acks = Vec::new();
-        {
-            let mut ops = lock(&inner.ops);
-            ops.ops_completed += 1;
-            ops.transfers_succeeded += op.remote.len().saturating_sub(failed) as u64;
-            for t in &op.remote {
-                let k = (op.peer, op.rkey, *t);
-                ops.busy.remove(&k);
-                if op.settle {
-                    ops.tombstone(k);
+    let hub = &op.hub;
+    let mut acks = Vec::new();
+    {
+        let mut ops = lock(&hub.ops);
+        ops.ops_completed += 1;
+        ops.transfers_succeeded += op.remote.len().saturating_sub(failed) as u64;
+        for t in &op.remote {
+            let k = (op.peer, op.rkey, *t);
+            ops.busy.remove(&k);
+            if op.settle {
+                ops.tombstone(k);
+            }
+        }
+        if !ops.aborts.is_empty() {
+            ops.aborts.retain_mut(|a| {
+                if a.peer == op.peer && a.rkey == op.rkey {
+                    for t in &op.remote {
+                        a.waiting.remove(t);
+                    }
                 }
-            }
-            if !ops.aborts.is_empty() {
-                ops.aborts.retain_mut(|a| {
-                    if a.peer == op.peer && a.rkey == op.rkey {
-                        for t in &op.remote {
-                            a.waiting.remove(t);
-                        }
-                    }
-                    if a.waiting.is_empty() {
-                        acks.push((a.from.clone(), encode_list(MSG_ABORT_ACK, a.rkey, &a.list)));
-                        false
-                    } else {
-                        true
-                    }
-                });
-            }
+                if a.waiting.is_empty() {
+                    acks.push((a.from.clone(), encode_list(MSG_ABORT_ACK, a.rkey, &a.list)));
+                    false
+                } else {
+                    true
+                }
+            });
         }
-        for (to, bytes) in acks {
-            inner.jobs.push(Job::Send(to, bytes));
-        }
+    }
+    for (to, bytes) in acks {
+        hub.jobs.push(Job::Send(to, bytes));
     }
     if let Some(c) = completer {
         if let Err(e) = c.complete(proof, result) {
@@ -926,43 +939,61 @@ fn finish(
 }
 
 impl Inner {
-    /// The remote memory a descriptor names (cached by key; see `endpoints`).
-    fn remote_desc(&self, endpoint: &str, rkey: u64) -> Option<MemoryDesc> {
-        let cached = self
-            .endpoints
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&rkey)
-            .and_then(|(e, d)| (e == endpoint).then(|| d.clone()));
-        if cached.is_some() {
-            return cached;
-        }
-        let d = decode_endpoint(endpoint, rkey)?;
-        let mut map = self.endpoints.write().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= MAX_ENDPOINTS {
-            map.clear();
-        }
-        map.insert(rkey, (endpoint.to_owned(), d.clone()));
-        Some(d)
+    fn routes(&self) -> std::sync::RwLockReadGuard<'_, Routes> {
+        self.routes.read().unwrap_or_else(|p| p.into_inner())
+    }
+    fn routes_mut(&self) -> std::sync::RwLockWriteGuard<'_, Routes> {
+        self.routes.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The local pool, remote memory and peer a post names: one read of the
+    /// routes once the endpoint was decoded (cached by key; see
+    /// [`Routes::endpoints`]).
+    fn route(
+        &self,
+        pool: PoolId,
+        endpoint: &str,
+        rkey: u64,
+    ) -> Result<(Arc<PoolEntry>, MemoryDesc, PeerId), PostErrorKind> {
+        let found = self.routes().of_post(pool, endpoint, rkey);
+        let (entry, rdesc, peer) = match found {
+            Some(r) => r,
+            None => {
+                let entry = self.pool_entry(pool).ok_or(PostErrorKind::ForeignPool)?;
+                // The descriptor names no engine this adapter could reach.
+                let Some(d) = decode_endpoint(endpoint, rkey) else {
+                    return Err(PostErrorKind::Peer(format!("not a MORI endpoint: {endpoint}")));
+                };
+                let mut routes = self.routes_mut();
+                if routes.endpoints.len() >= MAX_ENDPOINTS {
+                    routes.endpoints.clear();
+                }
+                routes.endpoints.insert(rkey, (endpoint.to_owned(), d.clone()));
+                let peer = routes.peers.by_key.get(&d.engine_key).copied();
+                (entry, d, peer)
+            }
+        };
+        let peer = peer.ok_or_else(|| PostErrorKind::Peer(format!("engine {} was not added", rdesc.engine_key)))?;
+        Ok((entry, rdesc, peer))
     }
 
     fn pool_entry(&self, id: PoolId) -> Option<Arc<PoolEntry>> {
-        self.pools.read().unwrap_or_else(|p| p.into_inner()).iter().find(|e| e.pool.id() == id).cloned()
+        self.routes().pools.iter().find(|e| e.pool.id() == id).cloned()
     }
     fn pool_by_mem(&self, mem: u32) -> Option<Arc<PoolEntry>> {
-        self.pools.read().unwrap_or_else(|p| p.into_inner()).iter().find(|e| e.desc.id == mem).cloned()
+        self.routes().pools.iter().find(|e| e.desc.id == mem).cloned()
     }
     fn pool_by_rkey(&self, rkey: u64) -> Option<Arc<PoolEntry>> {
-        self.pools.read().unwrap_or_else(|p| p.into_inner()).iter().find(|e| e.desc.rkey == rkey).cloned()
+        self.routes().pools.iter().find(|e| e.desc.rkey == rkey).cloned()
     }
     fn all_pools(&self) -> Vec<Arc<PoolEntry>> {
-        self.pools.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.routes().pools.clone()
     }
     fn peer_id(&self, key: &EngineKey) -> Option<PeerId> {
-        self.peers.read().unwrap_or_else(|p| p.into_inner()).by_key.get(key).copied()
+        self.routes().peers.by_key.get(key).copied()
     }
     fn peer_key(&self, id: PeerId) -> Option<EngineKey> {
-        self.peers.read().unwrap_or_else(|p| p.into_inner()).by_id.get(&id).cloned()
+        self.routes().peers.by_id.get(&id).cloned()
     }
 
     /// Settles exposed tenancies `ts` of `entry` named by `peer` with
@@ -988,7 +1019,7 @@ impl Inner {
     }
 
     fn on_status(&self, s: InboundStatus) {
-        let c = &self.counters;
+        let c = &self.hub.counters;
         let (settle, mem, t) = unpack_tag(s.tag);
         if !settle {
             inc(&c.inbound_no_settle);
@@ -1038,13 +1069,13 @@ impl Inner {
         };
         match kind {
             MSG_ABORT => {
-                inc(&self.counters.aborts_received);
+                inc(&self.hub.counters.aborts_received);
                 // A peer never added has no transfer of ours to wait for.
                 let Some(peer) = self.peer_id(from) else {
                     self.send(from, encode_list(MSG_ABORT_ACK, rkey, &ts));
                     return;
                 };
-                let mut ops = lock(&self.ops);
+                let mut ops = lock(&self.hub.ops);
                 let mut waiting = HashSet::default();
                 for t in &ts {
                     let k = (peer, rkey, *t);
@@ -1061,7 +1092,7 @@ impl Inner {
                 }
             }
             MSG_ABORT_ACK => {
-                inc(&self.counters.abort_acks_received);
+                inc(&self.hub.counters.abort_acks_received);
                 let Some(entry) = self.pool_by_rkey(rkey) else { return };
                 let peer = self.peer_id(from);
                 if peer.is_none() {
@@ -1078,8 +1109,8 @@ impl Inner {
         let kind = bytes.first().copied();
         match self.engine.send_message(to, bytes) {
             Ok(()) => match kind {
-                Some(MSG_ABORT) => inc(&self.counters.aborts_sent),
-                Some(MSG_ABORT_ACK) => inc(&self.counters.abort_acks_sent),
+                Some(MSG_ABORT) => inc(&self.hub.counters.aborts_sent),
+                Some(MSG_ABORT_ACK) => inc(&self.hub.counters.abort_acks_sent),
                 _ => {}
             },
             Err(e) => tracing::warn!(peer = %to, error = %e, "control message not sent"),
@@ -1100,7 +1131,7 @@ impl Inner {
         let Some(key) = self.peer_key(peer) else { return false };
         match self.engine.fence_remote_engine(&key) {
             Ok(()) => {
-                inc(&self.counters.fences);
+                inc(&self.hub.counters.fences);
                 self.fenced(peer);
                 true
             }
@@ -1150,7 +1181,7 @@ impl Inner {
                     }
                 }
                 if !done.is_empty() {
-                    self.counters.revoked.fetch_add(done.len() as u64, Ordering::Relaxed);
+                    self.hub.counters.revoked.fetch_add(done.len() as u64, Ordering::Relaxed);
                     entry.authority.deliver(entry.authority.revoked(&done));
                 }
             }
@@ -1195,7 +1226,7 @@ fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
             match job {
                 Job::PeerLost(key) => {
                     if let Some(peer) = inner.peer_id(&key) {
-                        inc(&inner.counters.peers_lost);
+                        inc(&inner.hub.counters.peers_lost);
                         inner.fenced(peer);
                     }
                 }
@@ -1205,10 +1236,10 @@ fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
                 Job::Fence(op) => {
                     if inner.fence(op.peer) {
                         let proof = op.pool.authority.fenced(op.peer);
-                        finish(Some(&inner), &op, op.take_done(), proof.into());
+                        finish(&op, op.take_done(), proof.into());
                     } else {
                         tracing::error!(peer = op.peer.0, "unknown status and no fence: the operation stays parked");
-                        lock(&inner.ops).parked.push(op);
+                        lock(&inner.hub.ops).parked.push(op);
                     }
                 }
             }

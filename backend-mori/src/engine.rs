@@ -2,6 +2,7 @@
 //! adapter programs against, mockable) and [`MoriEngine`], their implementation
 //! over any [`MoriTransport`].
 
+use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -971,6 +972,12 @@ impl Inner {
             return None;
         }
         let transfer = state.transfers.remove(&transfer_id)?;
+        Some(self.finish_transfer(state, transfer))
+    }
+
+    /// A transfer with no operation left: its bookkeeping goes, its
+    /// notification leaves, and its status change is returned.
+    fn finish_transfer(&self, state: &mut State, transfer: Transfer) -> Finished {
         if let Some(mem) = state.memory.get_mut(&transfer.local_mem) {
             mem.in_flight = mem.in_flight.saturating_sub(1);
         }
@@ -986,7 +993,7 @@ impl Inner {
             p.pending.remove(&transfer.uid);
         }
         self.send_notification(peer, stats, &transfer.remote, transfer.uid, transfer.tag, code, &message);
-        Some(Finished { updater: transfer.updater, code, message })
+        Finished { updater: transfer.updater, code, message }
     }
 
     /// Files an inbound notification; returns what the hook is to be told.
@@ -1047,16 +1054,6 @@ impl Inner {
     /// Accounts one operation's completion; returns the transfer's status
     /// change if it was the last one.
     fn complete_wr(&self, state: &mut State, c: Completion) -> Option<Finished> {
-        let owner = if c.wr_id & MULTI_WR == 0 {
-            state.transfers.get(&c.wr_id).filter(|t| !t.multi).map(|_| c.wr_id)
-        } else {
-            state.wr_owner.remove(&c.wr_id)
-        };
-        let Some(transfer_id) = owner else {
-            state.stats.stray_completions += 1;
-            tracing::warn!(engine = %self.key, wr_id = c.wr_id, "completion for no posted operation");
-            return None;
-        };
         let error = c.result.err().map(|e| {
             let code = match e {
                 TransportError::Unsupported(_) => StatusCode::GpuOp,
@@ -1064,7 +1061,21 @@ impl Inner {
             };
             (code, e.to_string())
         });
-        self.settle(state, transfer_id, 1, error)
+        if c.wr_id & MULTI_WR == 0 {
+            // A one-segment transfer: its work request is the transfer (one lookup).
+            if let Entry::Occupied(e) = state.transfers.entry(c.wr_id) {
+                if !e.get().multi {
+                    let mut transfer = e.remove();
+                    transfer.error = error;
+                    return Some(self.finish_transfer(state, transfer));
+                }
+            }
+        } else if let Some(transfer_id) = state.wr_owner.remove(&c.wr_id) {
+            return self.settle(state, transfer_id, 1, error);
+        }
+        state.stats.stray_completions += 1;
+        tracing::warn!(engine = %self.key, wr_id = c.wr_id, "completion for no posted operation");
+        None
     }
 
     /// One event from the transport's thread (push delivery): completions and

@@ -278,15 +278,21 @@ struct Attached {
     nic: SimNic,
 }
 
+#[derive(Default)]
+struct Routes {
+    regions: HashMap<MemoryId, Arc<SimRegionEntry>>,
+    /// Connection last used per peer (checked again when the NIC refuses it).
+    peer_cache: HashMap<EngineKey, PeerId>,
+}
+
 /// A [`MoriTransport`] over the TCP simulator; see the [module docs](self).
 pub struct SimTransport {
     config: SimTransportConfig,
     attached: OnceLock<Attached>,
     shared: Arc<Shared>,
-    regions: RwLock<HashMap<MemoryId, Arc<SimRegionEntry>>>,
+    /// What a post looks up, behind one lock.
+    routes: RwLock<Routes>,
     peers: Mutex<HashMap<EngineKey, PeerEntry>>,
-    /// Connection last used per peer (checked again when the NIC refuses it).
-    peer_cache: RwLock<HashMap<EngineKey, PeerId>>,
     /// Engine key of each simulator connection (from the NIC's events).
     sim_names: Mutex<HashMap<PeerId, EngineKey>>,
     /// Peers fenced and not connected again: nothing is sent to them.
@@ -306,9 +312,8 @@ impl SimTransport {
             config,
             attached: OnceLock::new(),
             shared: Arc::new(Shared::default()),
-            regions: RwLock::new(HashMap::default()),
+            routes: RwLock::default(),
             peers: Mutex::new(HashMap::default()),
-            peer_cache: RwLock::new(HashMap::default()),
             sim_names: Mutex::new(HashMap::default()),
             fenced: Mutex::new(HashSet::default()),
         })
@@ -339,19 +344,26 @@ impl SimTransport {
         self.attached.get().ok_or_else(|| TransportError::State("transport not attached".to_owned()))
     }
 
+    fn routes(&self) -> std::sync::RwLockReadGuard<'_, Routes> {
+        self.routes.read().unwrap_or_else(|p| p.into_inner())
+    }
+    fn routes_mut(&self) -> std::sync::RwLockWriteGuard<'_, Routes> {
+        self.routes.write().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn region(&self, id: MemoryId) -> Option<Arc<SimRegionEntry>> {
-        self.regions.read().unwrap_or_else(|p| p.into_inner()).get(&id).cloned()
+        self.routes().regions.get(&id).cloned()
     }
 
     /// The simulator connection to `remote`: the live one if any; otherwise
     /// the engine with the smaller key opens it and the other waits for it
     /// (bounded) before opening one itself.
     fn peer_id(&self, remote: &EngineKey) -> Result<PeerId, TransportError> {
-        if let Some(p) = self.peer_cache.read().unwrap_or_else(|p| p.into_inner()).get(remote) {
+        if let Some(p) = self.routes().peer_cache.get(remote) {
             return Ok(*p);
         }
         let p = self.resolve_peer(remote)?;
-        self.peer_cache.write().unwrap_or_else(|p| p.into_inner()).insert(remote.clone(), p);
+        self.routes_mut().peer_cache.insert(remote.clone(), p);
         Ok(p)
     }
 
@@ -384,7 +396,7 @@ impl SimTransport {
     }
 
     fn forget_peer(&self, remote: &EngineKey) {
-        self.peer_cache.write().unwrap_or_else(|p| p.into_inner()).remove(remote);
+        self.routes_mut().peer_cache.remove(remote);
     }
 
     fn resolve_peer(&self, remote: &EngineKey) -> Result<PeerId, TransportError> {
@@ -415,7 +427,7 @@ impl SimTransport {
         // The usual case: the cached connection. A fenced peer has none
         // (`fence` forgets it and the NIC tears the connection down, so a
         // stale entry only refuses and the checks below run).
-        let cached = self.peer_cache.read().unwrap_or_else(|p| p.into_inner()).get(to).copied();
+        let cached = self.routes().peer_cache.get(to).copied();
         if let Some(peer) = cached {
             if msg.len() <= wire::MAX_CONTROL as usize && att.nic.send_message(peer, msg).is_ok() {
                 return Ok(());
@@ -557,7 +569,8 @@ impl MoriTransport for SimTransport {
             }
             shadow.push(Shadow::Reserved(lease));
         }
-        let mut regions = self.regions.write().unwrap_or_else(|p| p.into_inner());
+        let mut routes = self.routes_mut();
+        let regions = &mut routes.regions;
         if regions.contains_key(&id) {
             return Err(TransportError::State(format!("memory {id} already registered")));
         }
@@ -576,7 +589,8 @@ impl MoriTransport for SimTransport {
     }
 
     fn deregister_memory(&self, id: MemoryId) -> Result<(), TransportError> {
-        let mut regions = self.regions.write().unwrap_or_else(|p| p.into_inner());
+        let mut routes = self.routes_mut();
+        let regions = &mut routes.regions;
         let Some(r) = regions.get(&id) else {
             return Err(TransportError::UnknownMemory { engine: self.att()?.key.clone(), id });
         };
@@ -593,8 +607,13 @@ impl MoriTransport for SimTransport {
 
     fn post(&self, wr: WorkRequest) -> Result<(), TransportError> {
         let att = self.att()?;
-        let region = self
-            .region(wr.local.id)
+        let remote = &wr.remote.engine_key;
+        // One read of the routes: the local region and, usually, the connection.
+        let (region, cached_peer) = {
+            let routes = self.routes();
+            (routes.regions.get(&wr.local.id).cloned(), routes.peer_cache.get(remote).copied())
+        };
+        let region = region
             .filter(|r| r.rkey == wr.local.rkey)
             .ok_or_else(|| TransportError::UnknownMemory { engine: wr.local.engine_key.clone(), id: wr.local.id })?;
         let len = usize::try_from(wr.len).map_err(|_| TransportError::OutOfBounds)?;
@@ -622,8 +641,11 @@ impl MoriTransport for SimTransport {
             }
         };
         region.busy.fetch_add(1, Ordering::AcqRel);
-        let remote = &wr.remote.engine_key;
-        let posted = match self.peer_id(remote).map(|p| (p, submit(p))) {
+        let peer = match cached_peer {
+            Some(p) => Ok(p),
+            None => self.peer_id(remote),
+        };
+        let posted = match peer.map(|p| (p, submit(p))) {
             Ok((_, Err(NicError::UnknownPeer(_)))) => {
                 // The cached connection is gone (fenced, lost): resolve again, once.
                 self.forget_peer(remote);
