@@ -38,9 +38,13 @@
 //! the posting thread, the same way the driver would, without waking it. A
 //! post that re-posts a cached request without a notification holds the
 //! adapter's lock across NIXL's post call (which holds the agent's own lock for
-//! as long, so no engine call could run meanwhile anyway): if NIXL finished it
-//! there, the request goes back into the cache and the op is complete before
-//! any other thread could see it; otherwise it becomes an op like any other.
+//! as long, so no engine call could run meanwhile anyway) and, when no other
+//! request of ours is in flight and inline polling is on, across one status
+//! poll right after it: if NIXL reports `Done` there, the request goes back
+//! into the cache and the op is complete before any other thread could see it
+//! (no op is registered, nothing is handed over); otherwise it becomes an op
+//! like any other (an error status from that poll goes to the driver as the
+//! op's terminal status, exactly as one met by the inline polling).
 //! Any other status (`IN_PROG`, an error, a failed release) goes to the driver.
 //!
 //! With `notify`, the request carries a `W`/`R` notification naming the target's
@@ -161,8 +165,10 @@ pub struct AdapterConfig {
     /// thread; a request that is terminal by then is finished in the posting
     /// thread, without waking the driver (two thread hops saved: measured here,
     /// 64 KiB over `UCX_TLS=tcp` at one transfer at a time went from ~58% to
-    /// ~75% of the raw loop at 20 µs). Zero disables. Bounds how long
-    /// [`Transfer::post`] spends beyond NIXL's own post.
+    /// ~75% of the raw loop at 20 µs). Zero disables it, and the status poll a
+    /// cached re-post makes under the adapter's lock (see the module docs).
+    /// Bounds how long [`Transfer::post`] spends beyond NIXL's own post (and
+    /// that one status poll).
     pub inline_poll: Duration,
     /// Completed requests kept for re-posting (0: off; default 64). A request
     /// without an attached notification that completed successfully is not
@@ -399,6 +405,10 @@ struct State {
     pools: IdMap<PoolId, PoolEntry>,
     peers: HashMap<PeerId, Arc<str>>,
     names: IdMap<Arc<str>, PeerId>,
+    /// The entry of `names` the last post found (a clone of its key): posts go
+    /// to one peer in runs, and comparing a name costs less than hashing it.
+    /// Cleared when that peer is removed.
+    last_peer: Option<(Arc<str>, PeerId)>,
     next_peer: u32,
     /// Target side: (our pool, slot) -> (generation, peer) of live exposures.
     exposures: HashMap<(PoolId, SlotId), (Generation, PeerId)>,
@@ -475,6 +485,10 @@ impl std::fmt::Debug for NixlTransfer {
         f.debug_struct("NixlTransfer").field("agent", &self.inner.name).finish_non_exhaustive()
     }
 }
+
+/// A terminal status as polled: the result (an error proves nothing about the
+/// NIC) and whether the engine no longer knows the request.
+type Terminal = (Result<(), TransferError>, bool);
 
 fn engine_error(e: &EngineError) -> TransferError {
     TransferError::Engine {
@@ -730,6 +744,7 @@ impl NixlTransfer {
         self.inner.engine.invalidate_remote_metadata(&name)?;
         st.peers.remove(&peer);
         st.names.remove(&name);
+        st.last_peer = None;
         st.tombstones.retain(|(a, _), _| *a != name);
         Ok(())
     }
@@ -899,11 +914,22 @@ impl Inner {
         if let (Some(i), false) = (hit, opts.notify) {
             // The common case: re-post under the lock (NIXL's post holds the
             // agent's own lock anyway, so no engine call could run meanwhile). If
-            // NIXL finished it inside its post, it stays cached and the op is
-            // complete: nothing else ever saw it, so nothing else has to be told.
+            // NIXL finished it inside its post, or (no other op of ours in flight,
+            // inline polling on) at the one status poll that follows it still
+            // under the lock, it stays cached and the op is complete: nothing else
+            // ever saw it, so nothing else has to be told.
             let req = st.cache[i].req;
+            let alone = st.ops.is_empty();
             let (handle, completer) = TransferHandle::pair(local.expose_local(peer));
-            let first = self.engine.post_xfer(req);
+            let mut first = self.engine.post_xfer(req);
+            let mut polled = None;
+            if matches!(first, Ok(XferState::InProgress)) && alone && !self.cfg.inline_poll.is_zero() {
+                match self.terminal_status(req) {
+                    Some((Ok(()), _)) => first = Ok(XferState::Done),
+                    // An error status: terminal, unproven; the driver finishes it.
+                    other => polled = other,
+                }
+            }
             if matches!(first, Ok(XferState::Done)) {
                 st.m.posted += 1;
                 st.m.reposted += 1;
@@ -924,10 +950,9 @@ impl Inner {
             // op one like any other from here.
             let key = st.cache.remove(i);
             let agent = key.agent.clone();
-            let alone = st.ops.is_empty();
             let op_id = Self::register(st, agent, remote, op, &opts, false, completer.lease().pool().id());
             drop(guard);
-            self.after_post(op_id, req, Some(key), completer, first, (true, alone));
+            self.after_post(op_id, req, Some(key), completer, (first, polled), (true, alone));
             return Ok(handle);
         }
         let Some(agent) = st.peers.get(&peer).cloned() else {
@@ -956,7 +981,7 @@ impl Inner {
         let (handle, completer) = TransferHandle::pair(local.expose_local(peer));
         // From here the request may run: it is finished only at a terminal status.
         let first = self.engine.post_xfer(req);
-        self.after_post(op_id, req, key, completer, first, (reposted, alone));
+        self.after_post(op_id, req, key, completer, (first, None), (reposted, alone));
         Ok(handle)
     }
 
@@ -1014,6 +1039,8 @@ impl Inner {
     /// then finish without a thread hop) if no other op was in flight (else the
     /// driver is busy anyway, and this thread had better post the next one); a
     /// request terminal here is finished here, anything else goes to the driver.
+    /// `(first, polled)`: what the post returned, and a terminal status already
+    /// seen by a poll after it (from [`terminal_status`](Self::terminal_status)).
     /// `(reposted, alone)`: the request came from the cache; no other op was in
     /// flight when this one was admitted.
     fn after_post(
@@ -1022,7 +1049,7 @@ impl Inner {
         req: ReqId,
         key: Option<CacheKey>,
         completer: Completer,
-        first: Result<XferState, EngineError>,
+        (first, polled): (Result<XferState, EngineError>, Option<Terminal>),
         (reposted, alone): (bool, bool),
     ) {
         let (mut terminal, mut forgotten, mut post_error) = (None, false, None);
@@ -1030,7 +1057,9 @@ impl Inner {
             // Completed inside post (CMA on one host).
             Ok(XferState::Done) => terminal = Some(Ok(())),
             Ok(XferState::InProgress) => {
-                if alone && !self.cfg.inline_poll.is_zero() {
+                if let Some((t, f)) = polled {
+                    (terminal, forgotten) = (Some(t), f);
+                } else if alone && !self.cfg.inline_poll.is_zero() {
                     (terminal, forgotten) = self.poll_inline(req);
                 }
             }
@@ -1081,9 +1110,16 @@ impl Inner {
         if !st.pools.contains_key(&local.pool().id()) {
             return Err(PostErrorKind::ForeignPool);
         }
-        let Some((agent, peer)) = st.names.get_key_value(remote.endpoint.as_str()) else {
+        if st.last_peer.as_ref().map_or(true, |(a, _)| **a != *remote.endpoint) {
+            let Some((agent, peer)) = st.names.get_key_value(remote.endpoint.as_str()) else {
+                return Err(PostErrorKind::Peer(format!("agent {:?} was never added", remote.endpoint)));
+            };
+            st.last_peer = Some((Arc::clone(agent), *peer));
+        }
+        let Some((agent, peer)) = &st.last_peer else {
             return Err(PostErrorKind::Peer(format!("agent {:?} was never added", remote.endpoint)));
         };
+        let (agent_id, peer) = (Arc::as_ptr(agent).cast::<u8>(), *peer);
         if !st.tombstones.is_empty() {
             if let Some(dead) = st.tombstones.get(&(agent.clone(), remote.pool)) {
                 if let Some(s) = remote.slots.iter().find(|s| dead.get(&s.slot).is_some_and(|g| *g >= s.generation)) {
@@ -1095,7 +1131,6 @@ impl Inner {
                 }
             }
         }
-        let agent_id = Arc::as_ptr(agent).cast::<u8>();
         let mut overlap = false;
         for o in st.ops.values() {
             if o.remote_pool == remote.pool
@@ -1110,7 +1145,7 @@ impl Inner {
                 overlap = true;
             }
         }
-        Ok((agent_id, *peer, overlap))
+        Ok((agent_id, peer, overlap))
     }
 
     /// Creates the request of a post that found none to re-post. Nothing is
@@ -1175,21 +1210,31 @@ impl Inner {
     /// `AdapterConfig::inline_poll`. Returns its terminal status, if one came, and
     /// whether the engine no longer knows the request.
     fn poll_inline(&self, req: ReqId) -> (Option<Result<(), TransferError>>, bool) {
-        let deadline = Instant::now() + self.cfg.inline_poll;
+        // The clock is read only once a poll found the request still in progress.
+        let mut deadline = None;
         loop {
-            match self.engine.xfer_status(req) {
-                Ok(XferState::InProgress) => {
-                    if Instant::now() >= deadline {
+            match self.terminal_status(req) {
+                None => {
+                    let now = Instant::now();
+                    if now >= *deadline.get_or_insert_with(|| now + self.cfg.inline_poll) {
                         return (None, false);
                     }
                     std::hint::spin_loop();
                 }
-                Ok(XferState::Done) => return (Some(Ok(())), false),
-                Err(EngineError::UnknownRequest(_)) => {
-                    return (Some(Err(engine_error(&EngineError::UnknownRequest(req)))), true)
-                }
-                Err(e) => return (Some(Err(engine_error(&e))), false),
+                Some((t, forgotten)) => return (Some(t), forgotten),
             }
+        }
+    }
+
+    /// Polls a posted request once: `None` while it is in progress (`IN_PROG` is
+    /// never terminal), else its terminal result (every error and unknown status
+    /// is an error) and whether the engine no longer knows the request.
+    fn terminal_status(&self, req: ReqId) -> Option<Terminal> {
+        match self.engine.xfer_status(req) {
+            Ok(XferState::InProgress) => None,
+            Ok(XferState::Done) => Some((Ok(()), false)),
+            Err(EngineError::UnknownRequest(_)) => Some((Err(engine_error(&EngineError::UnknownRequest(req))), true)),
+            Err(e) => Some((Err(engine_error(&e)), false)),
         }
     }
 
@@ -1406,16 +1451,7 @@ impl Inner {
             }
             for (op_id, req, terminal) in &posted {
                 if !terminal {
-                    let st = self.engine.xfer_status(*req);
-                    let t = match st {
-                        Ok(XferState::InProgress) => None,
-                        Ok(XferState::Done) => Some((Ok(()), false)),
-                        Err(EngineError::UnknownRequest(_)) => {
-                            Some((Err(engine_error(&EngineError::UnknownRequest(*req))), true))
-                        }
-                        Err(e) => Some((Err(engine_error(&e)), false)),
-                    };
-                    let Some((res, forgotten)) = t else { continue };
+                    let Some((res, forgotten)) = self.terminal_status(*req) else { continue };
                     if let Some(d) = self.state().ops.get_mut(op_id).and_then(|o| o.driven.as_deref_mut()) {
                         d.terminal = Some(res);
                         d.forgotten = forgotten;

@@ -688,3 +688,58 @@ fn inline_poll_finishes_in_the_posting_thread_only_at_a_terminal_status() {
     let at = |what: &str| g.log.iter().position(|l| l == what).unwrap_or(usize::MAX);
     assert!(at("release 1") < at("deregister"), "{:?}", g.log);
 }
+
+#[test]
+fn a_repost_done_at_the_first_status_poll_completes_in_the_post_and_an_error_there_proves_nothing() {
+    // Each post returns `IN_PROG`; the first status poll says `Done`. A re-post of
+    // a cached request is then finished at the one status poll made under the
+    // adapter's lock: no op registered, the request kept (never released), the
+    // lease settled only after the terminal status.
+    let sim: Shared = Arc::default();
+    lock(&sim).behaviour = Some(Behaviour::DoneAfter(0));
+    let cfg = AdapterConfig { inline_poll: Duration::from_secs(1), request_cache: 4, ..fast() };
+    let ini = NixlTransfer::new(Arc::new(mock(&sim, "ini", "tgt")), cfg).expect("ini");
+    let tgt = NixlTransfer::new(Arc::new(mock(&sim, "tgt", "ini")), fast()).expect("tgt");
+    let src = ini.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
+    let dst = tgt.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
+    ini.add_peer(b"tgt").expect("peer");
+    let to_ini = tgt.add_peer(b"ini").expect("peer");
+    let (exposed, remote) = tgt.expose(dst.reserve(1).expect("r"), to_ini).expect("expose");
+    let mut lease = src.reserve(1).expect("r");
+    for i in 0..3u64 {
+        let h = futures::executor::block_on(ini.write(lease, &remote, TransferOptions::notify(false))).expect("post");
+        let out = h.now_or_never().expect("finished in the post").expect("not abandoned");
+        assert_eq!(out.result, Ok(()));
+        {
+            let g = lock(&sim);
+            // Posted, then polled exactly once to `Done` (re-posts included).
+            assert_eq!((g.reqs[&1].polls, g.reqs[&1].done), (1, true));
+            assert_eq!(g.log.iter().filter(|l| *l == "post 1").count() as u64, i + 1);
+            assert!(g.releases.is_empty());
+            assert_eq!(g.early_releases, 0);
+        }
+        let m = ini.metrics();
+        assert_eq!((m.posted, m.reposted, m.completed_ok, m.in_flight, m.cached_requests), (i + 1, i, i + 1, 0, 1));
+        lease = out.lease.into_reserved();
+    }
+    // The same poll meeting an error status: terminal but unproven. The handle
+    // ends `Abandoned`, the lease stays quarantined, the request is released
+    // (not kept) and never early.
+    lock(&sim).behaviour = Some(Behaviour::FailAfter(0));
+    let h = futures::executor::block_on(ini.write(lease, &remote, TransferOptions::notify(false))).expect("post");
+    let ab = futures::executor::block_on(h).expect_err("abandoned");
+    assert!(ab.error.is_some());
+    assert!(wait_until(Duration::from_secs(2), || ini.metrics().in_flight == 0));
+    let m = ini.metrics();
+    assert_eq!((m.failed_unproven, m.reposted, m.cached_requests), (1, 3, 0));
+    assert_eq!(src.metrics().quarantined, 1);
+    {
+        let g = lock(&sim);
+        assert_eq!(g.reqs[&1].polls, 1, "the error status was polled once and not lost");
+        assert_eq!(g.releases, vec![1]);
+        assert_eq!(g.early_releases, 0);
+    }
+    exposed.abort();
+    let r = ini.shutdown(Duration::from_secs(1));
+    assert_eq!(r.in_flight_left, 0);
+}
