@@ -268,7 +268,15 @@ struct OpShared {
 /// [`Completer`] until the terminal status, then returns to the pool.
 #[must_use = "dropping the handle does not cancel the operation; its lease returns to the pool when it completes"]
 pub struct TransferHandle {
-    shared: Arc<OpShared>,
+    inner: HandleInner,
+}
+
+enum HandleInner {
+    /// Shared with the backend's [`Completer`].
+    Pending(Arc<OpShared>),
+    /// Finished before the handle was made ([`TransferHandle::completed`]):
+    /// the outcome itself, nothing shared, nothing to lock.
+    Ready(Option<Result<TransferOutcome, Abandoned>>),
 }
 
 impl fmt::Debug for TransferHandle {
@@ -298,26 +306,57 @@ impl TransferHandle {
             slot: Mutex::new(OpSlot { state: OpState::Pending { waker: None }, handle_alive: true }),
             cancel: std::sync::atomic::AtomicBool::new(false),
         });
-        (TransferHandle { shared: shared.clone() }, Completer { shared, lease: Some(lease) })
+        (TransferHandle { inner: HandleInner::Pending(shared.clone()) }, Completer { shared, lease: Some(lease) })
+    }
+
+    /// The handle of an operation that reached its terminal status before
+    /// the handle was made (a backend that saw it finish inside its post):
+    /// the lease is settled with `proof` now and the handle resolves at its
+    /// first poll, with no [`Completer`] and nothing shared. As with
+    /// [`Completer::complete`], a proof that does not settle the lease
+    /// quarantines it, the handle resolves `Abandoned`, and the error says why.
+    pub fn completed(
+        lease: SlotLease<Exposed>,
+        proof: impl Into<Settlement>,
+        result: Result<(), TransferError>,
+    ) -> (TransferHandle, Result<(), crate::lease::SettleErrorReason>) {
+        let (out, err) = match lease.settle(proof) {
+            Ok(settled) => (Ok(TransferOutcome { lease: settled, result }), Ok(())),
+            Err(SettleError { lease, reason }) => {
+                drop(lease);
+                (Err(Abandoned::default()), Err(reason))
+            }
+        };
+        (TransferHandle { inner: HandleInner::Ready(Some(out)) }, err)
     }
 
     /// Asks the backend to stop the operation. A request only: the handle
     /// still resolves at a terminal status (possibly success, possibly
-    /// `Canceled`), never earlier.
+    /// `Canceled`), never earlier. (A completed handle has nothing to stop.)
     pub fn cancel(&self) {
-        self.shared.cancel.store(true, std::sync::atomic::Ordering::Release);
+        if let HandleInner::Pending(shared) = &self.inner {
+            shared.cancel.store(true, std::sync::atomic::Ordering::Release);
+        }
     }
 
-    /// Whether `cancel` was called.
+    /// Whether `cancel` was called (never, for a completed handle).
     pub fn cancel_requested(&self) -> bool {
-        self.shared.cancel.load(std::sync::atomic::Ordering::Acquire)
+        match &self.inner {
+            HandleInner::Pending(shared) => shared.cancel.load(std::sync::atomic::Ordering::Acquire),
+            HandleInner::Ready(_) => false,
+        }
     }
 }
 
 impl Future for TransferHandle {
     type Output = Result<TransferOutcome, Abandoned>;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut slot = lock(&self.shared.slot);
+        let shared = match &mut self.get_mut().inner {
+            HandleInner::Pending(shared) => shared,
+            // Taken once; polled again after that, it never resolves twice.
+            HandleInner::Ready(out) => return out.take().map_or(Poll::Pending, Poll::Ready),
+        };
+        let mut slot = lock(&shared.slot);
         match &mut slot.state {
             OpState::Pending { waker } => {
                 // Re-polled by the same task: keep its waker (no clone).
@@ -337,10 +376,13 @@ impl Future for TransferHandle {
 
 impl Drop for TransferHandle {
     fn drop(&mut self) {
+        // A completed handle's outcome, if never taken, drops with it (its
+        // settled lease goes back to the pool).
+        let HandleInner::Pending(shared) = &self.inner else { return };
         // An outcome already delivered but never taken: release its lease
         // (outside the lock: releasing takes the pool's).
         let leftover = {
-            let mut slot = lock(&self.shared.slot);
+            let mut slot = lock(&shared.slot);
             slot.handle_alive = false;
             match &slot.state {
                 OpState::Done(_) => Some(std::mem::replace(&mut slot.state, OpState::Taken)),

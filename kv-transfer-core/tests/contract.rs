@@ -373,6 +373,41 @@ fn completing_with_a_wrong_proof_does_not_free() {
 }
 
 #[test]
+fn a_completed_handle_resolves_at_once_and_only_with_a_settling_proof() {
+    let (pool, authority) = pool(2);
+    // Finished inside the post: settled now, resolves at the first poll,
+    // once; the bytes and the result come back with the lease.
+    let mut lease = pool.reserve(1).unwrap();
+    lease.write_at(0, 0, &[3; 4]).unwrap();
+    let exposed = lease.expose_local(PeerId(2));
+    let proof = authority.completed_lease(&exposed);
+    let (mut handle, settled) = TransferHandle::completed(exposed, proof, Err(TransferError::Canceled));
+    assert_eq!(settled, Ok(()));
+    assert!(!handle.cancel_requested());
+    handle.cancel();
+    let outcome = (&mut handle).now_or_never().expect("ready at once").unwrap();
+    assert!((&mut handle).now_or_never().is_none(), "an outcome is handed out once");
+    assert_eq!(outcome.result, Err(TransferError::Canceled));
+    assert_eq!(&outcome.lease.bytes().unwrap()[..4], &[3; 4]);
+    outcome.lease.release();
+    assert_eq!(pool.metrics().free, 2);
+    // Dropped unpolled: the settled lease goes back.
+    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(2));
+    let proof = authority.completed_lease(&exposed);
+    drop(TransferHandle::completed(exposed, proof, Ok(())).0);
+    assert_eq!(pool.metrics().free, 2);
+    // A proof that does not settle it: quarantined, Abandoned, and the reason.
+    let (_p2, other) = self::pool(1);
+    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(2));
+    let ts = exposed.tenancies().to_vec();
+    let (handle, settled) = TransferHandle::completed(exposed, other.completed(&ts), Ok(()));
+    assert_eq!(settled, Err(SettleErrorReason::ForeignProof));
+    assert_eq!(block_on(handle).unwrap_err(), Abandoned { error: None });
+    assert_eq!((pool.metrics().free, pool.metrics().quarantined), (1, 1));
+    pool.check_invariants().unwrap();
+}
+
+#[test]
 fn a_failed_post_hands_the_lease_back() {
     let (pool, _authority) = pool(2);
     let (pool2, _a2) = self::pool(2);

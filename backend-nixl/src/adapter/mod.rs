@@ -920,7 +920,7 @@ impl Inner {
             // ever saw it, so nothing else has to be told.
             let req = st.cache[i].req;
             let alone = st.ops.is_empty();
-            let (handle, completer) = TransferHandle::pair(local.expose_local(peer));
+            let exposed = local.expose_local(peer);
             let mut first = self.engine.post_xfer(req);
             let mut polled = None;
             if matches!(first, Ok(XferState::InProgress)) && alone && !self.cfg.inline_poll.is_zero() {
@@ -939,15 +939,14 @@ impl Inner {
                     let key = st.cache.remove(i);
                     st.cache.push(key);
                 }
-                let lease = completer.lease();
-                let proof = st.pools.get(&lease.pool().id()).map(|p| p.authority.completed(lease.tenancies()));
+                let proof = st.pools.get(&exposed.pool().id()).map(|p| p.authority.completed(exposed.tenancies()));
                 let pending = !st.outgoing.is_empty();
                 drop(guard);
-                self.finish_fast(completer, proof, pending);
-                return Ok(handle);
+                return Ok(self.finish_fast(exposed, proof, pending));
             }
             // Not finished inside the post: the request is this op's alone, and the
             // op one like any other from here.
+            let (handle, completer) = TransferHandle::pair(exposed);
             let key = st.cache.remove(i);
             let agent = key.agent.clone();
             let op_id = Self::register(st, agent, remote, op, &opts, false, completer.lease().pool().id());
@@ -1022,16 +1021,23 @@ impl Inner {
     }
 
     /// The end of a post finished under the lock (called without it).
-    fn finish_fast(&self, completer: Completer, proof: Option<Completed>, pending: bool) {
-        // No pool, no proof: dropping the completer quarantines the lease.
-        if let Some(proof) = proof {
-            if let Err(e) = completer.complete(proof, Ok(())) {
-                tracing::error!(error = %e, "completion proof did not settle the lease; it is quarantined");
+    fn finish_fast(&self, exposed: SlotLease<Exposed>, proof: Option<Completed>, pending: bool) -> TransferHandle {
+        let handle = match proof {
+            // Settled now; the handle resolves at its first poll (no completer).
+            Some(proof) => {
+                let (handle, settled) = TransferHandle::completed(exposed, proof, Ok(()));
+                if let Err(e) = settled {
+                    tracing::error!(error = %e, "completion proof did not settle the lease; it is quarantined");
+                }
+                handle
             }
-        }
+            // No pool, no proof: dropping the completer quarantines the lease.
+            None => TransferHandle::pair(exposed).0,
+        };
         if pending {
             self.wake.wake();
         }
+        handle
     }
 
     /// What follows NIXL's post of a registered op: until the op is handed over,
