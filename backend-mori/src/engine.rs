@@ -772,21 +772,30 @@ impl Inner {
 
     /// `local` must be a live registration of this engine.
     fn check_local(&self, state: &State, local: &MemoryDesc) -> Result<(), (StatusCode, String)> {
+        self.local_mem(&state.memory, local).map(|_| ())
+    }
+
+    /// The registration `local` names, if it is a live one of this engine.
+    fn local_mem<'m>(
+        &self,
+        memory: &'m HashMap<MemoryId, LocalMem>,
+        local: &MemoryDesc,
+    ) -> Result<&'m LocalMem, (StatusCode, String)> {
         if local.engine_key != self.key {
             return Err((
                 StatusCode::InvalidArgs,
                 format!("local memory belongs to engine {}, not {}", local.engine_key, self.key),
             ));
         }
-        match state.memory.get(&local.id) {
-            Some(mem) if mem.desc == *local => Ok(()),
+        match memory.get(&local.id) {
+            Some(mem) if mem.desc == *local => Ok(mem),
             _ => Err((StatusCode::NotFound, format!("local memory {} is not registered (or stale)", local.id))),
         }
     }
 
     fn validate(
         &self,
-        state: &State,
+        memory: &HashMap<MemoryId, LocalMem>,
         local: &MemoryDesc,
         remote: &MemoryDesc,
         segments: &[Segment],
@@ -794,7 +803,7 @@ impl Inner {
         if segments.is_empty() {
             return Err((StatusCode::InvalidArgs, "no segments".to_owned()));
         }
-        self.check_local(state, local)?;
+        self.local_mem(memory, local)?;
         for (i, seg) in segments.iter().enumerate() {
             if seg.size == 0 {
                 return Err((StatusCode::InvalidArgs, format!("segment {i}: size 0")));
@@ -857,22 +866,26 @@ impl Inner {
         let mut state = lock(&self.state);
         let peer_key = &remote.engine_key;
         // Refusals: nothing is posted and the status is terminal at once.
+        // Admitted, the transfer id is pending towards the peer from here.
+        let State { peers, memory, stats, .. } = &mut *state;
         let refusal = if self.shutdown.load(Ordering::Acquire) {
             Some((StatusCode::BadState, "engine is shut down".to_owned()))
         } else {
-            match state.peers.get(peer_key) {
+            match peers.get_mut(peer_key) {
                 None => Some((StatusCode::NotFound, format!("remote engine {peer_key} is not registered"))),
                 Some(p) if p.fenced => Some((StatusCode::BadState, format!("remote engine {peer_key} is fenced"))),
                 // No notification: it would be filed under the pending transfer's key.
                 Some(p) if p.pending.contains(&uid) => {
                     Some((StatusCode::BadState, format!("transfer id {uid} is still pending towards {peer_key}")))
                 }
-                Some(_) => match self.validate(&state, local, remote, segments) {
-                    Ok(()) => None,
+                Some(p) => match self.validate(memory, local, remote, segments) {
+                    Ok(()) => {
+                        p.pending.insert(uid);
+                        None
+                    }
                     Err((code, message)) => {
                         // Nothing was posted; tell the target anyway so it can stop waiting.
-                        let State { peers, stats, .. } = &mut *state;
-                        self.send_notification(peers.get_mut(peer_key), stats, peer_key, uid, tag, code, &message);
+                        self.send_notification(Some(p), stats, peer_key, uid, tag, code, &message);
                         Some((code, message))
                     }
                 },
@@ -911,9 +924,6 @@ impl Inner {
                 updater,
             },
         );
-        if let Some(peer) = state.peers.get_mut(peer_key) {
-            peer.pending.insert(uid);
-        }
         if let Some(mem) = state.memory.get_mut(&local.id) {
             mem.in_flight += 1;
         }
