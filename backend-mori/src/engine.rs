@@ -310,6 +310,13 @@ impl Peer {
     fn in_flight(&self) -> usize {
         self.pending.len()
     }
+
+    /// The next notification sequence number towards this peer.
+    fn next_seq(&mut self) -> u32 {
+        let seq = self.next_seq;
+        self.next_seq = seq.wrapping_add(1);
+        seq
+    }
 }
 
 struct Transfer {
@@ -319,6 +326,10 @@ struct Transfer {
     local_mem: MemoryId,
     /// Posted as several work requests (ids with [`MULTI_WR`], in `wr_owner`).
     multi: bool,
+    /// The sequence number of the notification the transport carries with
+    /// the data: on success it was delivered already; on failure the
+    /// engine sends it, under this number.
+    carried: Option<u32>,
     outstanding: usize,
     error: Option<(StatusCode, String)>,
     updater: StatusUpdater,
@@ -366,6 +377,8 @@ struct Inner {
     transport: Arc<dyn MoriTransport>,
     transport_name: String,
     transport_info: Vec<u8>,
+    /// The transport delivers a one-segment WRITE's notification with its data.
+    carries_notifications: bool,
     uids: UidAllocator,
     state: std::sync::Mutex<State>,
     /// Signalled whenever an inbound status is filed.
@@ -414,6 +427,7 @@ impl MoriEngine {
         let transport_info = transport.attach(&key)?;
         let inner = Arc::new(Inner {
             transport_name: transport.name(),
+            carries_notifications: transport.carries_notifications(),
             uids: UidAllocator::new(config.uid_start),
             key,
             config,
@@ -833,7 +847,7 @@ impl Inner {
         peer: Option<&mut Peer>,
         stats: &mut EngineStats,
         remote: &EngineKey,
-        uid: TransferUniqueId,
+        (uid, seq): (TransferUniqueId, Option<u32>),
         tag: Tag,
         code: StatusCode,
         message: &str,
@@ -842,8 +856,8 @@ impl Inner {
             stats.notifications_send_failed += 1;
             return;
         };
-        let seq = peer.next_seq;
-        peer.next_seq = seq.wrapping_add(1);
+        // A number taken already (a carried notification that did not go), or the next one.
+        let seq = seq.unwrap_or_else(|| peer.next_seq());
         let notification = Notification { seq, uid, code: code.raw(), message: message.to_owned(), tag };
         match self.transport.notify(remote, notification) {
             Ok(()) => stats.notifications_sent += 1,
@@ -868,6 +882,7 @@ impl Inner {
         // Refusals: nothing is posted and the status is terminal at once.
         // Admitted, the transfer id is pending towards the peer from here.
         let State { peers, memory, stats, .. } = &mut *state;
+        let mut carried = None;
         let refusal = if self.shutdown.load(Ordering::Acquire) {
             Some((StatusCode::BadState, "engine is shut down".to_owned()))
         } else {
@@ -881,11 +896,16 @@ impl Inner {
                 Some(p) => match self.validate(memory, local, remote, segments) {
                     Ok(()) => {
                         p.pending.insert(uid);
+                        // A one-segment WRITE's success notification goes with its
+                        // data where the transport carries it (numbered now).
+                        if self.carries_notifications && op == OpKind::Write && segments.len() == 1 {
+                            carried = Some(p.next_seq());
+                        }
                         None
                     }
                     Err((code, message)) => {
                         // Nothing was posted; tell the target anyway so it can stop waiting.
-                        self.send_notification(Some(p), stats, peer_key, uid, tag, code, &message);
+                        self.send_notification(Some(p), stats, peer_key, (uid, None), tag, code, &message);
                         Some((code, message))
                     }
                 },
@@ -919,6 +939,7 @@ impl Inner {
                 remote: peer_key.clone(),
                 local_mem: local.id,
                 multi: segments.len() > 1,
+                carried,
                 outstanding: segments.len(),
                 error: None,
                 updater,
@@ -943,6 +964,13 @@ impl Inner {
                 remote_offset: seg.remote_offset,
                 len: seg.size,
                 tag,
+                notification: carried.map(|seq| Notification {
+                    seq,
+                    uid,
+                    code: StatusCode::Success.raw(),
+                    message: String::new(),
+                    tag,
+                }),
             };
             if let Err(e) = self.transport.post(wr) {
                 // This request and the ones after it were never posted: no completion will come for them.
@@ -1002,7 +1030,13 @@ impl Inner {
         if let Some(p) = peer.as_deref_mut() {
             p.pending.remove(&transfer.uid);
         }
-        self.send_notification(peer, stats, &transfer.remote, transfer.uid, transfer.tag, code, &message);
+        match transfer.carried {
+            // Delivered with the data, once it landed.
+            Some(_) if code.is_success() => stats.notifications_sent += 1,
+            seq => {
+                self.send_notification(peer, stats, &transfer.remote, (transfer.uid, seq), transfer.tag, code, &message)
+            }
+        }
         Finished { updater: transfer.updater, code, message }
     }
 

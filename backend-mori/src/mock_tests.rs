@@ -34,6 +34,8 @@ fn scripted_transport(events: Vec<Vec<TransportEvent>>, gate: Arc<Mutex<bool>>) 
     let mut t = MockMoriTransport::new();
     t.expect_name().returning(|| "mock".to_owned());
     t.expect_attach().returning(|_| Ok(Vec::new()));
+    // Notifications are sent by the engine, after the completion (MORI's way).
+    t.expect_carries_notifications().returning(|| false);
     // Events come from `poll` (MORI has no push delivery).
     t.expect_set_event_sink().returning(|_| false);
     t.expect_connect().returning(|_| Ok(()));
@@ -208,6 +210,8 @@ fn failed_transfer_is_notified_with_code_and_tag() {
     let mut t = MockMoriTransport::new();
     t.expect_name().returning(|| "mock".to_owned());
     t.expect_attach().returning(|_| Ok(Vec::new()));
+    // Notifications are sent by the engine, after the completion (MORI's way).
+    t.expect_carries_notifications().returning(|| false);
     // Events come from `poll` (MORI has no push delivery).
     t.expect_set_event_sink().returning(|_| false);
     t.expect_connect().returning(|_| Ok(()));

@@ -627,12 +627,28 @@ impl MoriTransport for SimTransport {
             slot: SlotId((wr.tag.slot & 0xFFFF_FFFF) as u32),
             generation: Generation(wr.tag.generation),
         };
+        // A carried notification is the WRITE's immediate: the target's NIC
+        // hands it to the target's transport (as a message) once the bytes
+        // landed, and only then.
+        let mut head = [0u8; NOTIFY_HEAD];
+        let imm: Vec<u8>;
+        let imm: &[u8] = match &wr.notification {
+            None => &[],
+            Some(n) if n.message.is_empty() => {
+                encode_notification_head(&mut head, n);
+                &head
+            }
+            Some(n) => {
+                imm = encode_notification(n);
+                &imm
+            }
+        };
         // A WRITE is sent from the registered region itself (the simulated
         // NIC reads it as it sends) and completes to the region; a READ's
         // bytes are copied in by its callback.
         let submit = |peer: PeerId| match wr.op {
             OpKind::Write => {
-                att.nic.write_raw_registered(peer, access, (region.rkey, off, len), region.clone(), wr.wr_id)
+                att.nic.write_raw_registered(peer, access, (region.rkey, off, len), imm, region.clone(), wr.wr_id)
             }
             OpKind::Read => {
                 let (region, wr_id) = (region.clone(), wr.wr_id);
@@ -674,6 +690,11 @@ impl MoriTransport for SimTransport {
             return self.send_app(to, &head);
         }
         self.send_app(to, &encode_notification(&notification))
+    }
+
+    /// A WRITE's notification rides as its immediate (see `post`).
+    fn carries_notifications(&self) -> bool {
+        true
     }
 
     fn set_event_sink(&self, sink: Option<EventSink>) -> bool {

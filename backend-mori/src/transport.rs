@@ -17,6 +17,11 @@
 //! - A notification is delivered at most once. The engine sends it only after
 //!   it saw the completions of every operation of the transfer, so the data of
 //!   a successful write has landed before the target can see the notification.
+//!   A transport that [carries notifications](MoriTransport::carries_notifications)
+//!   takes a one-segment WRITE's success notification with the data instead,
+//!   and delivers it once the bytes landed, never for a refused write; the
+//!   engine then sends only a failure, under the same sequence number (the
+//!   target's window drops whichever copy comes second).
 //! - `deregister_memory` refuses ([`TransportError::Busy`]) while an accepted
 //!   operation that touches the region (as local or, where the transport can
 //!   tell, as remote memory) has not completed.
@@ -89,6 +94,12 @@ pub struct WorkRequest {
     /// The transfer's tag (see [`Tag`]): a transport that checks access per
     /// slot and generation names the remote slot with it.
     pub tag: Tag,
+    /// A notification to deliver with the data (only to a transport that
+    /// [carries notifications](MoriTransport::carries_notifications), only on
+    /// a WRITE): the target receives it once the bytes landed, and only
+    /// then; a refused write delivers nothing (the engine then sends the
+    /// failure itself, with the same sequence number).
+    pub notification: Option<Notification>,
 }
 
 /// The terminal completion of one posted operation.
@@ -191,6 +202,16 @@ pub trait MoriTransport: Send + Sync {
 
     /// Returns up to `max` events, waiting at most `timeout` for the first one.
     fn poll(&self, max: usize, timeout: Duration) -> Vec<TransportEvent>;
+
+    /// Whether `post` delivers a WRITE's [`WorkRequest::notification`] to the
+    /// target behind its data, once the bytes landed and only then (a
+    /// simulated WRITE_WITH_IMM; on verbs, a SEND posted right behind the
+    /// WRITE on the same RC queue pair, which a failed WRITE never lets
+    /// through). The default does not: the engine then sends every
+    /// notification itself, after the transfer's completion.
+    fn carries_notifications(&self) -> bool {
+        false
+    }
 
     /// Asks for push delivery: from now on, completions, notifications and
     /// messages go to `sink` as they happen (`None`: back to `poll`). Returns

@@ -1040,14 +1040,14 @@ impl SimNic {
     /// local slot is involved).
     pub fn write_raw(&self, peer: PeerId, access: RawAccess, data: Bytes) -> Result<RawHandle, NicError> {
         let (handle, done) = RawHandle::pair();
-        self.inner.post_raw(peer, access, Some(Src::Owned(data)), 0, OpDone::Raw(done))?;
+        self.inner.post_raw(peer, access, Some(Src::Owned(data)), 0, None, OpDone::Raw(done))?;
         Ok(handle)
     }
 
     /// Posts a raw one-sided READ of `len` bytes at `access`.
     pub fn read_raw(&self, peer: PeerId, access: RawAccess, len: u32) -> Result<RawHandle, NicError> {
         let (handle, done) = RawHandle::pair();
-        self.inner.post_raw(peer, access, None, len, OpDone::Raw(done))?;
+        self.inner.post_raw(peer, access, None, len, None, OpDone::Raw(done))?;
         Ok(handle)
     }
 
@@ -1063,13 +1063,19 @@ impl SimNic {
         data: Bytes,
         on_done: RawCallback,
     ) -> Result<(), NicError> {
-        self.inner.post_raw(peer, access, Some(Src::Owned(data)), 0, OpDone::Raw(on_done))
+        self.inner.post_raw(peer, access, Some(Src::Owned(data)), 0, None, OpDone::Raw(on_done))
     }
 
     /// A raw one-sided WRITE of `len` bytes at `offset` of this NIC's own
     /// region `local_key` (registered with [`register_pool`](Self::register_pool)),
     /// sent from that memory as a lease's WRITE is (no copy into an owned
     /// buffer), completing to `cq` with `token` (no callback to allocate).
+    ///
+    /// With a non-empty `imm` (at most [`wire::MAX_IMM`] bytes) it is a
+    /// WRITE_WITH_IMM: once the target applied the bytes, and only then, its
+    /// application receives `imm` as a message ([`MessageHook`]), in order
+    /// with the connection's other messages; a refused write delivers
+    /// nothing there (its completion here carries the reason).
     ///
     /// The caller keeps those bytes unchanged, and the region registered,
     /// until the completion: the NIC reads them while it sends. `cq`
@@ -1080,16 +1086,21 @@ impl SimNic {
         peer: PeerId,
         access: RawAccess,
         (local_key, offset, len): (u64, usize, usize),
+        imm: &[u8],
         cq: Arc<dyn RawCompletions>,
         token: u64,
     ) -> Result<(), NicError> {
+        let imm = match imm {
+            [] => None,
+            b => Some(wire::Immediate::new(b).ok_or(NicError::TooLarge(b.len()))?),
+        };
         let bad = || NicError::LocalRange { key: local_key, offset, len };
         let reg = self.inner.reg_for_key(local_key).ok_or_else(bad)?;
         if !offset.checked_add(len).is_some_and(|end| end <= reg.len) {
             return Err(bad());
         }
         let src = Src::Local { reg, off: offset, len };
-        self.inner.post_raw(peer, access, Some(src), 0, OpDone::Queue(cq, token))
+        self.inner.post_raw(peer, access, Some(src), 0, imm, OpDone::Queue(cq, token))
     }
 
     /// [`read_raw`](Self::read_raw) with a completion callback; see
@@ -1101,7 +1112,7 @@ impl SimNic {
         len: u32,
         on_done: RawCallback,
     ) -> Result<(), NicError> {
-        self.inner.post_raw(peer, access, None, len, OpDone::Raw(on_done))
+        self.inner.post_raw(peer, access, None, len, None, OpDone::Raw(on_done))
     }
 
     /// Sends an application message to `peer` on the data connection, after
@@ -1366,6 +1377,7 @@ impl NicInner {
         a: RawAccess,
         data: Option<Src>,
         read_len: u32,
+        imm: Option<wire::Immediate>,
         done: OpDone,
     ) -> Result<(), NicError> {
         let conn = self.conn(peer).ok_or(NicError::UnknownPeer(peer))?;
@@ -1381,9 +1393,10 @@ impl NicInner {
         }
         let h =
             AccessHeader { wr_id, key: a.key, addr: a.addr, slot: a.slot, generation: a.generation, len: len as u32 };
-        let (body, pl, dest) = match data {
-            Some(_) => (Body::Write(h), len, None),
-            None => (Body::Read(h), 0, Some(Dest::Buf(len))),
+        let (body, pl, dest) = match (&data, imm) {
+            (Some(_), None) => (Body::Write(h), len, None),
+            (Some(_), Some(imm)) => (Body::WriteImm(h, imm), len, None),
+            (None, _) => (Body::Read(h), 0, Some(Dest::Buf(len))),
         };
         let head = wire::encode_head(&body, pl).map_err(|e| NicError::Handshake(e.to_string()))?;
         let entry = OpEntry { done, reg: None, remaining: 1, err: None, data: None, notify: None, sent_any: false };
@@ -1424,12 +1437,18 @@ impl NicInner {
         add(&self.counters.messages_received, msgs.len() as u64);
         let hook = self.message_hook.read().unwrap_or_else(|p| p.into_inner()).clone();
         for m in msgs {
-            match &hook {
-                Some(h) => h(conn.peer, &conn.name, m),
-                None => self.event(InboundEvent::Message { peer: conn.peer, bytes: Bytes::copy_from_slice(m) }),
-            }
+            self.deliver_message(conn, hook.as_ref(), m);
         }
         Ok(())
+    }
+
+    /// One application message (a record, or a WRITE's immediate) to the
+    /// hook, or to the event queue without one.
+    fn deliver_message(&self, conn: &Conn, hook: Option<&MessageHook>, m: &[u8]) {
+        match hook {
+            Some(h) => h(conn.peer, &conn.name, m),
+            None => self.event(InboundEvent::Message { peer: conn.peer, bytes: Bytes::copy_from_slice(m) }),
+        }
     }
 
     fn submit(&self, conn: &Arc<Conn>, op_id: u64, entry: OpEntry, wrs: Vec<(u64, WrEntry)>, items: Vec<Outgoing>) {
@@ -1626,7 +1645,17 @@ impl NicInner {
             r.read_exact(&mut fields)?;
             let body = wire::decode_fields(&p, &fields)?;
             match body {
-                Body::Write(h) => self.on_write(&conn, &mut r, h)?,
+                Body::Write(h) => {
+                    self.on_write(&conn, &mut r, h)?;
+                }
+                Body::WriteImm(h, imm) => {
+                    // The immediate reaches the application only once the data landed.
+                    if self.on_write(&conn, &mut r, h)? {
+                        inc(&self.counters.messages_received);
+                        let hook = self.message_hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+                        self.deliver_message(&conn, hook.as_ref(), imm.as_bytes());
+                    }
+                }
                 Body::Read(h) => self.on_read(&conn, h),
                 Body::ReadResp { wr_id, status } => self.on_read_resp(&conn, &mut r, wr_id, status, p.payload_len())?,
                 Body::Completion { wr_id, status } => {
@@ -1739,7 +1768,9 @@ impl NicInner {
         conn.send_frame(&Body::Completion { wr_id, status });
     }
 
-    fn on_write(&self, conn: &Conn, r: &mut BufReader<TcpStream>, h: AccessHeader) -> Result<(), RxExit> {
+    /// Applies (or refuses) a WRITE and answers it; returns whether its
+    /// bytes landed.
+    fn on_write(&self, conn: &Conn, r: &mut BufReader<TcpStream>, h: AccessHeader) -> Result<bool, RxExit> {
         let len = h.len as usize;
         // The payload read may block (and so may a gate or a slow target).
         ring_before_read(r, len);
@@ -1764,6 +1795,7 @@ impl NicInner {
                 }
                 tracing::debug!(peer = conn.peer.0, ?reason, slot = h.slot.0, gen = h.generation.0, "write rejected");
                 Self::completion(conn, h.wr_id, WireStatus::Rejected(reason));
+                Ok(false)
             }
             Ok((reg, off)) => {
                 let res = match &held {
@@ -1782,9 +1814,9 @@ impl NicInner {
                     add(&self.counters.bytes_applied, len as u64);
                 }
                 Self::completion(conn, h.wr_id, if applied { WireStatus::Ok } else { WireStatus::TargetError });
+                Ok(applied)
             }
         }
-        Ok(())
     }
 
     fn on_read(&self, conn: &Conn, h: AccessHeader) {

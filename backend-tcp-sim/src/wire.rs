@@ -7,9 +7,11 @@
 //! Layout (little endian):
 //!
 //! ```text
-//! prefix   magic:u16 = 0x4B56 | kind:u8 | flags:u8 (0) | len:u32   (len = bytes after the prefix)
+//! prefix   magic:u16 = 0x4B56 | kind:u8 | flags:u8 | len:u32   (len = bytes after the prefix)
+//!          flags: 0, except WRITE_IMM's, which is the immediate's length (at most MAX_IMM)
 //! HELLO      name_len:u16 name endpoint_len:u16 endpoint
 //! WRITE      wr_id:u64 key:u64 addr:u64 slot:u32 generation:u64 | payload (len - 36 bytes)
+//! WRITE_IMM  as WRITE, then imm (flags bytes) | payload (len - 36 - flags bytes)
 //! READ       wr_id:u64 key:u64 addr:u64 slot:u32 generation:u64 read_len:u32
 //! READ_RESP  wr_id:u64 status:u8 reason:u8 | payload (len - 10 bytes)
 //! COMPLETION wr_id:u64 status:u8 reason:u8
@@ -43,6 +45,8 @@ pub const PREFIX_LEN: usize = 8;
 pub const MAX_PAYLOAD: u32 = 64 << 20;
 /// Largest body of a control frame.
 pub const MAX_CONTROL: u32 = 64 << 10;
+/// Longest immediate a WRITE_IMM carries.
+pub const MAX_IMM: usize = 64;
 /// Most tenancies one NOTIFY / ABORT / ABORT_ACK may carry.
 pub const MAX_TENANCIES: usize = (MAX_CONTROL as usize - 10) / 12;
 /// Longest name or endpoint in a HELLO.
@@ -81,6 +85,11 @@ pub enum Kind {
     /// frames. A sender appends to a frame still queued, so a burst of small
     /// messages crosses as one frame.
     Message = 9,
+    /// A WRITE with immediate data (at most [`MAX_IMM`] bytes): the target
+    /// hands the immediate to the application as a message once the payload
+    /// is applied, and only then (a rejected write delivers nothing), like
+    /// RDMA's WRITE_WITH_IMM.
+    WriteImm = 10,
 }
 
 impl Kind {
@@ -95,6 +104,7 @@ impl Kind {
             7 => Self::Abort,
             8 => Self::AbortAck,
             9 => Self::Message,
+            10 => Self::WriteImm,
             _ => return None,
         })
     }
@@ -177,6 +187,8 @@ pub struct Prefix {
     pub kind: Kind,
     /// Bytes after the prefix (fields and payload).
     pub len: u32,
+    /// Length of a WRITE_IMM's immediate (0 for every other kind).
+    pub imm_len: u8,
 }
 
 impl Prefix {
@@ -184,6 +196,7 @@ impl Prefix {
     pub fn fields_len(&self) -> usize {
         match self.kind {
             Kind::Write => WRITE_FIELDS,
+            Kind::WriteImm => WRITE_FIELDS + self.imm_len as usize,
             Kind::ReadResp => STATUS_FIELDS,
             Kind::Message => 0,
             _ => self.len as usize,
@@ -210,6 +223,34 @@ pub struct AccessHeader {
     pub generation: Generation,
     /// Bytes written (WRITE: the payload's length) or asked for (READ).
     pub len: u32,
+}
+
+/// The immediate data of a WRITE_IMM: at most [`MAX_IMM`] bytes, kept in place.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Immediate {
+    len: u8,
+    bytes: [u8; MAX_IMM],
+}
+
+impl Immediate {
+    /// `bytes` as an immediate; `None` if longer than [`MAX_IMM`].
+    pub fn new(bytes: &[u8]) -> Option<Self> {
+        let len = u8::try_from(bytes.len()).ok().filter(|l| usize::from(*l) <= MAX_IMM)?;
+        let mut b = [0u8; MAX_IMM];
+        b[..bytes.len()].copy_from_slice(bytes);
+        Some(Self { len, bytes: b })
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+}
+
+impl std::fmt::Debug for Immediate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Immediate").field(&self.as_bytes()).finish()
+    }
 }
 
 /// Terminal status of one work request on the wire.
@@ -281,6 +322,8 @@ pub enum Body {
     },
     /// One-sided write; `len` is the payload's length.
     Write(AccessHeader),
+    /// One-sided write with immediate data for the target's application.
+    WriteImm(AccessHeader, Immediate),
     /// One-sided read.
     Read(AccessHeader),
     /// The answer to a READ; its payload follows.
@@ -313,6 +356,7 @@ impl Body {
         match self {
             Self::Hello { .. } => Kind::Hello,
             Self::Write(_) => Kind::Write,
+            Self::WriteImm(..) => Kind::WriteImm,
             Self::Read(_) => Kind::Read,
             Self::ReadResp { .. } => Kind::ReadResp,
             Self::Completion { .. } => Kind::Completion,
@@ -386,14 +430,20 @@ pub fn decode_prefix(b: &[u8]) -> Result<Prefix, DecodeError> {
         return Err(DecodeError::BadMagic(magic));
     }
     let kind = Kind::from_u8(p[2]).ok_or(DecodeError::UnknownKind(p[2]))?;
-    if p[3] != 0 {
-        return Err(DecodeError::BadFlags(p[3]));
-    }
+    let imm_len = match (kind, p[3]) {
+        (_, 0) => 0,
+        (Kind::WriteImm, n) if usize::from(n) <= MAX_IMM => n,
+        (_, f) => return Err(DecodeError::BadFlags(f)),
+    };
     let len = u32::from_le_bytes([p[4], p[5], p[6], p[7]]);
     let bad_len = DecodeError::BadLength { kind, len };
     match kind {
-        Kind::Write | Kind::ReadResp => {
-            let fixed = if kind == Kind::Write { WRITE_FIELDS } else { STATUS_FIELDS } as u32;
+        Kind::Write | Kind::WriteImm | Kind::ReadResp => {
+            let fixed = match kind {
+                Kind::Write => WRITE_FIELDS,
+                Kind::WriteImm => WRITE_FIELDS + usize::from(imm_len),
+                _ => STATUS_FIELDS,
+            } as u32;
             if len < fixed {
                 return Err(bad_len);
             }
@@ -416,7 +466,7 @@ pub fn decode_prefix(b: &[u8]) -> Result<Prefix, DecodeError> {
         }
         Kind::Read | Kind::Completion | Kind::Message => {}
     }
-    Ok(Prefix { kind, len })
+    Ok(Prefix { kind, len, imm_len })
 }
 
 /// Decodes a frame's fields (`fields` must be exactly
@@ -432,18 +482,22 @@ pub fn decode_fields(prefix: &Prefix, fields: &[u8]) -> Result<Body, DecodeError
             let endpoint = c.name()?;
             Body::Hello { name, endpoint }
         }
-        Kind::Write | Kind::Read => {
+        Kind::Write | Kind::WriteImm | Kind::Read => {
             let wr_id = c.u64()?;
             let key = c.u64()?;
             let addr = c.u64()?;
             let slot = SlotId(c.u32()?);
             let generation = Generation(c.u64()?);
-            let len = if prefix.kind == Kind::Write { prefix.payload_len() as u32 } else { c.u32()? };
+            let len = if prefix.kind == Kind::Read { c.u32()? } else { prefix.payload_len() as u32 };
             let h = AccessHeader { wr_id, key, addr, slot, generation, len };
-            if prefix.kind == Kind::Write {
-                Body::Write(h)
-            } else {
-                Body::Read(h)
+            match prefix.kind {
+                Kind::Write => Body::Write(h),
+                Kind::Read => Body::Read(h),
+                _ => {
+                    let imm = Immediate::new(c.take(usize::from(prefix.imm_len))?)
+                        .ok_or(DecodeError::BadFlags(prefix.imm_len))?;
+                    Body::WriteImm(h, imm)
+                }
             }
         }
         Kind::ReadResp | Kind::Completion => {
@@ -591,27 +645,32 @@ fn put_name(out: &mut Vec<u8>, s: &str) -> Result<(), EncodeError> {
 /// Encodes a frame's prefix and fields; a data frame's `payload_len` bytes of
 /// payload must follow (WRITE: `payload_len` must equal the header's `len`).
 pub fn encode_head(body: &Body, payload_len: usize) -> Result<Vec<u8>, EncodeError> {
-    let has_payload = matches!(body, Body::Write(_) | Body::ReadResp { .. } | Body::Message);
+    let has_payload = matches!(body, Body::Write(_) | Body::WriteImm(..) | Body::ReadResp { .. } | Body::Message);
     let max = if matches!(body, Body::Message) { MAX_CONTROL } else { MAX_PAYLOAD };
     if (!has_payload && payload_len != 0) || payload_len > max as usize {
         return Err(EncodeError::Payload(payload_len));
     }
-    if let Body::Write(h) = body {
+    if let Body::Write(h) | Body::WriteImm(h, _) = body {
         if h.len as usize != payload_len {
             return Err(EncodeError::Payload(payload_len));
         }
     }
-    let mut out = Vec::with_capacity(PREFIX_LEN + READ_FIELDS);
+    let imm = match body {
+        Body::WriteImm(_, imm) => imm.as_bytes(),
+        _ => &[],
+    };
+    let mut out = Vec::with_capacity(PREFIX_LEN + READ_FIELDS + imm.len());
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.push(body.kind() as u8);
-    out.push(0);
+    // The flags byte: the immediate's length (`Immediate` holds at most MAX_IMM).
+    out.push(imm.len() as u8);
     out.extend_from_slice(&[0; 4]);
     match body {
         Body::Hello { name, endpoint } => {
             put_name(&mut out, name)?;
             put_name(&mut out, endpoint)?;
         }
-        Body::Write(h) | Body::Read(h) => {
+        Body::Write(h) | Body::WriteImm(h, _) | Body::Read(h) => {
             out.extend_from_slice(&h.wr_id.to_le_bytes());
             out.extend_from_slice(&h.key.to_le_bytes());
             out.extend_from_slice(&h.addr.to_le_bytes());
@@ -620,6 +679,7 @@ pub fn encode_head(body: &Body, payload_len: usize) -> Result<Vec<u8>, EncodeErr
             if matches!(body, Body::Read(_)) {
                 out.extend_from_slice(&h.len.to_le_bytes());
             }
+            out.extend_from_slice(imm);
         }
         Body::ReadResp { wr_id, status } | Body::Completion { wr_id, status } => {
             if matches!(body, Body::ReadResp { .. }) && *status != WireStatus::Ok && payload_len != 0 {
@@ -653,6 +713,8 @@ mod tests {
         let bodies = [
             (Body::Hello { name: "a".into(), endpoint: "127.0.0.1:1".into() }, 0),
             (Body::Write(h), 6),
+            (Body::WriteImm(h, Immediate::new(b"notify").unwrap()), 6),
+            (Body::WriteImm(h, Immediate::new(&[9; MAX_IMM]).unwrap()), 6),
             (Body::Read(h), 0),
             (Body::ReadResp { wr_id: 1, status: WireStatus::Ok }, 3),
             (Body::ReadResp { wr_id: 1, status: WireStatus::Rejected(RejectReason::StaleGeneration) }, 0),
@@ -700,6 +762,10 @@ mod tests {
         assert_eq!(decode(&[0x00, 0x00, 1, 0, 0, 0, 0, 0]), Err(DecodeError::BadMagic(0)));
         assert_eq!(decode(&[0x56, 0x4B, 99, 0, 0, 0, 0, 0]), Err(DecodeError::UnknownKind(99)));
         assert_eq!(decode(&[0x56, 0x4B, 2, 1, 0, 0, 0, 0]), Err(DecodeError::BadFlags(1)));
+        // Flags are a WRITE_IMM's immediate length only, and at most MAX_IMM.
+        assert_eq!(decode(&[0x56, 0x4B, 10, MAX_IMM as u8 + 1, 0, 0, 0, 0]), Err(DecodeError::BadFlags(65)));
+        assert!(matches!(decode(&[0x56, 0x4B, 10, 4, 39, 0, 0, 0]), Err(DecodeError::BadLength { .. })));
+        assert!(Immediate::new(&[0; MAX_IMM + 1]).is_none());
         assert!(matches!(decode(&[0x56, 0x4B, 2, 0, 0xff, 0xff, 0xff, 0xff]), Err(DecodeError::Oversize { .. })));
         assert!(matches!(decode(&[0x56, 0x4B, 5, 0, 3, 0, 0, 0]), Err(DecodeError::BadLength { .. })));
         let mut c = encode_head(&Body::Completion { wr_id: 1, status: WireStatus::Ok }, 0).unwrap();

@@ -720,8 +720,11 @@ fn messages_and_raw_callbacks() {
 
 /// A raw WRITE sent from the initiator's own registered region completes to
 /// the completion queue it names, once, with its token; the bytes land. A
-/// rejected one completes there too, with the reason; an unknown region or
-/// a range outside it is refused at once and completes nowhere.
+/// rejected one completes there too, with the reason; an unknown region, a
+/// range outside it or an oversize immediate is refused at once and
+/// completes nowhere. A WRITE with an immediate hands the immediate to the
+/// target's application after its bytes landed, and a rejected one hands
+/// over nothing.
 #[test]
 fn raw_write_from_a_registered_region_completes_to_its_queue() {
     type Entry = (u64, Result<Option<Bytes>, TransferError>);
@@ -738,21 +741,44 @@ fn raw_write_from_a_registered_region_completes_to_its_queue() {
     p.ipool.region().write(SLOT, &[5; 64]).unwrap();
     let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
     let access = RawAccess::of(&remote, 0).unwrap();
+    // The target's application sees each immediate with the bytes it
+    // follows already in its slot.
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (s, tpool) = (seen.clone(), p.tpool.clone());
+    p.target.set_message_hook(Some(Arc::new(move |_, _, imm: &[u8]| {
+        // The immediate's first byte names the slot it follows.
+        s.lock().unwrap().push((imm.to_vec(), slot_bytes(&tpool, u32::from(imm[0]))[0]));
+    })));
     let q = Arc::new(Queue::default());
-    p.init.write_raw_registered(init_peer, access, (local_key, SLOT, 64), q.clone(), 7).unwrap();
+    p.init.write_raw_registered(init_peer, access, (local_key, SLOT, 64), &[], q.clone(), 7).unwrap();
     wait_until("one completion", || q.0.lock().unwrap().len() == 1);
     assert_eq!(q.0.lock().unwrap()[0], (7, Ok(None)));
     assert_eq!(&slot_bytes(&p.tpool, access.slot.0)[..64], &[5; 64]);
-    let stale = RawAccess { generation: Generation(access.generation.0 + 1), ..access };
-    p.init.write_raw_registered(init_peer, stale, (local_key, 0, 64), q.clone(), 8).unwrap();
+    p.ipool.region().write(SLOT, &[6; 64]).unwrap();
+    let imm = [access.slot.0 as u8, 1, 2, 3];
+    p.init.write_raw_registered(init_peer, access, (local_key, SLOT, 64), &imm, q.clone(), 8).unwrap();
     wait_until("two completions", || q.0.lock().unwrap().len() == 2);
-    assert_eq!(q.0.lock().unwrap()[1], (8, Err(TransferError::Rejected(RejectReason::StaleGeneration))));
-    for bad in [(local_key ^ 1, 0, 64), (local_key, SLOTS * SLOT - 32, 64), (local_key, usize::MAX, 2)] {
-        let r = p.init.write_raw_registered(init_peer, access, bad, q.clone(), 9);
-        assert!(matches!(r, Err(NicError::LocalRange { .. })), "{bad:?}: {r:?}");
+    assert_eq!(q.0.lock().unwrap()[1], (8, Ok(None)));
+    wait_until("the immediate", || seen.lock().unwrap().len() == 1);
+    assert_eq!(seen.lock().unwrap()[0], (imm.to_vec(), 6), "the immediate comes after its bytes");
+    let stale = RawAccess { generation: Generation(access.generation.0 + 1), ..access };
+    p.init.write_raw_registered(init_peer, stale, (local_key, 0, 64), &imm, q.clone(), 9).unwrap();
+    wait_until("three completions", || q.0.lock().unwrap().len() == 3);
+    assert_eq!(q.0.lock().unwrap()[2], (9, Err(TransferError::Rejected(RejectReason::StaleGeneration))));
+    let big = [0u8; wire::MAX_IMM + 1];
+    let refused = [
+        ((local_key ^ 1, 0, 64), &[][..]),
+        ((local_key, SLOTS * SLOT - 32, 64), &[]),
+        ((local_key, usize::MAX, 2), &[]),
+        ((local_key, 0, 64), &big[..]),
+    ];
+    for (range, imm) in refused {
+        let r = p.init.write_raw_registered(init_peer, access, range, imm, q.clone(), 10);
+        assert!(matches!(r, Err(NicError::LocalRange { .. } | NicError::TooLarge(_))), "{range:?}: {r:?}");
     }
     std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(q.0.lock().unwrap().len(), 2, "a refused post completes nowhere, a posted one once");
+    assert_eq!(q.0.lock().unwrap().len(), 3, "a refused post completes nowhere, a posted one once");
+    assert_eq!(seen.lock().unwrap().len(), 1, "a rejected write hands no immediate over");
     p.target.revoke(&exposed);
     settle_within(exposed).release();
 }
