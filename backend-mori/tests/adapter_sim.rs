@@ -196,6 +196,51 @@ fn stale_inbound_status_is_dropped_and_counted() {
     wait_settled(exposed, LONG).expect("settled").release();
 }
 
+/// A one-segment WRITE's success notification rides with its data (the
+/// simulator's WRITE_IMM): the initiator's NIC sends no message for it, and
+/// the target files it once. A refused write delivers no immediate; the
+/// engine then sends the failure itself, under the number it had taken.
+#[test]
+fn a_carried_notification_arrives_once_and_a_failure_goes_under_its_number() {
+    let p = pair(1);
+    let nic_messages = |side: &MoriSide| {
+        let s = side.transport.nic().unwrap().stats();
+        (s.messages_sent, s.messages_received)
+    };
+    let (exposed, remote) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    let old = remote.slots[0];
+    let mut h =
+        block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
+            .expect("post");
+    wait_handle(&mut h, LONG).expect("done").lease.release();
+    wait_settled(exposed, LONG).expect("settled by the carried notification").release();
+    assert_eq!(nic_messages(&p.prefill).0, 0, "no separate message for a carried notification");
+    assert_eq!(nic_messages(&p.decode).1, 1, "the immediate, once");
+    let (sent, got) = (p.prefill.engine.stats(), p.decode.engine.stats());
+    assert_eq!((sent.notifications_sent, got.notifications_received, got.notifications_duplicate), (1, 1, 0));
+
+    // A write under a stale generation: refused, so no immediate; the
+    // failure goes as a message, and nothing is counted twice.
+    let (_exposed, _remote) =
+        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
+    let (mem, local) = (
+        p.decode.transfer.memory_desc(&p.decode.pool).unwrap(),
+        p.prefill.transfer.memory_desc(&p.prefill.pool).unwrap(),
+    );
+    let tag = Tag::new((1 << 63) | (u64::from(mem.id) << 32) | u64::from(old.slot.0), old.generation.0);
+    let uid = p.prefill.engine.allocate_transfer_unique_id();
+    let st = p.prefill.engine.write(&local, 0, &mem, old.addr - mem.addr, SLOT as u64, uid, tag);
+    assert_eq!(st.wait_for(LONG), StatusCode::RdmaOp, "{}", st.message());
+    let deadline = Instant::now() + LONG;
+    while p.decode.engine.stats().notifications_received < 2 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(nic_messages(&p.prefill).0, 1, "the failure, as a message");
+    let (sent, got) = (p.prefill.engine.stats(), p.decode.engine.stats());
+    assert_eq!((sent.notifications_sent, got.notifications_received, got.notifications_duplicate), (2, 2, 0));
+}
+
 #[test]
 fn abort_while_a_write_is_held_keeps_the_slot_until_the_ack() {
     let (p, gate) = gated_pair(2, slow_ladder());
