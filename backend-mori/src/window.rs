@@ -89,6 +89,10 @@ impl NotifWindow {
 
     /// Moves `base` over every number already seen right after it.
     fn advance(&mut self) {
+        // In order (the usual case): nothing held ahead, nothing to look up.
+        if self.ahead.is_empty() {
+            return;
+        }
         // Bounded: each turn removes one element of `ahead`.
         while self.ahead.remove(&self.base) {
             self.base = self.base.wrapping_add(1);

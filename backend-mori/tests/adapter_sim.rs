@@ -242,7 +242,7 @@ fn a_carried_notification_arrives_once_and_a_failure_goes_under_its_number() {
 }
 
 #[test]
-fn abort_while_a_write_is_held_keeps_the_slot_until_the_ack() {
+fn abort_while_a_write_is_held_keeps_the_slot_until_the_write_is_over() {
     let (p, gate) = gated_pair(2, slow_ladder());
     let (exposed, remote) =
         p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
@@ -271,13 +271,19 @@ fn abort_while_a_write_is_held_keeps_the_slot_until_the_ack() {
     other.release();
     assert!(wait_handle(&mut h, Duration::from_millis(50)).is_none());
 
-    // The write lands; its terminal status lets the initiator ack; the ack frees the slot.
+    // The write lands. The notification riding behind its data settles the
+    // slot (`Completed`), and its terminal status lets the initiator ack
+    // (whichever reaches the target first frees the slot; the other is stale).
     gate.open();
     let out = wait_handle(&mut h, LONG).expect("write completes");
     assert_eq!(out.result, Ok(()));
     out.lease.release();
     let m = wait_metrics(&p.decode.pool, LONG, |m| m.free == 2);
     assert_eq!((m.free, m.quarantined), (2, 0));
+    let deadline = Instant::now() + LONG;
+    while p.prefill.transfer.stats().abort_acks_sent == 0 && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(2));
+    }
     assert_eq!(p.prefill.transfer.stats().abort_acks_sent, 1);
     assert!(m.settled_completed >= 1 && m.settled_revoked == 0 && m.settled_fenced == 0, "{m:?}");
     p.decode.pool.check_invariants().unwrap();
