@@ -10,7 +10,7 @@
 //! - raw/repost: one request created once and re-posted (the cheapest raw loop);
 //! - raw/fresh: a request created, posted, polled, released per transfer (what an
 //!   adapter must do, since each lease names different memory and tenancies);
-//! - adapter qd1: `Transfer::write` + `block_on(handle)` per transfer, default
+//! - adapter qd1: `Transfer::write` + `block_on(handle)` (core's, the executor the crate offers callers without a runtime) per transfer, default
 //!   `AdapterConfig` except that the driver polls (`Progress::Driver`: no agent
 //!   progress thread on the initiator, as in the raw loops), notify off (the raw
 //!   loops send none); the default `request_cache` re-posts completed requests;
@@ -30,9 +30,10 @@ use std::time::{Duration, Instant};
 
 use backend_nixl::adapter::{AdapterConfig, NixlTransfer, Progress};
 use backend_nixl::engine::{Agent, AgentConfig, HostBuffer, NixlLibrary, XferOp, XferState};
-use futures::executor::block_on;
+
 use kv_transfer_core::{
-    Exposed, HostRegion, PoolConfig, RemoteSlots, Reserved, SlotLease, Transfer, TransferHandle, TransferOptions,
+    block_on, Exposed, HostRegion, PoolConfig, RemoteSlots, Reserved, SlotLease, Transfer, TransferHandle,
+    TransferOptions,
 };
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
