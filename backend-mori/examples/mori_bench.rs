@@ -3,7 +3,8 @@
 //! `cargo run --release --example mori_bench -p backend-mori [secs] [rounds]`.
 //!
 //! `MORI_BENCH_ONLY=bare|mori` runs one side, `MORI_BENCH_BLOCKS=65536,...`
-//! picks block sizes (for profiling).
+//! picks block sizes (for profiling), `MORI_BENCH_THREADS` and
+//! `MORI_BENCH_BATCH` change the 4 threads × 32 writes.
 //!
 //! Each round runs the bare bench and the MORI bench back to back (the order
 //! alternates between rounds); the figures are medians over the rounds, and
@@ -57,10 +58,13 @@ fn main() {
         .map(|v| v.split(',').filter_map(|b| b.parse().ok()).collect())
         .unwrap_or_else(|| vec![64 << 10, 1 << 20]);
     for block in blocks {
+        let knob = |name: &str, default: usize| {
+            std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0).unwrap_or(default)
+        };
         let cfg = BenchConfig {
             block_size: block,
-            batch: 32,
-            threads: 4,
+            batch: knob("MORI_BENCH_BATCH", 32),
+            threads: knob("MORI_BENCH_THREADS", 4),
             duration: Duration::from_secs_f64(secs),
             warmup: Duration::from_millis(300),
             ..BenchConfig::default()
