@@ -36,7 +36,10 @@
 //! - **Silent failures**: the initiator notifies the target of every terminal
 //!   transfer, success *or failure*, with the caller's [`Tag`] (MORI notifies
 //!   successes only). A transfer rejected by validation is notified too when
-//!   the peer is known and the uid is not pending (nothing was posted).
+//!   the peer is known and the uid is not pending (nothing was posted). Over
+//!   a transport that carries notifications with the data (the simulator), a
+//!   one-segment WRITE's success rides behind its bytes and only a failure
+//!   is sent on its own, under the same sequence number.
 //! - **Wrap-around**: transfer ids are full `u64`, allocated with wrapping
 //!   arithmetic and only compared for equality; a uid still pending towards the
 //!   same peer is refused (`BAD_STATE`). Notification sequence numbers are

@@ -3,11 +3,13 @@
 //! real wire in CI.
 //!
 //! - **Data** moves with the simulator's one-sided raw operations
-//!   ([`SimNic::write_raw`] / [`SimNic::read_raw`]), so the simulated NIC's
-//!   checks apply to every access: key, length, bounds, and the generation
-//!   bound to the slot for the connection the access arrives on. A write is
-//!   sent straight from registered memory (no copy); a read lands in a buffer
-//!   and is copied into the local region before its completion is reported.
+//!   ([`SimNic::write_raw_registered`] / [`SimNic::read_raw_with`]), so the
+//!   simulated NIC's checks apply to every access: key, length, bounds, and
+//!   the generation bound to the slot for the connection the access arrives
+//!   on. A write is sent straight from registered memory (no copy) and
+//!   completes to its region (a completion queue: no callback per write); a
+//!   read lands in a buffer and is copied into the local region before its
+//!   completion is reported.
 //! - **Per-slot grants**: a region registered with a slot size
 //!   ([`MemoryRegion::with_slot_size`]) is also registered with the NIC as a
 //!   *shadow* pool of the same layout, every slot of which this transport
@@ -24,13 +26,18 @@
 //!   control message), then the body. They need no socket or thread of
 //!   their own, and the simulator's sender batches them with the data. The
 //!   sender's engine key is the connection's name.
+//! - **Carried notifications** ([`MoriTransport::carries_notifications`]): a
+//!   one-segment WRITE's success notification is the WRITE's immediate (the
+//!   simulator's WRITE_IMM), which the target's NIC hands over as a message
+//!   once the bytes landed and never for a refused write; the engine sends
+//!   only failures itself. This is MORI's own order (a notification right
+//!   behind the data on the queue pair) without a message per transfer.
 //! - **Fence** tears down every simulator connection to the peer (joined;
 //!   in-flight raw operations fail). Nothing is sent to a fenced peer until
 //!   the engine connects it again.
 //!
-//! Completions: every raw operation is posted with a completion callback
-//! ([`SimNic::write_raw_with`]), which runs on the simulator's receiving
-//! thread. With an event sink ([`MoriTransport::set_event_sink`], which the
+//! Completions: a write completes to its region, a read through a callback
+//! ([`SimNic::read_raw_with`]), both on the simulator's receiving thread. With an event sink ([`MoriTransport::set_event_sink`], which the
 //! engine installs) the completion, and every inbound notification and
 //! message, goes straight to the engine on that thread: no thread waits on
 //! a handle and no extra thread hop sits between the NIC and the engine,
