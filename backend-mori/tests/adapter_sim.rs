@@ -12,8 +12,8 @@ use backend_mori::harness::{sim_pair, MoriSide, PairConfig, SimPair};
 use backend_mori::{EngineConfig, IoEngine, MoriEngine, SimTransport, SimTransportConfig, StatusCode, Tag};
 use backend_tcp_sim::{block_on, Gate};
 use kv_transfer_core::{
-    EscalationLadder, Exposed, MetricsSnapshot, RemoteSlots, Settled, SlotLease, SlotPool, Transfer, TransferHandle,
-    TransferOptions, TransferOutcome,
+    EscalationLadder, Exposed, MetricsSnapshot, RemoteSlot, RemoteSlots, Settled, SlotLease, SlotPool, Transfer,
+    TransferHandle, TransferOptions, TransferOutcome,
 };
 
 const LONG: Duration = Duration::from_secs(10);
@@ -143,21 +143,35 @@ fn foreign_pool_and_bad_descriptor_hand_the_lease_back() {
     assert_eq!(p.prefill.pool.metrics().free, 4);
 }
 
-#[test]
-fn stale_inbound_status_is_dropped_and_counted() {
-    let p = pair(1);
-    let mem = p.decode.transfer.memory_desc(&p.decode.pool).unwrap();
-    let local = p.prefill.transfer.memory_desc(&p.prefill.pool).unwrap();
-
-    // First tenancy of decode's only slot: written and settled.
+/// Exposes decode's first free slot, writes it through the adapters, and
+/// waits until both ends are settled; returns the tenancy written.
+fn write_one_and_settle(p: &SimPair) -> RemoteSlot {
     let (exposed, remote) =
         p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
-    let old = remote.slots[0];
     let mut h =
         block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
             .expect("post");
     wait_handle(&mut h, LONG).expect("done").lease.release();
     wait_settled(exposed, LONG).expect("settled").release();
+    remote.slots[0]
+}
+
+/// A write under `old` (a tenancy since moved on), straight through the
+/// prefill engine with a settling tag: the decode NIC refuses it.
+fn late_write_is_refused(p: &SimPair, old: RemoteSlot) {
+    let mem = p.decode.transfer.memory_desc(&p.decode.pool).unwrap();
+    let local = p.prefill.transfer.memory_desc(&p.prefill.pool).unwrap();
+    let tag = Tag::new((1 << 63) | (u64::from(mem.id) << 32) | u64::from(old.slot.0), old.generation.0);
+    let uid = p.prefill.engine.allocate_transfer_unique_id();
+    let st = p.prefill.engine.write(&local, 0, &mem, old.addr - mem.addr, SLOT as u64, uid, tag);
+    assert_eq!(st.wait_for(LONG), StatusCode::RdmaOp, "{}", st.message());
+}
+
+#[test]
+fn stale_inbound_status_is_dropped_and_counted() {
+    let p = pair(1);
+    // First tenancy of decode's only slot: written and settled.
+    let old = write_one_and_settle(&p);
 
     // Second tenancy of the same slot, exposed again.
     let (exposed, remote) =
@@ -168,10 +182,7 @@ fn stale_inbound_status_is_dropped_and_counted() {
     // A late write under the old generation, straight through the engine:
     // the simulated NIC rejects it, and its (failed) inbound status names a
     // stale tenancy, so the target drops it.
-    let tag = Tag::new((1 << 63) | (u64::from(mem.id) << 32) | u64::from(old.slot.0), old.generation.0);
-    let uid = p.prefill.engine.allocate_transfer_unique_id();
-    let st = p.prefill.engine.write(&local, 0, &mem, old.addr - mem.addr, SLOT as u64, uid, tag);
-    assert_eq!(st.wait_for(LONG), StatusCode::RdmaOp, "{}", st.message());
+    late_write_is_refused(&p, old);
     let s = {
         let deadline = Instant::now() + LONG;
         loop {
@@ -207,14 +218,7 @@ fn a_carried_notification_arrives_once_and_a_failure_goes_under_its_number() {
         let s = side.transport.nic().unwrap().stats();
         (s.messages_sent, s.messages_received)
     };
-    let (exposed, remote) =
-        p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
-    let old = remote.slots[0];
-    let mut h =
-        block_on(p.prefill.transfer.write(p.prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default()))
-            .expect("post");
-    wait_handle(&mut h, LONG).expect("done").lease.release();
-    wait_settled(exposed, LONG).expect("settled by the carried notification").release();
+    let old = write_one_and_settle(&p);
     assert_eq!(nic_messages(&p.prefill).0, 0, "no separate message for a carried notification");
     assert_eq!(nic_messages(&p.decode).1, 1, "the immediate, once");
     let (sent, got) = (p.prefill.engine.stats(), p.decode.engine.stats());
@@ -224,14 +228,7 @@ fn a_carried_notification_arrives_once_and_a_failure_goes_under_its_number() {
     // failure goes as a message, and nothing is counted twice.
     let (_exposed, _remote) =
         p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), p.prefill_at_decode).expect("expose");
-    let (mem, local) = (
-        p.decode.transfer.memory_desc(&p.decode.pool).unwrap(),
-        p.prefill.transfer.memory_desc(&p.prefill.pool).unwrap(),
-    );
-    let tag = Tag::new((1 << 63) | (u64::from(mem.id) << 32) | u64::from(old.slot.0), old.generation.0);
-    let uid = p.prefill.engine.allocate_transfer_unique_id();
-    let st = p.prefill.engine.write(&local, 0, &mem, old.addr - mem.addr, SLOT as u64, uid, tag);
-    assert_eq!(st.wait_for(LONG), StatusCode::RdmaOp, "{}", st.message());
+    late_write_is_refused(&p, old);
     let deadline = Instant::now() + LONG;
     while p.decode.engine.stats().notifications_received < 2 && Instant::now() < deadline {
         thread::sleep(Duration::from_millis(2));

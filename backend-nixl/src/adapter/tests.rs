@@ -632,20 +632,28 @@ fn request_cache_reposts_only_completed_requests_and_releases_them_before_teardo
     assert!(at("invalidate") < at("deregister"), "{:?}", g.log);
 }
 
-#[test]
-fn inline_poll_finishes_in_the_posting_thread_only_at_a_terminal_status() {
-    // Default request cache and a generous inline window: the mock's requests end
-    // while the posting thread polls them.
+/// An initiator whose requests behave as `b` (request cache 4, a 1 s inline
+/// window) and a target, a 4-slot pool on each, each the other's peer:
+/// `(sim, ini, tgt, src, dst, ini as the target numbers it)`.
+fn inline_rig(b: Behaviour) -> (Shared, NixlTransfer, NixlTransfer, SlotPool, SlotPool, PeerId) {
     let sim: Shared = Arc::default();
-    lock(&sim).behaviour = Some(Behaviour::DoneAfter(3));
+    lock(&sim).behaviour = Some(b);
     let cfg = AdapterConfig { inline_poll: Duration::from_secs(1), request_cache: 4, ..fast() };
-    assert_eq!(AdapterConfig::default().request_cache, 64, "the cache is on by default");
     let ini = NixlTransfer::new(Arc::new(mock(&sim, "ini", "tgt")), cfg).expect("ini");
     let tgt = NixlTransfer::new(Arc::new(mock(&sim, "tgt", "ini")), fast()).expect("tgt");
     let src = ini.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
     let dst = tgt.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
     ini.add_peer(b"tgt").expect("peer");
     let to_ini = tgt.add_peer(b"ini").expect("peer");
+    (sim, ini, tgt, src, dst, to_ini)
+}
+
+#[test]
+fn inline_poll_finishes_in_the_posting_thread_only_at_a_terminal_status() {
+    // Default request cache and a generous inline window: the mock's requests end
+    // while the posting thread polls them.
+    assert_eq!(AdapterConfig::default().request_cache, 64, "the cache is on by default");
+    let (sim, ini, tgt, src, dst, to_ini) = inline_rig(Behaviour::DoneAfter(3));
     let (exposed, remote) = tgt.expose(dst.reserve(1).expect("r"), to_ini).expect("expose");
     let mut lease = src.reserve(1).expect("r");
     for i in 0..3u64 {
@@ -695,15 +703,7 @@ fn a_repost_done_at_the_first_status_poll_completes_in_the_post_and_an_error_the
     // a cached request is then finished at the one status poll made under the
     // adapter's lock: no op registered, the request kept (never released), the
     // lease settled only after the terminal status.
-    let sim: Shared = Arc::default();
-    lock(&sim).behaviour = Some(Behaviour::DoneAfter(0));
-    let cfg = AdapterConfig { inline_poll: Duration::from_secs(1), request_cache: 4, ..fast() };
-    let ini = NixlTransfer::new(Arc::new(mock(&sim, "ini", "tgt")), cfg).expect("ini");
-    let tgt = NixlTransfer::new(Arc::new(mock(&sim, "tgt", "ini")), fast()).expect("tgt");
-    let src = ini.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
-    let dst = tgt.register_pool(Arc::new(HostRegion::new(4 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
-    ini.add_peer(b"tgt").expect("peer");
-    let to_ini = tgt.add_peer(b"ini").expect("peer");
+    let (sim, ini, tgt, src, dst, to_ini) = inline_rig(Behaviour::DoneAfter(0));
     let (exposed, remote) = tgt.expose(dst.reserve(1).expect("r"), to_ini).expect("expose");
     let mut lease = src.reserve(1).expect("r");
     for i in 0..3u64 {
