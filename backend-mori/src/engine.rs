@@ -786,15 +786,16 @@ impl Inner {
 
     /// `local` must be a live registration of this engine.
     fn check_local(&self, state: &State, local: &MemoryDesc) -> Result<(), (StatusCode, String)> {
-        self.local_mem(&state.memory, local).map(|_| ())
+        self.check_local_in(&state.memory, local)
     }
 
-    /// The registration `local` names, if it is a live one of this engine.
-    fn local_mem<'m>(
+    /// [`Self::check_local`] against the registrations alone (so a caller
+    /// may hold other parts of the state mutably).
+    fn check_local_in(
         &self,
-        memory: &'m HashMap<MemoryId, LocalMem>,
+        memory: &HashMap<MemoryId, LocalMem>,
         local: &MemoryDesc,
-    ) -> Result<&'m LocalMem, (StatusCode, String)> {
+    ) -> Result<(), (StatusCode, String)> {
         if local.engine_key != self.key {
             return Err((
                 StatusCode::InvalidArgs,
@@ -802,7 +803,7 @@ impl Inner {
             ));
         }
         match memory.get(&local.id) {
-            Some(mem) if mem.desc == *local => Ok(mem),
+            Some(mem) if mem.desc == *local => Ok(()),
             _ => Err((StatusCode::NotFound, format!("local memory {} is not registered (or stale)", local.id))),
         }
     }
@@ -817,7 +818,7 @@ impl Inner {
         if segments.is_empty() {
             return Err((StatusCode::InvalidArgs, "no segments".to_owned()));
         }
-        self.local_mem(memory, local)?;
+        self.check_local_in(memory, local)?;
         for (i, seg) in segments.iter().enumerate() {
             if seg.size == 0 {
                 return Err((StatusCode::InvalidArgs, format!("segment {i}: size 0")));
