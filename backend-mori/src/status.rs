@@ -360,6 +360,22 @@ impl TransferStatus {
 
     /// [`Self::on_complete_with_message`] for a listener that is an object
     /// shared already: no allocation per status.
+    ///
+    /// ```
+    /// use backend_mori::{StatusCode, StatusListener, Tag, TransferStatus};
+    /// use std::sync::{Arc, Mutex};
+    /// struct Op(Mutex<Option<StatusCode>>);
+    /// impl StatusListener for Op {
+    ///     fn on_status(self: Arc<Self>, code: StatusCode, _message: &str) {
+    ///         *self.0.lock().unwrap() = Some(code);
+    ///     }
+    /// }
+    /// let op = Arc::new(Op(Mutex::new(None)));
+    /// let (status, updater) = TransferStatus::posted(1, Tag::default());
+    /// status.on_complete_shared(op.clone());
+    /// updater.set(StatusCode::Success, "");
+    /// assert_eq!(*op.0.lock().unwrap(), Some(StatusCode::Success));
+    /// ```
     pub fn on_complete_shared(&self, listener: Arc<dyn StatusListener>) {
         self.listen(Listener::Shared(listener));
     }

@@ -315,6 +315,20 @@ impl TransferHandle {
     /// first poll, with no [`Completer`] and nothing shared. As with
     /// [`Completer::complete`], a proof that does not settle the lease
     /// quarantines it, the handle resolves `Abandoned`, and the error says why.
+    ///
+    /// ```
+    /// use kv_transfer_core::{block_on, HostRegion, PeerId, PoolConfig, SlotPool, TransferHandle};
+    /// use std::sync::Arc;
+    /// let (pool, authority) = SlotPool::new(Arc::new(HostRegion::new(2 * 64).unwrap()), PoolConfig::new(64)).unwrap();
+    /// let exposed = pool.reserve(1).unwrap().expose_local(PeerId(1));
+    /// // ... the backend's engine reported the transfer terminal inside its post ...
+    /// let proof = authority.completed_lease(&exposed);
+    /// let (handle, settled) = TransferHandle::completed(exposed, proof, Ok(()));
+    /// assert!(settled.is_ok());
+    /// let outcome = block_on(handle).unwrap();
+    /// outcome.lease.release();
+    /// assert_eq!(pool.metrics().free, 2);
+    /// ```
     pub fn completed(
         lease: SlotLease<Exposed>,
         proof: impl Into<Settlement>,
