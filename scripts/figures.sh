@@ -18,8 +18,8 @@ echo "== Mooncake: real vs ours, 1 MiB and 64 KiB (measure.sh, 4 s each)"
 DUR=4 CARGO_TARGET_DIR=target bash backend-mooncake/scripts/measure.sh 2>&1
 DUR=4 BLOCK=65536 CARGO_TARGET_DIR=target bash backend-mooncake/scripts/measure.sh 2>&1
 echo "== MORI adapter vs the bare simulator (median of per-round ratios)"
-MORI_BENCH_BLOCKS=65536 ./target/release/examples/mori_bench 1.5 8 2>&1 | tail -1
-MORI_BENCH_BLOCKS=1048576 ./target/release/examples/mori_bench 1.5 4 2>&1 | tail -1
+MORI_BENCH_BLOCKS=65536 ./target/release/examples/mori_bench 1.5 24 2>&1 | tail -1
+MORI_BENCH_BLOCKS=1048576 ./target/release/examples/mori_bench 1.5 12 2>&1 | tail -1
 echo "== NIXL: adapter vs raw C API (default UCX, then TCP)"
 KVT_BENCH_ROUNDS=9 KVT_BENCH_SECS=0.3 timeout 300 ./target/release/examples/adapter_bench 2>&1 | tail -5
 # NIXL refuses UCX_TLS=tcp alone on a machine with an NVIDIA GPU: add cuda_copy there.
