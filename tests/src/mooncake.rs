@@ -30,8 +30,7 @@
 
 use crate::ensure;
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
-use crate::sim::fill_tagged;
-use backend_mooncake::adapter::block_on;
+use crate::sim::post_tagged;
 use backend_mooncake::adapter::wire::{Kind, Message};
 use backend_mooncake::proto::NotifyDesc;
 use backend_mooncake::proto::{RequestHeader, TcpOpcode, HEADER_LEN};
@@ -42,7 +41,7 @@ use backend_mooncake::{
 };
 use kv_transfer_core::{
     Exposed, HostRegion, PeerId, PoolConfig, PoolId, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
-    TransferError, TransferHandle, TransferOptions,
+    TransferError, TransferHandle,
 };
 use std::any::Any;
 use std::io::{Read, Write};
@@ -365,11 +364,7 @@ impl Rig for MooncakeRig {
     }
     fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
         let Some(p) = &self.prefill else { return Err(Failure("the prefill side is dead".into())) };
-        let mut src = p.pool.reserve(remote.slots.len()).map_err(|e| fail("prefill reserve")(&e))?;
-        fill_tagged(&mut src, remote, request)?;
-        let h = block_on(p.transfer.write(src, remote, TransferOptions::default()))
-            .map_err(|e| Failure(format!("post: {}", e.kind)))?;
-        Ok(Some(h))
+        post_tagged(&p.transfer, &p.pool, remote, request).map(Some)
     }
     fn hold_writes(&self) -> bool {
         self.can_hold && self.prefill.as_ref().is_some_and(|p| p.gate.hold())

@@ -6,14 +6,13 @@
 
 use crate::ensure;
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
-use crate::sim::fill_tagged;
+use crate::sim::{post_tagged, start_stalled_write};
 use backend_mori::harness::{raw_sim_peer_desc, settle_tag, MoriSide, RawMoriPeer};
-use backend_mori::{EngineConfig, EngineKey, IoEngine, SimTransportConfig, StatusCode};
-use backend_tcp_sim::wire::{self, AccessHeader, Body};
-use backend_tcp_sim::{block_on, Gate, RawAccess};
+use backend_mori::{EngineConfig, IoEngine, SimTransportConfig, StatusCode};
+use backend_tcp_sim::{Gate, RawAccess};
 use kv_transfer_core::{
     Exposed, Generation, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy,
-    Transfer, TransferError, TransferHandle, TransferOptions,
+    Transfer, TransferError, TransferHandle,
 };
 use kv_transfer_examples::wait::wait_until;
 use std::any::Any;
@@ -155,11 +154,7 @@ impl Rig for MoriRig {
     }
     fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
         let p = self.prefill.as_ref().ok_or_else(|| Failure("the prefill side is dead".into()))?;
-        let mut src = p.pool.reserve(remote.slots.len()).map_err(|e| fail("prefill reserve")(&e))?;
-        fill_tagged(&mut src, remote, request)?;
-        let h = block_on(p.transfer.write(src, remote, TransferOptions::default()))
-            .map_err(|e| Failure(format!("post: {}", e.kind)))?;
-        Ok(Some(h))
+        post_tagged(&p.transfer, &p.pool, remote, request).map(Some)
     }
     fn hold_writes(&self) -> bool {
         self.gate.as_ref().map(Gate::hold).is_some()
@@ -253,19 +248,7 @@ impl Rig for MoriRig {
                 .map_err(|e| fail("add stalled peer")(&e))?;
             let (exposed, remote) =
                 self.decode.transfer.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
-            let slot = remote.slots[0];
-            let h = AccessHeader {
-                wr_id: 1,
-                key: remote.key,
-                addr: slot.addr,
-                slot: slot.slot,
-                generation: slot.generation,
-                len: self.slot_size as u32,
-            };
-            let head = wire::encode_head(&Body::Write(h), self.slot_size).map_err(|e| fail("encode")(&e))?;
-            s.write_all(&head).map_err(|e| fail("stalled write")(&e))?;
-            s.write_all(&vec![0x5a; self.slot_size / 2]).map_err(|e| fail("stalled write")(&e))?;
-            let _ = EngineKey::new(name);
+            start_stalled_write(&mut s, &remote, self.slot_size)?;
             Ok((exposed, Box::new(s) as Box<dyn Any>))
         })())
     }

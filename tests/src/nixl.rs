@@ -38,7 +38,7 @@
 //! side always runs in this process (no killed-process variant).
 
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
-use crate::sim::fill_tagged;
+use crate::sim::post_tagged;
 use backend_nixl::adapter::wire::{self, MsgKind};
 use backend_nixl::engine::{AgentConfig, NixlLibrary, INSTALL_HINT};
 use backend_nixl::{
@@ -411,11 +411,7 @@ impl Rig for NixlRig {
         if self.pgate.is_frozen() {
             return Err(Failure("the prefill side is dead".into()));
         }
-        let mut src = self.ppool.reserve(remote.slots.len()).map_err(|e| fail("prefill reserve")(&e))?;
-        fill_tagged(&mut src, remote, request)?;
-        let h = block_on(self.prefill.write(src, remote, TransferOptions::default()))
-            .map_err(|e| Failure(format!("post: {}", e.kind)))?;
-        Ok(Some(h))
+        post_tagged(&self.prefill, &self.ppool, remote, request).map(Some)
     }
     fn hold_writes(&self) -> bool {
         if self.can_hold {

@@ -46,6 +46,37 @@ pub(crate) fn raw_hello(endpoint: &str, name: &str) -> Result<TcpStream, Failure
     Ok(s)
 }
 
+/// Starts a WRITE of one slot (`slot_size` bytes) into `remote`'s first slot
+/// over a raw wire client and sends only half its payload: the target's NIC
+/// holds the access in flight, and the client never finishes it.
+pub(crate) fn start_stalled_write(s: &mut TcpStream, remote: &RemoteSlots, slot_size: usize) -> Result<(), Failure> {
+    let slot = remote.slots.first().ok_or_else(|| Failure("no slot to stall on".into()))?;
+    let h = AccessHeader {
+        wr_id: 1,
+        key: remote.key,
+        addr: slot.addr,
+        slot: slot.slot,
+        generation: slot.generation,
+        len: slot_size as u32,
+    };
+    let head = wire::encode_head(&Body::Write(h), slot_size).map_err(|e| fail("encode")(&e))?;
+    s.write_all(&head).map_err(|e| fail("stalled write")(&e))?;
+    s.write_all(&vec![0x5a; slot_size / 2]).map_err(|e| fail("stalled write")(&e))
+}
+
+/// Reserves a lease in `pool`, fills it with request `request`'s tagged
+/// payload for `remote`'s slots and posts it through `transfer`.
+pub(crate) fn post_tagged(
+    transfer: &dyn Transfer,
+    pool: &SlotPool,
+    remote: &RemoteSlots,
+    request: u64,
+) -> Result<TransferHandle, Failure> {
+    let mut src = pool.reserve(remote.slots.len()).map_err(|e| fail("prefill reserve")(&e))?;
+    fill_tagged(&mut src, remote, request)?;
+    block_on(transfer.write(src, remote, TransferOptions::default())).map_err(|e| Failure(format!("post: {}", e.kind)))
+}
+
 /// Fills a reserved lease with request `request`'s tagged payload for `remote`'s slots.
 pub fn fill_tagged(lease: &mut SlotLease<Reserved>, remote: &RemoteSlots, request: u64) -> Result<(), Failure> {
     for (i, s) in remote.slots.iter().enumerate() {
@@ -309,18 +340,7 @@ impl Rig for SimRig {
                 .ok_or_else(|| Failure("the stalled peer never showed up".into()))?;
             let (exposed, remote) =
                 self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
-            let slot = remote.slots[0];
-            let h = AccessHeader {
-                wr_id: 1,
-                key: remote.key,
-                addr: slot.addr,
-                slot: slot.slot,
-                generation: slot.generation,
-                len: self.slot_size as u32,
-            };
-            let head = wire::encode_head(&Body::Write(h), self.slot_size).map_err(|e| fail("encode")(&e))?;
-            s.write_all(&head).map_err(|e| fail("stalled write")(&e))?;
-            s.write_all(&vec![0x5a; self.slot_size / 2]).map_err(|e| fail("stalled write")(&e))?;
+            start_stalled_write(&mut s, &remote, self.slot_size)?;
             Ok((exposed, Box::new(s) as Box<dyn Any>))
         })())
     }
