@@ -23,13 +23,10 @@ impl Wake for ThreadWaker {
 }
 
 thread_local! {
-    /// This thread's waker, made once: a wait per operation then costs a
-    /// reference count, not an allocation.
+    /// This thread's waker, made once and lent to each wait: a wait costs
+    /// neither an allocation nor a reference count (two atomic operations
+    /// per wait, a measurable share of a fast completion).
     static THREAD_WAKER: Waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-}
-
-fn thread_waker() -> Waker {
-    THREAD_WAKER.with(Waker::clone)
 }
 
 /// Runs a future to completion on the current thread.
@@ -39,14 +36,15 @@ fn thread_waker() -> Waker {
 /// ```
 pub fn block_on<F: Future>(f: F) -> F::Output {
     let mut f = pin!(f);
-    let waker = thread_waker();
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
-            return v;
+    THREAD_WAKER.with(|waker| {
+        let mut cx = Context::from_waker(waker);
+        loop {
+            if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+                return v;
+            }
+            std::thread::park();
         }
-        std::thread::park();
-    }
+    })
 }
 
 /// Polls `fut` on the current thread until it resolves or `timeout` passes.
@@ -63,18 +61,67 @@ pub fn block_on<F: Future>(f: F) -> F::Output {
 /// ```
 pub fn poll_until<F: Future + ?Sized>(mut fut: Pin<&mut F>, timeout: Duration) -> Option<F::Output> {
     let deadline = Instant::now() + timeout;
-    let waker = thread_waker();
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-            return Some(v);
+    THREAD_WAKER.with(|waker| {
+        let mut cx = Context::from_waker(waker);
+        loop {
+            if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+                return Some(v);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            // Woken early by the waker; the short cap also covers futures that
+            // never register one.
+            std::thread::park_timeout((deadline - now).min(Duration::from_millis(2)));
         }
-        let now = Instant::now();
-        if now >= deadline {
-            return None;
+    })
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Pending until another thread sets the flag and wakes the waker it was
+    /// lent (the lent thread waker must unpark the waiting thread).
+    struct Flag {
+        set: Arc<AtomicBool>,
+        spawned: bool,
+    }
+
+    impl Future for Flag {
+        type Output = u32;
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<u32> {
+            if self.set.load(Ordering::Acquire) {
+                return Poll::Ready(7);
+            }
+            if !self.spawned {
+                self.spawned = true;
+                let (set, waker) = (self.set.clone(), cx.waker().clone());
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(5));
+                    set.store(true, Ordering::Release);
+                    waker.wake();
+                });
+            }
+            Poll::Pending
         }
-        // Woken early by the waker; the short cap also covers futures that
-        // never register one.
-        std::thread::park_timeout((deadline - now).min(Duration::from_millis(2)));
+    }
+
+    #[test]
+    fn a_wake_from_another_thread_ends_the_wait() {
+        let f = Flag { set: Arc::new(AtomicBool::new(false)), spawned: false };
+        assert_eq!(block_on(f), 7);
+        let mut f = Box::pin(Flag { set: Arc::new(AtomicBool::new(false)), spawned: false });
+        assert_eq!(poll_until(f.as_mut(), Duration::from_secs(10)), Some(7));
+    }
+
+    #[test]
+    fn waits_nest() {
+        // A future that blocks on another inside its poll borrows the same
+        // thread waker twice; both waits end.
+        let outer = async { block_on(Flag { set: Arc::new(AtomicBool::new(false)), spawned: false }) + 1 };
+        assert_eq!(block_on(outer), 8);
     }
 }
