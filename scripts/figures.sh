@@ -13,6 +13,8 @@ import json;r=json.load(open('${TMPDIR:-/tmp}/kvt-$round.json'))
 for x in r: print('round $round', x['backend'].ljust(9), str(x['block_size']).rjust(8), '%.3f GB/s'%x['gb_per_s'], 'p50 %d p99 %d us/batch'%(x['p50_us'],x['p99_us']))
 "
 done
+echo "== kvt bench: MORI against the bare simulator, 12 alternating rounds (median of per-round ratios)"
+./target/release/kvt bench --backend tcp-sim,mori --sweep 64KiB,1MiB --rounds 12 --duration 1500ms 2>/dev/null
 ./target/release/kvt bench --backend tcp-sim,mori,mooncake,nixl --sweep 64KiB,256KiB,1MiB,4MiB --duration 2s --plot ${TMPDIR:-/tmp}/sweep.svg --json > ${TMPDIR:-/tmp}/kvt-sweep.json 2>&1 && echo "sweep plot: /tmp/sweep.svg"
 echo "== Mooncake: real vs ours, 1 MiB and 64 KiB (measure.sh, 4 s each)"
 DUR=4 CARGO_TARGET_DIR=target bash backend-mooncake/scripts/measure.sh 2>&1

@@ -90,6 +90,83 @@ pub struct Outcome {
     pub p50_us: u64,
     /// 99th percentile batch latency, µs.
     pub p99_us: u64,
+    /// Which round of a `--rounds` run (0 for a single run).
+    pub round: usize,
+}
+
+/// One backend at one block size over the rounds of a `--rounds` run.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Summary {
+    /// Backend name.
+    pub backend: String,
+    /// Bytes per operation.
+    pub block_size: usize,
+    /// Rounds measured.
+    pub rounds: usize,
+    /// Median GB/s over the rounds.
+    pub gb_per_s: f64,
+    /// Lowest GB/s of a round.
+    pub gb_per_s_min: f64,
+    /// Highest GB/s of a round.
+    pub gb_per_s_max: f64,
+    /// Against the first backend listed, same block size: the median of the
+    /// per-round ratios (each round compares two runs seconds apart, so drift
+    /// on a shared machine cancels out). Absent for the first backend.
+    pub ratio: Option<f64>,
+    /// Lowest per-round ratio.
+    pub ratio_min: Option<f64>,
+    /// Highest per-round ratio.
+    pub ratio_max: Option<f64>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// Medians over rounds, and each backend's per-round ratio to the first of
+/// `backends` (rounds are paired by [`Outcome::round`]). One entry per
+/// backend and size that has results, in the order given.
+pub fn summarize(results: &[Outcome], backends: &[&str], sizes: &[usize]) -> Vec<Summary> {
+    let by_round = |backend: &str, size: usize| -> Vec<(usize, f64)> {
+        results.iter().filter(|r| r.backend == backend && r.block_size == size).map(|r| (r.round, r.gb_per_s)).collect()
+    };
+    let mut out = Vec::new();
+    for &size in sizes {
+        let base = backends.first().map(|b| by_round(b, size)).unwrap_or_default();
+        for (i, &backend) in backends.iter().enumerate() {
+            let runs = by_round(backend, size);
+            if runs.is_empty() {
+                continue;
+            }
+            let gb: Vec<f64> = runs.iter().map(|r| r.1).collect();
+            let ratios: Vec<f64> = if i == 0 {
+                Vec::new()
+            } else {
+                runs.iter()
+                    .filter_map(|&(round, g)| base.iter().find(|b| b.0 == round && b.1 > 0.0).map(|b| g / b.1))
+                    .collect()
+            };
+            let some = |f: f64| (!ratios.is_empty()).then_some(f);
+            out.push(Summary {
+                backend: backend.to_string(),
+                block_size: size,
+                rounds: runs.len(),
+                gb_per_s: median(&gb),
+                gb_per_s_min: gb.iter().copied().fold(f64::INFINITY, f64::min),
+                gb_per_s_max: gb.iter().copied().fold(0.0, f64::max),
+                ratio: some(median(&ratios)),
+                ratio_min: some(ratios.iter().copied().fold(f64::INFINITY, f64::min)),
+                ratio_max: some(ratios.iter().copied().fold(0.0, f64::max)),
+            });
+        }
+    }
+    out
 }
 
 fn quantile(sorted: &[u64], q: f64) -> u64 {
@@ -100,6 +177,7 @@ fn quantile(sorted: &[u64], q: f64) -> u64 {
 }
 
 fn outcome(backend: &str, mode: &str, p: &Params, bytes: u64, elapsed: Duration, mut lat: Vec<u64>) -> Outcome {
+    // Numbered by the caller (`bench_cmd`), which knows the round.
     lat.sort_unstable();
     let secs = elapsed.as_secs_f64();
     Outcome {
@@ -115,6 +193,7 @@ fn outcome(backend: &str, mode: &str, p: &Params, bytes: u64, elapsed: Duration,
         batches: lat.len(),
         p50_us: quantile(&lat, 0.5),
         p99_us: quantile(&lat, 0.99),
+        round: 0,
     }
 }
 
@@ -272,4 +351,61 @@ pub fn initiator(target: &str, p: &Params) -> anyhow::Result<Outcome> {
     let _ = send(&mut s, &json!({ "done": true }));
     let (bytes, elapsed, lat) = res?;
     Ok(outcome("tcp-sim", "initiator", p, bytes, elapsed, lat))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(backend: &str, block_size: usize, round: usize, gb_per_s: f64) -> Outcome {
+        Outcome {
+            backend: backend.into(),
+            mode: "loopback".into(),
+            op: "write".into(),
+            block_size,
+            batch: 1,
+            threads: 1,
+            bytes: 1,
+            elapsed_s: 1.0,
+            gb_per_s,
+            batches: 1,
+            p50_us: 1,
+            p99_us: 1,
+            round,
+        }
+    }
+
+    #[test]
+    fn ratios_pair_runs_of_the_same_round() {
+        // Round 1 is slow for both backends (a noisy neighbour): the
+        // per-round ratio sees through it, the ratio of medians would not.
+        let results = vec![
+            run("tcp-sim", 64, 0, 4.0),
+            run("mori", 64, 0, 3.6),
+            run("mori", 64, 1, 1.8),
+            run("tcp-sim", 64, 1, 2.0),
+            run("tcp-sim", 64, 2, 4.2),
+            run("mori", 64, 2, 4.2),
+        ];
+        let s = summarize(&results, &["tcp-sim", "mori"], &[64]);
+        assert_eq!(s.len(), 2);
+        assert_eq!((s[0].backend.as_str(), s[0].rounds, s[0].ratio), ("tcp-sim", 3, None));
+        assert_eq!((s[0].gb_per_s, s[0].gb_per_s_min, s[0].gb_per_s_max), (4.0, 2.0, 4.2));
+        let m = &s[1];
+        assert_eq!((m.backend.as_str(), m.gb_per_s), ("mori", 3.6));
+        assert!((m.ratio.unwrap_or(0.0) - 0.9).abs() < 1e-9, "{m:?}");
+        assert!((m.ratio_min.unwrap_or(0.0) - 0.9).abs() < 1e-9 && (m.ratio_max.unwrap_or(0.0) - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn sizes_are_kept_apart_and_even_counts_average_the_middle() {
+        let results = vec![run("a", 1, 0, 1.0), run("a", 1, 1, 3.0), run("a", 2, 0, 10.0), run("b", 2, 0, 5.0)];
+        let s = summarize(&results, &["a", "b"], &[1, 2]);
+        assert_eq!(
+            s.iter().map(|x| (x.backend.as_str(), x.block_size)).collect::<Vec<_>>(),
+            [("a", 1), ("a", 2), ("b", 2)]
+        );
+        assert_eq!(s[0].gb_per_s, 2.0);
+        assert_eq!(s[2].ratio, Some(0.5));
+    }
 }

@@ -120,6 +120,11 @@ struct BenchArgs {
     /// With --sweep: write an SVG chart of GB/s against block size here.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// Repeat every measurement this many times, alternating the backends'
+    /// order each round, and report medians and each backend's per-round
+    /// ratio to the first one listed (the way to compare on a noisy machine).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    rounds: u32,
     /// Print machine-readable JSON instead of the table (no progress bar).
     #[arg(long)]
     json: bool,
@@ -209,8 +214,11 @@ fn check_backend(b: Backend) -> anyhow::Result<()> {
 }
 
 fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
-    for &b in &a.backend {
+    for (i, &b) in a.backend.iter().enumerate() {
         check_backend(b)?;
+        if a.backend[..i].contains(&b) {
+            bail!("--backend lists {} twice", b.name());
+        }
     }
     let op = match a.op {
         OpArg::Read => Op::Read,
@@ -236,9 +244,21 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let sizes = a.sweep.clone().unwrap_or_else(|| vec![a.block_size]);
-    let runs: Vec<(Backend, usize)> = a.backend.iter().flat_map(|&b| sizes.iter().map(move |&s| (b, s))).collect();
+    let rounds = a.rounds as usize;
+    // Round by round, size by size, every backend back to back; odd rounds
+    // take the backends in reverse, so that none is always measured first.
+    let mut runs: Vec<(usize, Backend, usize)> = Vec::new();
+    for round in 0..rounds {
+        for &bs in &sizes {
+            let mut order = a.backend.clone();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            runs.extend(order.into_iter().map(|b| (round, b, bs)));
+        }
+    }
     let mut results = Vec::new();
-    for (i, &(backend, bs)) in runs.iter().enumerate() {
+    for (i, &(round, backend, bs)) in runs.iter().enumerate() {
         let p = bench::Params {
             op,
             block_size: bs,
@@ -249,8 +269,9 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
         };
         let total = (a.duration + a.warmup).as_millis() as u64;
         let pb = bar(total.max(1), a.json, "{msg} [{bar:40}] {elapsed_precise}");
+        let round_note = if rounds > 1 { format!(" (round {}/{rounds})", round + 1) } else { String::new() };
         pb.set_message(format!(
-            "[{}/{}] {} {} {}",
+            "[{}/{}] {} {} {}{round_note}",
             i + 1,
             runs.len(),
             backend.name(),
@@ -268,11 +289,41 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
             std::thread::sleep(Duration::from_millis(50));
         }
         pb.finish_and_clear();
-        let r = job.join().map_err(|_| anyhow!("the bench thread panicked"))??;
+        let mut r = job.join().map_err(|_| anyhow!("the bench thread panicked"))??;
+        r.round = round;
         results.push(r);
     }
-    if a.json {
+    let names: Vec<&str> = a.backend.iter().map(|b| b.name()).collect();
+    let summary = bench::summarize(&results, &names, &sizes);
+    if a.json && rounds > 1 {
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "results": results, "summary": summary }))?);
+    } else if a.json {
         println!("{}", serde_json::to_string_pretty(&results)?);
+    } else if rounds > 1 {
+        println!(
+            "{:<9} {:>8} {:>6} {:>9} {:>17} {:>17}",
+            "backend",
+            "block",
+            "rounds",
+            "GB/s",
+            "(min..max)",
+            format!("vs {}", names.first().copied().unwrap_or_default())
+        );
+        for s in &summary {
+            let ratio = match (s.ratio, s.ratio_min, s.ratio_max) {
+                (Some(r), Some(lo), Some(hi)) => format!("{r:.3} ({lo:.2}..{hi:.2})"),
+                _ => "-".into(),
+            };
+            println!(
+                "{:<9} {:>8} {:>6} {:>9.3} {:>17} {:>17}",
+                s.backend,
+                units::fmt_size(s.block_size),
+                s.rounds,
+                s.gb_per_s,
+                format!("({:.3}..{:.3})", s.gb_per_s_min, s.gb_per_s_max),
+                ratio
+            );
+        }
     } else {
         println!(
             "{:<9} {:<9} {:<5} {:>8} {:>5} {:>7} {:>9} {:>12} {:>12} {:>8}",
@@ -300,7 +351,8 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
             .iter()
             .map(|b| plot::Series {
                 label: format!("{} {}", b.name(), bench::op_name(op)),
-                points: results.iter().filter(|r| r.backend == b.name()).map(|r| (r.block_size, r.gb_per_s)).collect(),
+                // Medians over the rounds (the single run's figure for one round).
+                points: summary.iter().filter(|s| s.backend == b.name()).map(|s| (s.block_size, s.gb_per_s)).collect(),
             })
             .collect();
         let title = format!("kvt bench: {} ×{} batch, {} threads", bench::op_name(op), a.batch, a.threads);

@@ -24,6 +24,7 @@ fn help_lists_subcommands() {
         "--duration",
         "--sweep",
         "--plot",
+        "--rounds",
         "--json",
     ] {
         assert!(s.contains(flag), "bench --help lacks {flag}: {s}");
@@ -59,6 +60,60 @@ fn tiny_bench_json() {
         assert!(r["gb_per_s"].as_f64().unwrap_or(0.0) > 0.0, "{v}");
         assert!(r["p99_us"].as_u64().unwrap_or(0) >= r["p50_us"].as_u64().unwrap_or(0));
     }
+}
+
+/// `--rounds`: every backend once per round, rounds paired into ratios.
+#[cfg(feature = "mori")]
+#[test]
+fn rounds_report_medians_and_per_round_ratios() {
+    let args = |json: bool| {
+        let mut v = vec![
+            "bench",
+            "--backend",
+            "tcp-sim,mori",
+            "--rounds",
+            "2",
+            "--block-size",
+            "64KiB",
+            "--batch",
+            "2",
+            "--threads",
+            "1",
+            "--duration",
+            "50ms",
+            "--warmup",
+            "0s",
+        ];
+        if json {
+            v.push("--json");
+        }
+        kvt(&v)
+    };
+    let o = args(true);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let results = v["results"].as_array().expect("results");
+    assert_eq!(results.len(), 4, "{v}");
+    // Round 0 runs tcp-sim first, round 1 mori first.
+    let order: Vec<(u64, &str)> =
+        results.iter().map(|r| (r["round"].as_u64().unwrap_or(9), r["backend"].as_str().unwrap_or(""))).collect();
+    assert_eq!(order, [(0, "tcp-sim"), (0, "mori"), (1, "mori"), (1, "tcp-sim")]);
+    let summary = v["summary"].as_array().expect("summary");
+    assert_eq!(summary.len(), 2, "{v}");
+    assert_eq!((summary[0]["backend"].as_str(), summary[0]["rounds"].as_u64()), (Some("tcp-sim"), Some(2)));
+    assert!(summary[0]["ratio"].is_null(), "{v}");
+    assert!(summary[1]["ratio"].as_f64().unwrap_or(0.0) > 0.0, "{v}");
+    let o = args(false);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(table.contains("vs tcp-sim") && table.lines().any(|l| l.starts_with("mori")), "{table}");
+}
+
+#[test]
+fn a_backend_listed_twice_is_refused() {
+    let o = kvt(&["bench", "--backend", "tcp-sim,tcp-sim", "--duration", "10ms"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("twice"));
 }
 
 #[test]
