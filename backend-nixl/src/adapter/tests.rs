@@ -434,10 +434,15 @@ fn stale_malformed_and_foreign_notifications_are_dropped_and_counted() {
     push("ini", vec![0xff; 64]);
     push("stranger", wire::encode(MsgKind::Written, pool, &t));
     push("ini", wire::encode(MsgKind::Written, PoolId(u64::MAX), &t));
-    assert!(wait_until(Duration::from_secs(2), || p.tgt.metrics().malformed == 2));
+    // The driver counts message by message: wait for the last one's count
+    // before reading the others (they only ever grow).
+    let counted = || {
+        let m = p.tgt.metrics();
+        m.malformed + m.foreign + m.stale >= 7
+    };
+    assert!(wait_until(Duration::from_secs(2), counted), "{:?}", p.tgt.metrics());
     let m = p.tgt.metrics();
-    assert_eq!(m.foreign, 2);
-    assert_eq!(m.stale, 3);
+    assert_eq!((m.malformed, m.foreign, m.stale), (2, 2, 3));
     assert!(p.dst.metrics().stale_rejected >= 1);
     let exposed = exposed.try_settled().expect_err("settled by a stale or foreign message");
     // The right message settles it.
