@@ -68,8 +68,8 @@ use std::time::{Duration, Instant};
 
 use kv_transfer_core::{
     async_trait, check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId,
-    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, Region, RejectReason, RemoteSlots, Reserved,
-    SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
+    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, PostFuture, PostNow, Region, RejectReason, RemoteSlots,
+    Reserved, SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
     TransferOptions,
 };
 
@@ -1261,6 +1261,36 @@ impl Transfer for MoriTransfer {
     /// Posts one MORI transfer per slot and returns at once; the handle
     /// resolves when every status is terminal (see the module docs).
     async fn post(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        self.post_inner(op, local, remote, opts)
+    }
+    // Posting never waits here: the futures post at their first poll, unboxed.
+    fn write<'a>(
+        &'a self,
+        local: SlotLease<Reserved>,
+        remote: &'a RemoteSlots,
+        opts: TransferOptions,
+    ) -> PostFuture<'a> {
+        PostFuture::deferred(self, Op::Write, local, remote, opts)
+    }
+
+    fn read<'a>(
+        &'a self,
+        local: SlotLease<Reserved>,
+        remote: &'a RemoteSlots,
+        opts: TransferOptions,
+    ) -> PostFuture<'a> {
+        PostFuture::deferred(self, Op::Read, local, remote, opts)
+    }
+}
+
+impl PostNow for MoriTransfer {
+    fn post_now(
         &self,
         op: Op,
         local: SlotLease<Reserved>,

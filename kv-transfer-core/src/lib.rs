@@ -78,8 +78,8 @@ pub use proof::{Completed, Fenced, Revoked, Settlement, SettlementAuthority, Set
 pub use region::{HostRegion, MemoryKind, Region, RegionError};
 pub use remote::{RemoteSlot, RemoteSlots};
 pub use transfer::{
-    check_shapes, Abandoned, Completer, ExposeError, Op, PostError, PostErrorKind, PostFuture, RejectReason, Transfer,
-    TransferError, TransferHandle, TransferOptions, TransferOutcome,
+    check_shapes, Abandoned, Completer, ExposeError, Op, PostError, PostErrorKind, PostFuture, PostNow, RejectReason,
+    Transfer, TransferError, TransferHandle, TransferOptions, TransferOutcome,
 };
 
 pub use wait::{block_on, poll_until};

@@ -195,14 +195,16 @@ pub trait Transfer: Send + Sync {
     ) -> Result<TransferHandle, PostError>;
 
     /// Posts a WRITE of the local lease into the remote slots: [`post`](Self::post)'s
-    /// own future, so a WRITE costs one allocation, not two.
+    /// own future, so a WRITE costs one allocation, not two. A backend whose
+    /// post never waits returns [`PostFuture::deferred`] here instead: no
+    /// allocation at all.
     fn write<'a>(
         &'a self,
         local: SlotLease<Reserved>,
         remote: &'a RemoteSlots,
         opts: TransferOptions,
     ) -> PostFuture<'a> {
-        self.post(Op::Write, local, remote, opts)
+        PostFuture::boxed(self.post(Op::Write, local, remote, opts))
     }
 
     /// Posts a READ of the remote slots into the local lease (as [`write`](Self::write)).
@@ -212,12 +214,114 @@ pub trait Transfer: Send + Sync {
         remote: &'a RemoteSlots,
         opts: TransferOptions,
     ) -> PostFuture<'a> {
-        self.post(Op::Read, local, remote, opts)
+        PostFuture::boxed(self.post(Op::Read, local, remote, opts))
     }
 }
 
-/// The future of [`Transfer::post`], [`Transfer::write`] and [`Transfer::read`].
-pub type PostFuture<'a> = Pin<Box<dyn Future<Output = Result<TransferHandle, PostError>> + Send + 'a>>;
+/// A backend whose post never waits: it admits, exposes and hands the
+/// operation to its engine in the calling thread, and returns. Its
+/// [`Transfer::write`] and [`Transfer::read`] can then return
+/// [`PostFuture::deferred`], which calls [`post_now`](Self::post_now) at its
+/// first poll, without boxing a future per post.
+pub trait PostNow: Send + Sync {
+    /// Posts `op` now; the contract of [`Transfer::post`].
+    fn post_now(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError>;
+}
+
+type BoxedPost<'a> = Pin<Box<dyn Future<Output = Result<TransferHandle, PostError>> + Send + 'a>>;
+
+/// The future of [`Transfer::write`] and [`Transfer::read`]. Like any future
+/// it does nothing until polled: dropping it unpolled drops the lease it
+/// holds, never exposed, back to the free list.
+pub struct PostFuture<'a>(PostState<'a>);
+
+enum PostState<'a> {
+    Boxed(BoxedPost<'a>),
+    /// The post's arguments, until the first poll posts them.
+    Deferred(Option<Deferred<'a>>),
+}
+
+struct Deferred<'a> {
+    backend: &'a dyn PostNow,
+    op: Op,
+    local: SlotLease<Reserved>,
+    remote: &'a RemoteSlots,
+    opts: TransferOptions,
+}
+
+impl<'a> PostFuture<'a> {
+    /// A backend's own post future (what [`Transfer::post`] returns).
+    pub fn boxed(f: BoxedPost<'a>) -> Self {
+        Self(PostState::Boxed(f))
+    }
+
+    /// A post through [`PostNow::post_now`] at the first poll.
+    ///
+    /// ```
+    /// use kv_transfer_core::{block_on, HostRegion, Op, PoolConfig, PostError, PostErrorKind, PostFuture, PostNow,
+    ///     RemoteSlots, Reserved, SlotLease, SlotPool, TransferHandle, TransferOptions};
+    /// use std::sync::Arc;
+    ///
+    /// /// Refuses every post (a stand-in for a backend's synchronous post).
+    /// struct Refuse;
+    /// impl PostNow for Refuse {
+    ///     fn post_now(&self, _: Op, local: SlotLease<Reserved>, _: &RemoteSlots, _: TransferOptions)
+    ///         -> Result<TransferHandle, PostError> {
+    ///         Err(PostError { lease: local, kind: PostErrorKind::ShuttingDown })
+    ///     }
+    /// }
+    /// let (pool, _authority) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(4096)).unwrap();
+    /// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, slots: vec![] };
+    /// let post = PostFuture::deferred(&Refuse, Op::Write, pool.reserve(1).unwrap(), &remote, TransferOptions::default());
+    /// assert_eq!(pool.metrics().free, 0); // nothing happened yet: the lease waits in the future
+    /// let refused = block_on(post).unwrap_err();
+    /// assert!(matches!(refused.kind, PostErrorKind::ShuttingDown));
+    /// refused.lease.release();
+    /// assert_eq!(pool.metrics().free, 1);
+    /// ```
+    pub fn deferred(
+        backend: &'a dyn PostNow,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &'a RemoteSlots,
+        opts: TransferOptions,
+    ) -> Self {
+        Self(PostState::Deferred(Some(Deferred { backend, op, local, remote, opts })))
+    }
+}
+
+impl Future for PostFuture<'_> {
+    type Output = Result<TransferHandle, PostError>;
+
+    /// Polled again after it resolved, a deferred post stays pending (it
+    /// has nothing left to post).
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().0 {
+            PostState::Boxed(f) => f.as_mut().poll(cx),
+            PostState::Deferred(args) => match args.take() {
+                Some(d) => Poll::Ready(d.backend.post_now(d.op, d.local, d.remote, d.opts)),
+                None => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl fmt::Debug for PostFuture<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.0 {
+            PostState::Boxed(_) => "boxed",
+            PostState::Deferred(Some(_)) => "deferred",
+            PostState::Deferred(None) => "done",
+        };
+        f.debug_tuple("PostFuture").field(&kind).finish()
+    }
+}
 
 /// What a finished operation hands back.
 #[derive(Debug)]

@@ -101,8 +101,9 @@ use std::time::{Duration, Instant};
 
 use kv_transfer_core::{
     async_trait, check_shapes, Completed, Completer, Exposed, Generation, MemoryKind, Op, PeerId, PoolConfig,
-    PoolError, PoolId, PostError, PostErrorKind, Region, RemoteSlot, RemoteSlots, Reserved, SettlementAuthority,
-    SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle, TransferOptions,
+    PoolError, PoolId, PostError, PostErrorKind, PostFuture, PostNow, Region, RemoteSlot, RemoteSlots, Reserved,
+    SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
+    TransferOptions,
 };
 
 use crate::engine::{
@@ -490,6 +491,18 @@ impl std::fmt::Debug for NixlTransfer {
 /// NIC) and whether the engine no longer knows the request.
 type Terminal = (Result<(), TransferError>, bool);
 
+/// What a status poll of `req` says: `None` while it is in progress (`IN_PROG`
+/// is never terminal), else its terminal result (every error and unknown
+/// status is an error) and whether the engine no longer knows the request.
+fn terminal(req: ReqId, status: Result<XferState, EngineError>) -> Option<Terminal> {
+    match status {
+        Ok(XferState::InProgress) => None,
+        Ok(XferState::Done) => Some((Ok(()), false)),
+        Err(EngineError::UnknownRequest(_)) => Some((Err(engine_error(&EngineError::UnknownRequest(req))), true)),
+        Err(e) => Some((Err(engine_error(&e)), false)),
+    }
+}
+
 fn engine_error(e: &EngineError) -> TransferError {
     TransferError::Engine {
         engine: BACKEND,
@@ -840,6 +853,36 @@ impl Transfer for NixlTransfer {
     ) -> Result<TransferHandle, PostError> {
         self.inner.post(op, local, remote, opts)
     }
+    // Posting never waits here: the futures post at their first poll, unboxed.
+    fn write<'a>(
+        &'a self,
+        local: SlotLease<Reserved>,
+        remote: &'a RemoteSlots,
+        opts: TransferOptions,
+    ) -> PostFuture<'a> {
+        PostFuture::deferred(self, Op::Write, local, remote, opts)
+    }
+
+    fn read<'a>(
+        &'a self,
+        local: SlotLease<Reserved>,
+        remote: &'a RemoteSlots,
+        opts: TransferOptions,
+    ) -> PostFuture<'a> {
+        PostFuture::deferred(self, Op::Read, local, remote, opts)
+    }
+}
+
+impl PostNow for NixlTransfer {
+    fn post_now(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        self.inner.post(op, local, remote, opts)
+    }
 }
 
 impl Inner {
@@ -921,14 +964,12 @@ impl Inner {
             let req = st.cache[i].req;
             let alone = st.ops.is_empty();
             let exposed = local.expose_local(peer);
-            let mut first = self.engine.post_xfer(req);
+            let (mut first, status) = self.engine.post_xfer_polled(req, alone && !self.cfg.inline_poll.is_zero());
             let mut polled = None;
-            if matches!(first, Ok(XferState::InProgress)) && alone && !self.cfg.inline_poll.is_zero() {
-                match self.terminal_status(req) {
-                    Some((Ok(()), _)) => first = Ok(XferState::Done),
-                    // An error status: terminal, unproven; the driver finishes it.
-                    other => polled = other,
-                }
+            match status.and_then(|s| terminal(req, s)) {
+                Some((Ok(()), _)) => first = Ok(XferState::Done),
+                // An error status: terminal, unproven; the driver finishes it.
+                other => polled = other,
             }
             if matches!(first, Ok(XferState::Done)) {
                 st.m.posted += 1;
@@ -1232,16 +1273,9 @@ impl Inner {
         }
     }
 
-    /// Polls a posted request once: `None` while it is in progress (`IN_PROG` is
-    /// never terminal), else its terminal result (every error and unknown status
-    /// is an error) and whether the engine no longer knows the request.
+    /// Polls a posted request once (see [`terminal`]).
     fn terminal_status(&self, req: ReqId) -> Option<Terminal> {
-        match self.engine.xfer_status(req) {
-            Ok(XferState::InProgress) => None,
-            Ok(XferState::Done) => Some((Ok(()), false)),
-            Err(EngineError::UnknownRequest(_)) => Some((Err(engine_error(&EngineError::UnknownRequest(req))), true)),
-            Err(e) => Some((Err(engine_error(&e)), false)),
-        }
+        terminal(req, self.engine.xfer_status(req))
     }
 
     /// Finishes, in the posting thread, an op whose request reached `Done` there:

@@ -70,6 +70,55 @@ fn lock(s: &Shared) -> MutexGuard<'_, Sim> {
     s.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The mock's post (every post reports `IN_PROG`).
+fn sim_post(s: &Shared, id: ReqId) -> Result<XferState, EngineError> {
+    let mut g = lock(s);
+    g.log.push(format!("post {}", id.0));
+    if let Some(r) = g.reqs.get_mut(&id.0) {
+        // A re-post starts the request over.
+        r.polls = 0;
+        r.done = false;
+    }
+    if g.post_fails {
+        return Err(EngineError::PostFailed {
+            id,
+            source: NixlError { op: NixlOp::PostXferReq, status: Status::Backend },
+        });
+    }
+    Ok(XferState::InProgress)
+}
+
+/// The mock's status poll, as the `Sim`'s behaviour says; `name` is the
+/// polling agent (the sender of the request's notification).
+fn sim_status(s: &Shared, name: &'static str, id: ReqId) -> Result<XferState, EngineError> {
+    let mut guard = lock(s);
+    let g = &mut *guard;
+    let b = g.behaviour.unwrap_or(Behaviour::DoneAfter(0));
+    let Some(r) = g.reqs.get_mut(&id.0) else { return Err(EngineError::UnknownRequest(id)) };
+    if r.released {
+        return Err(EngineError::UnknownRequest(id));
+    }
+    r.polls += 1;
+    match b {
+        Behaviour::DoneAfter(n) if r.polls > n => {
+            if !r.done {
+                r.done = true;
+                // NIXL sends the notification once the data is flushed, while polled.
+                if let Some(msg) = r.notif.clone() {
+                    let to = r.remote_agent.clone();
+                    g.inbox.entry(to).or_default().push_back(Notification { agent: name.into(), msg });
+                }
+            }
+            Ok(XferState::Done)
+        }
+        Behaviour::FailAfter(n) if r.polls > n => {
+            r.failed = true;
+            Err(backend_err(NixlOp::GetXferStatus))
+        }
+        _ => Ok(XferState::InProgress),
+    }
+}
+
 /// A mock engine named `name` on the shared wire; `peer` is the agent its
 /// `load_remote_metadata` returns.
 fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine {
@@ -102,50 +151,18 @@ fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine 
         Ok(ReqId(id))
     });
     let s = sim.clone();
-    m.expect_post_xfer().returning(move |id| {
-        let mut g = lock(&s);
-        g.log.push(format!("post {}", id.0));
-        if let Some(r) = g.reqs.get_mut(&id.0) {
-            // A re-post starts the request over.
-            r.polls = 0;
-            r.done = false;
-        }
-        if g.post_fails {
-            return Err(EngineError::PostFailed {
-                id,
-                source: NixlError { op: NixlOp::PostXferReq, status: Status::Backend },
-            });
-        }
-        Ok(XferState::InProgress)
-    });
+    m.expect_post_xfer().returning(move |id| sim_post(&s, id));
     let s = sim.clone();
-    m.expect_xfer_status().returning(move |id| {
-        let mut guard = lock(&s);
-        let g = &mut *guard;
-        let b = g.behaviour.unwrap_or(Behaviour::DoneAfter(0));
-        let Some(r) = g.reqs.get_mut(&id.0) else { return Err(EngineError::UnknownRequest(id)) };
-        if r.released {
-            return Err(EngineError::UnknownRequest(id));
+    m.expect_xfer_status().returning(move |id| sim_status(&s, name, id));
+    // What the trait's default does, over the same simulation.
+    let s = sim.clone();
+    m.expect_post_xfer_polled().returning(move |id, poll| {
+        if poll {
+            lock(&s).log.push(format!("post+poll {}", id.0));
         }
-        r.polls += 1;
-        match b {
-            Behaviour::DoneAfter(n) if r.polls > n => {
-                if !r.done {
-                    r.done = true;
-                    // NIXL sends the notification once the data is flushed, while polled.
-                    if let Some(msg) = r.notif.clone() {
-                        let to = r.remote_agent.clone();
-                        g.inbox.entry(to).or_default().push_back(Notification { agent: name.into(), msg });
-                    }
-                }
-                Ok(XferState::Done)
-            }
-            Behaviour::FailAfter(n) if r.polls > n => {
-                r.failed = true;
-                Err(backend_err(NixlOp::GetXferStatus))
-            }
-            _ => Ok(XferState::InProgress),
-        }
+        let posted = sim_post(&s, id);
+        let polled = (poll && matches!(posted, Ok(XferState::InProgress))).then(|| sim_status(&s, name, id));
+        (posted, polled)
     });
     let s = sim.clone();
     m.expect_release_xfer().returning(move |id| {
@@ -717,9 +734,11 @@ fn a_repost_done_at_the_first_status_poll_completes_in_the_post_and_an_error_the
         assert_eq!(out.result, Ok(()));
         {
             let g = lock(&sim);
-            // Posted, then polled exactly once to `Done` (re-posts included).
+            // Posted, then polled exactly once to `Done` (re-posts included);
+            // a re-post and its poll are one engine call.
             assert_eq!((g.reqs[&1].polls, g.reqs[&1].done), (1, true));
             assert_eq!(g.log.iter().filter(|l| *l == "post 1").count() as u64, i + 1);
+            assert_eq!(g.log.iter().filter(|l| *l == "post+poll 1").count() as u64, i);
             assert!(g.releases.is_empty());
             assert_eq!(g.early_releases, 0);
         }

@@ -76,6 +76,22 @@ pub trait NixlEngine: Send + Sync {
     /// request's notification when the agent has no progress thread.
     fn xfer_status(&self, id: ReqId) -> Result<XferState, EngineError>;
 
+    /// [`post_xfer`](Self::post_xfer), then, if `poll` and the post left the
+    /// request in progress, one [`xfer_status`](Self::xfer_status): the
+    /// adapter's re-post of a cached request, in one call (the real engine
+    /// looks the request up once). The second value is the poll's result,
+    /// `None` when it did not poll.
+    #[allow(clippy::type_complexity)]
+    fn post_xfer_polled(
+        &self,
+        id: ReqId,
+        poll: bool,
+    ) -> (Result<XferState, EngineError>, Option<Result<XferState, EngineError>>) {
+        let posted = self.post_xfer(id);
+        let polled = (poll && matches!(posted, Ok(XferState::InProgress))).then(|| self.xfer_status(id));
+        (posted, polled)
+    }
+
     /// Releases a request (`release_xfer_req` + `destroy_xfer_req`) and forgets its
     /// id. Raw NIXL returns success even while the request is in progress (the
     /// hazard); [`RealNixlEngine`] polls once and refuses with

@@ -112,6 +112,25 @@ impl RealNixlEngine {
         self.tables.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Posts a request (or re-posts a completed one), recording what the post said.
+    fn post_entry(id: ReqId, e: &mut Entry) -> Result<XferState, EngineError> {
+        // A request may be re-posted once it completed (NIXL allows it); never
+        // while it may be in progress, nor after an error.
+        if e.req.is_posted() && e.last != Some(Ok(XferState::Done)) {
+            return Err(EngineError::InvalidArgument(format!("{id} already posted and not completed")));
+        }
+        match e.req.post() {
+            Ok(st) => {
+                e.last = Some(Ok(st));
+                Ok(st)
+            }
+            Err(source) => {
+                e.last = Some(Err(()));
+                Err(EngineError::PostFailed { id, source })
+            }
+        }
+    }
+
     fn poll_entry(id: ReqId, e: &mut Entry) -> Result<XferState, EngineError> {
         match e.req.status() {
             Ok(st) => {
@@ -192,21 +211,19 @@ impl NixlEngine for RealNixlEngine {
     fn post_xfer(&self, id: ReqId) -> Result<XferState, EngineError> {
         let mut t = self.tables();
         let e = t.reqs.get_mut(&id).ok_or(EngineError::UnknownRequest(id))?;
-        // A request may be re-posted once it completed (NIXL allows it); never
-        // while it may be in progress, nor after an error.
-        if e.req.is_posted() && e.last != Some(Ok(XferState::Done)) {
-            return Err(EngineError::InvalidArgument(format!("{id} already posted and not completed")));
-        }
-        match e.req.post() {
-            Ok(st) => {
-                e.last = Some(Ok(st));
-                Ok(st)
-            }
-            Err(source) => {
-                e.last = Some(Err(()));
-                Err(EngineError::PostFailed { id, source })
-            }
-        }
+        Self::post_entry(id, e)
+    }
+
+    fn post_xfer_polled(
+        &self,
+        id: ReqId,
+        poll: bool,
+    ) -> (Result<XferState, EngineError>, Option<Result<XferState, EngineError>>) {
+        let mut t = self.tables();
+        let Some(e) = t.reqs.get_mut(&id) else { return (Err(EngineError::UnknownRequest(id)), None) };
+        let posted = Self::post_entry(id, e);
+        let polled = (poll && matches!(posted, Ok(XferState::InProgress))).then(|| Self::poll_entry(id, e));
+        (posted, polled)
     }
 
     fn xfer_status(&self, id: ReqId) -> Result<XferState, EngineError> {
