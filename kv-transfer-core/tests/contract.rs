@@ -421,3 +421,54 @@ fn a_failed_post_hands_the_lease_back() {
     lease.release();
     assert_eq!(pool.metrics().free, 2);
 }
+
+/// A backend that posts synchronously: exposes the lease to peer 1 and hands
+/// back a pending handle whose completer it keeps (the "engine").
+struct SyncBackend {
+    completers: std::sync::Mutex<Vec<Completer>>,
+    posts: std::sync::atomic::AtomicUsize,
+}
+
+impl PostNow for SyncBackend {
+    fn post_now(
+        &self,
+        _op: Op,
+        local: SlotLease<Reserved>,
+        _remote: &RemoteSlots,
+        _opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        self.posts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let (handle, completer) = TransferHandle::pair(local.expose_local(PeerId(1)));
+        self.completers.lock().unwrap().push(completer);
+        Ok(handle)
+    }
+}
+
+#[test]
+fn a_deferred_post_posts_at_its_first_poll_and_an_unpolled_one_hands_the_lease_back() {
+    let (pool, authority) = pool(2);
+    let backend = SyncBackend { completers: Default::default(), posts: Default::default() };
+    let remote =
+        RemoteSlots { endpoint: "peer".into(), pool: PoolId(0), key: 0, slot_size: SLOT as u64, slots: vec![] };
+    let posts = || backend.posts.load(std::sync::atomic::Ordering::SeqCst);
+
+    // Dropped unpolled: nothing was posted, nothing exposed, the slot is free again.
+    let unpolled =
+        PostFuture::deferred(&backend, Op::Write, pool.reserve(1).unwrap(), &remote, TransferOptions::default());
+    assert_eq!((posts(), pool.metrics().free), (0, 1));
+    drop(unpolled);
+    assert_eq!((posts(), pool.metrics().free, pool.metrics().exposures), (0, 2, 0));
+
+    // Polled: posted once, the lease exposed inside the handle; a second poll
+    // of the spent future stays pending (it posts nothing twice).
+    let mut post =
+        PostFuture::deferred(&backend, Op::Write, pool.reserve(1).unwrap(), &remote, TransferOptions::default());
+    let handle = (&mut post).now_or_never().expect("ready at the first poll").expect("posted");
+    assert!((&mut post).now_or_never().is_none());
+    assert_eq!((posts(), pool.metrics().exposures), (1, 1));
+    let completer = backend.completers.lock().unwrap().pop().expect("completer");
+    let proof = authority.completed_lease(completer.lease());
+    completer.complete(proof, Ok(()));
+    block_on(handle).expect("settled").lease.release();
+    assert_eq!(pool.metrics().free, 2);
+}
