@@ -468,7 +468,7 @@ fn a_deferred_post_posts_at_its_first_poll_and_an_unpolled_one_hands_the_lease_b
     assert_eq!((posts(), pool.metrics().exposures), (1, 1));
     let completer = backend.completers.lock().unwrap().pop().expect("completer");
     let proof = authority.completed_lease(completer.lease());
-    completer.complete(proof, Ok(()));
+    completer.complete(proof, Ok(())).expect("the proof settles the lease");
     block_on(handle).expect("settled").lease.release();
     assert_eq!(pool.metrics().free, 2);
 }
