@@ -10,7 +10,7 @@
 //! alternates between rounds); the figures are medians over the rounds, and
 //! the ratio is the median of the per-round ratios (each round compares two
 //! runs seconds apart, so slow drift on a shared machine cancels out).
-use backend_tcp_sim::bench::{run_write_bench as bare_bench, BenchConfig, BenchResult};
+use backend_tcp_sim::bench::{median, run_write_bench as bare_bench, BenchConfig, BenchResult};
 use std::time::Duration;
 
 /// CPU seconds (user + system) this process used so far, from `/proc/self/stat`
@@ -23,16 +23,6 @@ fn cpu_seconds() -> f64 {
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     // utime and stime are fields 14 and 15 (1-based), i.e. 11 and 12 after the name.
     (ticks(11) + ticks(12)) / 100.0
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 fn line(name: &str, r: &BenchResult, cpu_per_gb: f64) {

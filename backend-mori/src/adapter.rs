@@ -68,8 +68,8 @@ use std::time::{Duration, Instant};
 
 use kv_transfer_core::{
     async_trait, check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId,
-    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, PostFuture, PostNow, Region, RejectReason, RemoteSlots,
-    Reserved, SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
+    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved,
+    SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
     TransferOptions,
 };
 
@@ -1270,23 +1270,7 @@ impl Transfer for MoriTransfer {
         self.post_inner(op, local, remote, opts)
     }
     // Posting never waits here: the futures post at their first poll, unboxed.
-    fn write<'a>(
-        &'a self,
-        local: SlotLease<Reserved>,
-        remote: &'a RemoteSlots,
-        opts: TransferOptions,
-    ) -> PostFuture<'a> {
-        PostFuture::deferred(self, Op::Write, local, remote, opts)
-    }
-
-    fn read<'a>(
-        &'a self,
-        local: SlotLease<Reserved>,
-        remote: &'a RemoteSlots,
-        opts: TransferOptions,
-    ) -> PostFuture<'a> {
-        PostFuture::deferred(self, Op::Read, local, remote, opts)
-    }
+    kv_transfer_core::deferred_posts!();
 }
 
 impl PostNow for MoriTransfer {

@@ -147,6 +147,25 @@ pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
 /// Bound on one operation's terminal status inside [`measure`].
 pub const OP_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The median of `v` (the mean of the middle two for an even count; 0 for
+/// none): what the benches report over rounds.
+///
+/// ```
+/// use backend_tcp_sim::bench::median;
+/// assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+/// assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+/// assert_eq!(median(&[]), 0.0);
+/// ```
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// Splits a descriptor into single-slot descriptors, `batch` per thread.
 pub fn per_thread(remote: &RemoteSlots, threads: usize, batch: usize) -> Vec<Vec<RemoteSlots>> {
     let singles: Vec<RemoteSlots> =

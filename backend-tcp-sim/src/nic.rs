@@ -13,8 +13,8 @@ use crate::wire::{self, AccessHeader, Body, DecodeError, TenancyList, WireStatus
 use bytes::Bytes;
 use kv_transfer_core::{
     async_trait, check_shapes, Clock, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId,
-    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, PostFuture, PostNow, Region, RejectReason, RemoteSlots,
-    Reserved, SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
+    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved,
+    SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
     TransferOptions,
 };
 use serde::{Deserialize, Serialize};
@@ -1154,23 +1154,7 @@ impl Transfer for SimNic {
         self.inner.post(op, local, remote, opts)
     }
     // Posting never waits here: the futures post at their first poll, unboxed.
-    fn write<'a>(
-        &'a self,
-        local: SlotLease<Reserved>,
-        remote: &'a RemoteSlots,
-        opts: TransferOptions,
-    ) -> PostFuture<'a> {
-        PostFuture::deferred(self, Op::Write, local, remote, opts)
-    }
-
-    fn read<'a>(
-        &'a self,
-        local: SlotLease<Reserved>,
-        remote: &'a RemoteSlots,
-        opts: TransferOptions,
-    ) -> PostFuture<'a> {
-        PostFuture::deferred(self, Op::Read, local, remote, opts)
-    }
+    kv_transfer_core::deferred_posts!();
 }
 
 impl PostNow for SimNic {

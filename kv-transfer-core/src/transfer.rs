@@ -234,6 +234,58 @@ pub trait PostNow: Send + Sync {
     ) -> Result<TransferHandle, PostError>;
 }
 
+/// Inside `impl Transfer for X` where `X: PostNow`: `write` and `read` as
+/// [`PostFuture::deferred`] posts, with no boxed future per post.
+///
+/// ```
+/// use kv_transfer_core::{async_trait, block_on, HostRegion, Op, PoolConfig, PostError, PostErrorKind, PostNow,
+///     RemoteSlots, Reserved, SlotLease, SlotPool, Transfer, TransferHandle, TransferOptions};
+/// use std::sync::Arc;
+///
+/// /// A backend that is shutting down: it refuses every post, at once.
+/// struct Closed;
+/// impl PostNow for Closed {
+///     fn post_now(&self, _: Op, local: SlotLease<Reserved>, _: &RemoteSlots, _: TransferOptions)
+///         -> Result<TransferHandle, PostError> {
+///         Err(PostError { lease: local, kind: PostErrorKind::ShuttingDown })
+///     }
+/// }
+/// #[async_trait]
+/// impl Transfer for Closed {
+///     fn backend(&self) -> &'static str { "closed" }
+///     async fn post(&self, op: Op, local: SlotLease<Reserved>, remote: &RemoteSlots, opts: TransferOptions)
+///         -> Result<TransferHandle, PostError> { self.post_now(op, local, remote, opts) }
+///     kv_transfer_core::deferred_posts!();
+/// }
+///
+/// let (pool, _authority) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(4096)).unwrap();
+/// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, slots: vec![] };
+/// let refused = block_on(Closed.write(pool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap_err();
+/// assert!(matches!(refused.kind, PostErrorKind::ShuttingDown));
+/// ```
+#[macro_export]
+macro_rules! deferred_posts {
+    () => {
+        fn write<'a>(
+            &'a self,
+            local: $crate::SlotLease<$crate::Reserved>,
+            remote: &'a $crate::RemoteSlots,
+            opts: $crate::TransferOptions,
+        ) -> $crate::PostFuture<'a> {
+            $crate::PostFuture::deferred(self, $crate::Op::Write, local, remote, opts)
+        }
+
+        fn read<'a>(
+            &'a self,
+            local: $crate::SlotLease<$crate::Reserved>,
+            remote: &'a $crate::RemoteSlots,
+            opts: $crate::TransferOptions,
+        ) -> $crate::PostFuture<'a> {
+            $crate::PostFuture::deferred(self, $crate::Op::Read, local, remote, opts)
+        }
+    };
+}
+
 type BoxedPost<'a> = Pin<Box<dyn Future<Output = Result<TransferHandle, PostError>> + Send + 'a>>;
 
 /// The future of [`Transfer::write`] and [`Transfer::read`]. Like any future

@@ -18,7 +18,7 @@
 //! ```
 
 use anyhow::{anyhow, bail, Context as _};
-use backend_tcp_sim::bench::{measure, per_thread, BenchConfig};
+use backend_tcp_sim::bench::{measure, median, per_thread, BenchConfig};
 use backend_tcp_sim::{NicConfig, SimNic};
 use kv_transfer_core::{HostRegion, Op, PoolConfig, RemoteSlots, SlotPool, Transfer};
 use serde::Serialize;
@@ -117,16 +117,6 @@ pub struct Summary {
     pub ratio_min: Option<f64>,
     /// Highest per-round ratio.
     pub ratio_max: Option<f64>,
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    match v.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 /// Medians over rounds, and each backend's per-round ratio to the first of

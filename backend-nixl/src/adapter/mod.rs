@@ -101,7 +101,7 @@ use std::time::{Duration, Instant};
 
 use kv_transfer_core::{
     async_trait, check_shapes, Completed, Completer, Exposed, Generation, MemoryKind, Op, PeerId, PoolConfig,
-    PoolError, PoolId, PostError, PostErrorKind, PostFuture, PostNow, Region, RemoteSlot, RemoteSlots, Reserved,
+    PoolError, PoolId, PostError, PostErrorKind, PostNow, Region, RemoteSlot, RemoteSlots, Reserved,
     SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
     TransferOptions,
 };
@@ -854,23 +854,7 @@ impl Transfer for NixlTransfer {
         self.inner.post(op, local, remote, opts)
     }
     // Posting never waits here: the futures post at their first poll, unboxed.
-    fn write<'a>(
-        &'a self,
-        local: SlotLease<Reserved>,
-        remote: &'a RemoteSlots,
-        opts: TransferOptions,
-    ) -> PostFuture<'a> {
-        PostFuture::deferred(self, Op::Write, local, remote, opts)
-    }
-
-    fn read<'a>(
-        &'a self,
-        local: SlotLease<Reserved>,
-        remote: &'a RemoteSlots,
-        opts: TransferOptions,
-    ) -> PostFuture<'a> {
-        PostFuture::deferred(self, Op::Read, local, remote, opts)
-    }
+    kv_transfer_core::deferred_posts!();
 }
 
 impl PostNow for NixlTransfer {
