@@ -22,6 +22,11 @@ DUR=4 BLOCK=65536 CARGO_TARGET_DIR=target bash backend-mooncake/scripts/measure.
 echo "== MORI adapter vs the bare simulator (median of per-round ratios)"
 MORI_BENCH_BLOCKS=65536 ./target/release/examples/mori_bench 1.5 24 2>&1 | tail -1
 MORI_BENCH_BLOCKS=1048576 ./target/release/examples/mori_bench 1.5 12 2>&1 | tail -1
+echo "== MORI at 64 KiB with other thread x batch shapes (the gap depends on them)"
+for shape in "2 32" "4 16" "2 64" "8 32"; do
+  set -- $shape
+  echo "threads $1 batch $2: $(MORI_BENCH_THREADS=$1 MORI_BENCH_BATCH=$2 MORI_BENCH_BLOCKS=65536 ./target/release/examples/mori_bench 1.5 12 2>&1 | tail -1)"
+done
 echo "== NIXL: adapter vs raw C API (default UCX, then TCP)"
 KVT_BENCH_ROUNDS=9 KVT_BENCH_SECS=0.3 timeout 300 ./target/release/examples/adapter_bench 2>&1 | tail -5
 # NIXL refuses UCX_TLS=tcp alone on a machine with an NVIDIA GPU: add cuda_copy there.
