@@ -67,11 +67,13 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kv_transfer_core::{
-    async_trait, check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId,
-    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved,
-    SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
-    TransferOptions,
+    check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId, PoolConfig, PoolError,
+    PoolId, PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority,
+    SlotId, SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions,
 };
+// Named in the docs; the impl comes from `impl_transfer_via_post_now!`.
+#[cfg(doc)]
+use kv_transfer_core::Transfer;
 
 use crate::engine::IoEngine;
 use crate::error::EngineError;
@@ -650,7 +652,7 @@ impl MoriTransfer {
             transfers_failed: l(&c.transfers_failed),
             transfers_unknown: l(&c.transfers_unknown),
             ops_completed: ops.ops_completed,
-            ops_draining: ops.posts - ops.ops_completed,
+            ops_draining: ops.posts.saturating_sub(ops.ops_completed),
             inbound_settled: l(&c.inbound_settled),
             inbound_stale: l(&c.inbound_stale),
             inbound_unknown: l(&c.inbound_unknown),
@@ -1252,28 +1254,9 @@ fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
     }
 }
 
-#[async_trait]
-impl Transfer for MoriTransfer {
-    fn backend(&self) -> &'static str {
-        BACKEND
-    }
-
+impl PostNow for MoriTransfer {
     /// Posts one MORI transfer per slot and returns at once; the handle
     /// resolves when every status is terminal (see the module docs).
-    async fn post(
-        &self,
-        op: Op,
-        local: SlotLease<Reserved>,
-        remote: &RemoteSlots,
-        opts: TransferOptions,
-    ) -> Result<TransferHandle, PostError> {
-        self.post_inner(op, local, remote, opts)
-    }
-    // Posting never waits here: the futures post at their first poll, unboxed.
-    kv_transfer_core::deferred_posts!();
-}
-
-impl PostNow for MoriTransfer {
     fn post_now(
         &self,
         op: Op,
@@ -1284,6 +1267,8 @@ impl PostNow for MoriTransfer {
         self.post_inner(op, local, remote, opts)
     }
 }
+
+kv_transfer_core::impl_transfer_via_post_now!(MoriTransfer, BACKEND);
 
 #[cfg(test)]
 pub(crate) mod tests_support {

@@ -455,7 +455,8 @@ fn a_crashed_peer_is_fenced_when_its_connection_is_lost() {
 
 #[test]
 fn a_stalled_peer_that_blocks_revocation_is_fenced() {
-    use backend_tcp_sim::wire::{self, AccessHeader, Body};
+    use backend_tcp_sim::wire::{self, Body};
+    use backend_tcp_sim::RawAccess;
     use std::io::{Read, Write};
 
     let mut cfg = PairConfig::new(2, SLOT);
@@ -481,15 +482,7 @@ fn a_stalled_peer_that_blocks_revocation_is_fenced() {
 
     // It starts a WRITE into the exposed slot and stalls halfway.
     let (exposed, remote) = p.decode.transfer.expose(p.decode.pool.reserve(1).unwrap(), peer).expect("expose");
-    let slot = remote.slots[0];
-    let h = AccessHeader {
-        wr_id: 1,
-        key: remote.key,
-        addr: slot.addr,
-        slot: slot.slot,
-        generation: slot.generation,
-        len: SLOT as u32,
-    };
+    let h = RawAccess::of(&remote, 0).unwrap().header(1, SLOT as u32);
     s.write_all(&wire::encode_head(&Body::Write(h), SLOT).unwrap()).unwrap();
     s.write_all(&vec![0x5a; SLOT / 2]).unwrap();
     thread::sleep(Duration::from_millis(50));

@@ -210,8 +210,13 @@ pub fn measure(
                 let b0 = Instant::now();
                 let mut handles = Vec::with_capacity(cfg.batch);
                 for (l, r) in leases.drain(..).zip(&remotes) {
-                    let h = block_on(transfer.post(op, l, r, TransferOptions::notify(false)))
-                        .map_err(|e| BenchError::other(format!("post failed: {}", e.kind)))?;
+                    // `write` / `read`, what an application calls (a backend
+                    // that posts without waiting boxes no future for them).
+                    let post = match op {
+                        Op::Write => transfer.write(l, r, TransferOptions::notify(false)),
+                        Op::Read => transfer.read(l, r, TransferOptions::notify(false)),
+                    };
+                    let h = block_on(post).map_err(|e| BenchError::other(format!("post failed: {}", e.kind)))?;
                     handles.push(h);
                 }
                 for mut h in handles {

@@ -12,11 +12,13 @@ use crate::stats::{add, inc, Counters, NicStats};
 use crate::wire::{self, AccessHeader, Body, DecodeError, TenancyList, WireStatus, PREFIX_LEN};
 use bytes::Bytes;
 use kv_transfer_core::{
-    async_trait, check_shapes, Clock, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId,
-    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved,
-    SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
-    TransferOptions,
+    check_shapes, Clock, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId, PoolConfig,
+    PoolError, PoolId, PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved,
+    SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions,
 };
+// Named in the docs; the impl comes from `impl_transfer_via_post_now!`.
+#[cfg(doc)]
+use kv_transfer_core::Transfer;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::io::{self, BufReader, IoSlice, Read, Write};
@@ -280,6 +282,11 @@ impl RawAccess {
     pub fn of(remote: &RemoteSlots, index: usize) -> Option<Self> {
         let s = remote.slots.get(index)?;
         Some(Self { key: remote.key, addr: s.addr, slot: s.slot, generation: s.generation })
+    }
+
+    /// The wire header of an access of `len` bytes here, as work request `wr_id`.
+    pub fn header(&self, wr_id: u64, len: u32) -> AccessHeader {
+        AccessHeader { wr_id, key: self.key, addr: self.addr, slot: self.slot, generation: self.generation, len }
     }
 }
 
@@ -1135,29 +1142,10 @@ impl SimNic {
     }
 }
 
-#[async_trait]
-impl Transfer for SimNic {
-    fn backend(&self) -> &'static str {
-        "tcp-sim"
-    }
-
+impl PostNow for SimNic {
     /// Registers the operation (one WR per slot) with the connection to
     /// `remote.endpoint` (opened on first use, blocking briefly) and returns
     /// at once; the NIC's receiver completes it at its terminal status.
-    async fn post(
-        &self,
-        op: Op,
-        local: SlotLease<Reserved>,
-        remote: &RemoteSlots,
-        opts: TransferOptions,
-    ) -> Result<TransferHandle, PostError> {
-        self.inner.post(op, local, remote, opts)
-    }
-    // Posting never waits here: the futures post at their first poll, unboxed.
-    kv_transfer_core::deferred_posts!();
-}
-
-impl PostNow for SimNic {
     fn post_now(
         &self,
         op: Op,
@@ -1168,6 +1156,8 @@ impl PostNow for SimNic {
         self.inner.post(op, local, remote, opts)
     }
 }
+
+kv_transfer_core::impl_transfer_via_post_now!(SimNic, "tcp-sim");
 
 impl NicInner {
     fn reg_for_pool(&self, id: PoolId) -> Option<Arc<Reg>> {
@@ -1405,8 +1395,7 @@ impl NicInner {
         if len > wire::MAX_PAYLOAD as usize {
             return Err(NicError::TooLarge(len));
         }
-        let h =
-            AccessHeader { wr_id, key: a.key, addr: a.addr, slot: a.slot, generation: a.generation, len: len as u32 };
+        let h = a.header(wr_id, len as u32);
         let (body, pl, dest) = match (&data, imm) {
             (Some(_), None) => (Body::Write(h), len, None),
             (Some(_), Some(imm)) => (Body::WriteImm(h, imm), len, None),

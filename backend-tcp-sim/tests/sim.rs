@@ -1,6 +1,6 @@
 //! Behaviour of the simulated fabric over loopback. Every wait is bounded.
 
-use backend_tcp_sim::wire::{self, AccessHeader, Body, DecodeError, WireStatus};
+use backend_tcp_sim::wire::{self, Body, DecodeError, WireStatus};
 use backend_tcp_sim::{
     block_on, DelayDist, DropSpec, FaultPlan, Gate, InboundEvent, NicConfig, NicError, RawAccess, RawCompletions,
     ReleasePolicy, SimNic,
@@ -239,14 +239,7 @@ fn malformed_frames_on_the_socket_are_typed_errors() {
     let (_exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
     let before = checksum(&p.tpool);
     let good = RawAccess::of(&remote, 0).unwrap();
-    let hdr = AccessHeader {
-        wr_id: 1,
-        key: good.key,
-        addr: good.addr,
-        slot: good.slot,
-        generation: good.generation,
-        len: 16,
-    };
+    let hdr = good.header(1, 16);
     let mut write16 = wire::encode_head(&Body::Write(hdr), 16).unwrap();
     write16.extend_from_slice(&[0xEE; 16]);
 

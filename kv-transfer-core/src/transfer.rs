@@ -197,7 +197,7 @@ pub trait Transfer: Send + Sync {
     /// Posts a WRITE of the local lease into the remote slots: [`post`](Self::post)'s
     /// own future, so a WRITE costs one allocation, not two. A backend whose
     /// post never waits returns [`PostFuture::deferred`] here instead: no
-    /// allocation at all.
+    /// allocation at all ([`impl_transfer_via_post_now!`](crate::impl_transfer_via_post_now)).
     fn write<'a>(
         &'a self,
         local: SlotLease<Reserved>,
@@ -234,12 +234,13 @@ pub trait PostNow: Send + Sync {
     ) -> Result<TransferHandle, PostError>;
 }
 
-/// Inside `impl Transfer for X` where `X: PostNow`: `write` and `read` as
-/// [`PostFuture::deferred`] posts, with no boxed future per post.
+/// `impl Transfer for $ty`, for a backend whose post never waits: `post`
+/// is its [`PostNow::post_now`], and `write` and `read` are
+/// [`PostFuture::deferred`] posts (no boxed future per post).
 ///
 /// ```
-/// use kv_transfer_core::{async_trait, block_on, HostRegion, Op, PoolConfig, PostError, PostErrorKind, PostNow,
-///     RemoteSlots, Reserved, SlotLease, SlotPool, Transfer, TransferHandle, TransferOptions};
+/// use kv_transfer_core::{block_on, HostRegion, Op, PoolConfig, PostError, PostErrorKind, PostNow, RemoteSlots,
+///     Reserved, SlotLease, SlotPool, Transfer, TransferHandle, TransferOptions};
 /// use std::sync::Arc;
 ///
 /// /// A backend that is shutting down: it refuses every post, at once.
@@ -250,38 +251,53 @@ pub trait PostNow: Send + Sync {
 ///         Err(PostError { lease: local, kind: PostErrorKind::ShuttingDown })
 ///     }
 /// }
-/// #[async_trait]
-/// impl Transfer for Closed {
-///     fn backend(&self) -> &'static str { "closed" }
-///     async fn post(&self, op: Op, local: SlotLease<Reserved>, remote: &RemoteSlots, opts: TransferOptions)
-///         -> Result<TransferHandle, PostError> { self.post_now(op, local, remote, opts) }
-///     kv_transfer_core::deferred_posts!();
-/// }
+/// kv_transfer_core::impl_transfer_via_post_now!(Closed, "closed");
 ///
 /// let (pool, _authority) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(4096)).unwrap();
 /// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, slots: vec![] };
+/// assert_eq!(Closed.backend(), "closed");
 /// let refused = block_on(Closed.write(pool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap_err();
 /// assert!(matches!(refused.kind, PostErrorKind::ShuttingDown));
+/// let refused = block_on(Closed.post(Op::Read, refused.lease, &remote, TransferOptions::default())).unwrap_err();
+/// refused.lease.release();
+/// assert_eq!(pool.metrics().free, 1);
 /// ```
 #[macro_export]
-macro_rules! deferred_posts {
-    () => {
-        fn write<'a>(
-            &'a self,
-            local: $crate::SlotLease<$crate::Reserved>,
-            remote: &'a $crate::RemoteSlots,
-            opts: $crate::TransferOptions,
-        ) -> $crate::PostFuture<'a> {
-            $crate::PostFuture::deferred(self, $crate::Op::Write, local, remote, opts)
-        }
+macro_rules! impl_transfer_via_post_now {
+    ($ty:ty, $backend:expr) => {
+        #[$crate::async_trait]
+        impl $crate::Transfer for $ty {
+            fn backend(&self) -> &'static str {
+                $backend
+            }
 
-        fn read<'a>(
-            &'a self,
-            local: $crate::SlotLease<$crate::Reserved>,
-            remote: &'a $crate::RemoteSlots,
-            opts: $crate::TransferOptions,
-        ) -> $crate::PostFuture<'a> {
-            $crate::PostFuture::deferred(self, $crate::Op::Read, local, remote, opts)
+            async fn post(
+                &self,
+                op: $crate::Op,
+                local: $crate::SlotLease<$crate::Reserved>,
+                remote: &$crate::RemoteSlots,
+                opts: $crate::TransferOptions,
+            ) -> ::std::result::Result<$crate::TransferHandle, $crate::PostError> {
+                $crate::PostNow::post_now(self, op, local, remote, opts)
+            }
+
+            fn write<'a>(
+                &'a self,
+                local: $crate::SlotLease<$crate::Reserved>,
+                remote: &'a $crate::RemoteSlots,
+                opts: $crate::TransferOptions,
+            ) -> $crate::PostFuture<'a> {
+                $crate::PostFuture::deferred(self, $crate::Op::Write, local, remote, opts)
+            }
+
+            fn read<'a>(
+                &'a self,
+                local: $crate::SlotLease<$crate::Reserved>,
+                remote: &'a $crate::RemoteSlots,
+                opts: $crate::TransferOptions,
+            ) -> $crate::PostFuture<'a> {
+                $crate::PostFuture::deferred(self, $crate::Op::Read, local, remote, opts)
+            }
         }
     };
 }

@@ -2,7 +2,7 @@
 
 use crate::ensure;
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
-use backend_tcp_sim::wire::{self, AccessHeader, Body};
+use backend_tcp_sim::wire::{self, Body};
 use backend_tcp_sim::{block_on, FaultPlan, Gate, NicConfig, RawAccess, SimNic};
 use kv_transfer_core::{
     Exposed, Generation, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy,
@@ -50,15 +50,7 @@ pub(crate) fn raw_hello(endpoint: &str, name: &str) -> Result<TcpStream, Failure
 /// over a raw wire client and sends only half its payload: the target's NIC
 /// holds the access in flight, and the client never finishes it.
 pub(crate) fn start_stalled_write(s: &mut TcpStream, remote: &RemoteSlots, slot_size: usize) -> Result<(), Failure> {
-    let slot = remote.slots.first().ok_or_else(|| Failure("no slot to stall on".into()))?;
-    let h = AccessHeader {
-        wr_id: 1,
-        key: remote.key,
-        addr: slot.addr,
-        slot: slot.slot,
-        generation: slot.generation,
-        len: slot_size as u32,
-    };
+    let h = RawAccess::of(remote, 0).ok_or_else(|| Failure("no slot to stall on".into()))?.header(1, slot_size as u32);
     let head = wire::encode_head(&Body::Write(h), slot_size).map_err(|e| fail("encode")(&e))?;
     s.write_all(&head).map_err(|e| fail("stalled write")(&e))?;
     s.write_all(&vec![0x5a; slot_size / 2]).map_err(|e| fail("stalled write")(&e))

@@ -100,11 +100,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kv_transfer_core::{
-    async_trait, check_shapes, Completed, Completer, Exposed, Generation, MemoryKind, Op, PeerId, PoolConfig,
-    PoolError, PoolId, PostError, PostErrorKind, PostNow, Region, RemoteSlot, RemoteSlots, Reserved,
-    SettlementAuthority, SlotId, SlotLease, SlotPool, Tenancy, Transfer, TransferError, TransferHandle,
-    TransferOptions,
+    check_shapes, Completed, Completer, Exposed, Generation, MemoryKind, Op, PeerId, PoolConfig, PoolError, PoolId,
+    PostError, PostErrorKind, PostNow, Region, RemoteSlot, RemoteSlots, Reserved, SettlementAuthority, SlotId,
+    SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions,
 };
+// Named in the docs; the impl comes from `impl_transfer_via_post_now!`.
+#[cfg(doc)]
+use kv_transfer_core::Transfer;
 
 use crate::engine::{
     AgentConfig, EngineConfig, EngineError, IdMap, MemRegion, NixlEngine, RealNixlEngine, RegId, ReqId, XferOp,
@@ -838,25 +840,6 @@ impl Drop for NixlTransfer {
     }
 }
 
-#[async_trait]
-impl Transfer for NixlTransfer {
-    fn backend(&self) -> &'static str {
-        BACKEND
-    }
-
-    async fn post(
-        &self,
-        op: Op,
-        local: SlotLease<Reserved>,
-        remote: &RemoteSlots,
-        opts: TransferOptions,
-    ) -> Result<TransferHandle, PostError> {
-        self.inner.post(op, local, remote, opts)
-    }
-    // Posting never waits here: the futures post at their first poll, unboxed.
-    kv_transfer_core::deferred_posts!();
-}
-
 impl PostNow for NixlTransfer {
     fn post_now(
         &self,
@@ -868,6 +851,8 @@ impl PostNow for NixlTransfer {
         self.inner.post(op, local, remote, opts)
     }
 }
+
+kv_transfer_core::impl_transfer_via_post_now!(NixlTransfer, BACKEND);
 
 impl Inner {
     fn state(&self) -> MutexGuard<'_, State> {
@@ -1088,10 +1073,13 @@ impl Inner {
             // Completed inside post (CMA on one host).
             Ok(XferState::Done) => terminal = Some(Ok(())),
             Ok(XferState::InProgress) => {
-                if let Some((t, f)) = polled {
+                let seen = match polled {
+                    Some(t) => Some(t),
+                    None if alone && !self.cfg.inline_poll.is_zero() => self.poll_inline(req),
+                    None => None,
+                };
+                if let Some((t, f)) = seen {
                     (terminal, forgotten) = (Some(t), f);
-                } else if alone && !self.cfg.inline_poll.is_zero() {
-                    (terminal, forgotten) = self.poll_inline(req);
                 }
             }
             // Possibly partly posted: poll to a terminal status, report the post's error.
@@ -1238,22 +1226,19 @@ impl Inner {
     }
 
     /// Polls a just-posted request from the posting thread for up to
-    /// `AdapterConfig::inline_poll`. Returns its terminal status, if one came, and
-    /// whether the engine no longer knows the request.
-    fn poll_inline(&self, req: ReqId) -> (Option<Result<(), TransferError>>, bool) {
+    /// `AdapterConfig::inline_poll`. Returns its terminal status, if one came.
+    fn poll_inline(&self, req: ReqId) -> Option<Terminal> {
         // The clock is read only once a poll found the request still in progress.
         let mut deadline = None;
         loop {
-            match self.terminal_status(req) {
-                None => {
-                    let now = Instant::now();
-                    if now >= *deadline.get_or_insert_with(|| now + self.cfg.inline_poll) {
-                        return (None, false);
-                    }
-                    std::hint::spin_loop();
-                }
-                Some((t, forgotten)) => return (Some(t), forgotten),
+            if let Some(t) = self.terminal_status(req) {
+                return Some(t);
             }
+            let now = Instant::now();
+            if now >= *deadline.get_or_insert_with(|| now + self.cfg.inline_poll) {
+                return None;
+            }
+            std::hint::spin_loop();
         }
     }
 

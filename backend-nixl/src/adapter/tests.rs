@@ -7,7 +7,7 @@ use super::*;
 use crate::engine::{NixlError, NixlOp, Notification, Status};
 use crate::MockNixlEngine;
 use futures::FutureExt;
-use kv_transfer_core::{EscalationLadder, HostRegion};
+use kv_transfer_core::{EscalationLadder, HostRegion, Transfer};
 use std::collections::HashSet;
 
 const SLOT: usize = 4096;
