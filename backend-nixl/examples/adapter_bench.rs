@@ -21,9 +21,11 @@
 //! The target runs NIXL's progress thread in every case, with the adapter's
 //! default delay (`AdapterConfig::agent_progress_delay`) in both rigs. Both rigs (raw agents and
 //! adapters) are built once per size and measured in `KVT_BENCH_ROUNDS` (default
-//! 6) alternating rounds of `KVT_BENCH_SECS` (default 0.5) per case; medians are
-//! reported, and each ratio is the median over rounds of an adapter case divided
-//! by the better raw loop of the same round.
+//! 6) rounds of `KVT_BENCH_SECS` (default 0.5) per case, the cases in the order
+//! above in even rounds and in reverse in odd ones (so that what ran just before
+//! a case favours neither side); medians are reported, and each ratio
+//! is the median over rounds of an adapter case divided by the better raw loop
+//! of the same round.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -210,12 +212,18 @@ fn main() -> Res<()> {
         let mut adc = AdapterRig::new(block, 1, 0)?;
         let (mut rr, mut rf, mut a1, mut ac, mut a4, mut ratio, mut ratio_c) =
             (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
-        for _ in 0..rounds {
-            let r1 = raw.run(budget, true)?;
-            let x = ad.run(budget, 1)?;
-            let r2 = raw.run(budget, false)?;
-            let c = adc.run(budget, 1)?;
-            a4.push(ad.run(budget, 4)?);
+        for round in 0..rounds {
+            // The five cases, in reverse order every other round.
+            let (mut r1, mut x, mut r2, mut c) = (0.0, 0.0, 0.0, 0.0);
+            for i in 0..5 {
+                match if round % 2 == 0 { i } else { 4 - i } {
+                    0 => r1 = raw.run(budget, true)?,
+                    1 => x = ad.run(budget, 1)?,
+                    2 => r2 = raw.run(budget, false)?,
+                    3 => c = adc.run(budget, 1)?,
+                    _ => a4.push(ad.run(budget, 4)?),
+                }
+            }
             // Against the better raw loop of the same round.
             ratio.push(x / r1.max(r2));
             ratio_c.push(c / r1.max(r2));

@@ -90,7 +90,12 @@
 //! also polls notifications while exposures are outstanding). The driver sleeps
 //! with a bounded backoff while work is outstanding (after a short polling
 //! window following each completion or post, `AdapterConfig::spin`) and blocks on a condition variable
-//! with a long timeout when idle: no busy spin in steady state.
+//! with a long timeout when idle: no busy spin in steady state. While a thread
+//! keeps re-posting cached requests, the driver hands its periodic
+//! notification poll to that thread, which makes it between two posts (it
+//! would otherwise block on the agent's lock, held across each small post, and
+//! then block the next post); what that poll fetches is handled by the driver,
+//! in order, and the driver polls by itself again once posting stops.
 
 pub mod wire;
 
@@ -109,8 +114,8 @@ use kv_transfer_core::{
 use kv_transfer_core::Transfer;
 
 use crate::engine::{
-    AgentConfig, EngineConfig, EngineError, IdMap, MemRegion, NixlEngine, RealNixlEngine, RegId, ReqId, XferOp,
-    XferSpec, XferState,
+    AgentConfig, EngineConfig, EngineError, IdMap, MemRegion, NixlEngine, Notification, RealNixlEngine, RegId, ReqId,
+    XferOp, XferSpec, XferState,
 };
 use wire::{MsgKind, ParseError};
 
@@ -425,6 +430,11 @@ struct State {
     cache: Vec<CacheKey>,
     /// Emptied tenancy lists of finished ops, reused by posts (no allocation per post).
     spare: Vec<Vec<Tenancy>>,
+    /// Cached re-posts finished under the lock (the driver compares it between
+    /// rounds to see whether a thread is posting; see [`Inner::take_notif_poll`]).
+    fast_posts: u64,
+    /// Notifications a posting thread fetched for the driver, oldest first.
+    inbox: Vec<Notification>,
     events: VecDeque<NixlEvent>,
     next_escalation: Option<Instant>,
     m: AdapterMetrics,
@@ -475,6 +485,9 @@ struct Inner {
     /// Threads blocked in `wait_changed`.
     changed_waiters: std::sync::atomic::AtomicUsize,
     wake: Arc<Wake>,
+    /// The driver handed its next notification poll to a posting thread (see
+    /// [`Inner::take_notif_poll`]).
+    notif_due: std::sync::atomic::AtomicBool,
 }
 
 /// `kv-transfer-core`'s [`Transfer`] over NIXL. See the [module docs](self).
@@ -591,6 +604,7 @@ impl NixlTransfer {
             changed: Condvar::new(),
             changed_waiters: std::sync::atomic::AtomicUsize::new(0),
             wake: Arc::new(Wake::new()),
+            notif_due: std::sync::atomic::AtomicBool::new(false),
         });
         let d = Arc::clone(&inner);
         let driver =
@@ -934,6 +948,8 @@ impl Inner {
             let alone = st.ops.is_empty();
             let exposed = local.expose_local(peer);
             let (mut first, status) = self.engine.post_xfer_polled(req, alone && !self.cfg.inline_poll.is_zero());
+            st.fast_posts += 1;
+            let fetched = self.take_notif_poll(st);
             let mut polled = None;
             match status.and_then(|s| terminal(req, s)) {
                 Some((Ok(()), _)) => first = Ok(XferState::Done),
@@ -950,7 +966,7 @@ impl Inner {
                     st.cache.push(key);
                 }
                 let proof = st.pools.get(&exposed.pool().id()).map(|p| p.authority.completed(exposed.tenancies()));
-                let pending = !st.outgoing.is_empty();
+                let pending = fetched || !st.outgoing.is_empty();
                 drop(guard);
                 return Ok(self.finish_fast(exposed, proof, pending));
             }
@@ -961,6 +977,9 @@ impl Inner {
             let agent = key.agent.clone();
             let op_id = Self::register(st, agent, remote, op, &opts, false, completer.lease().pool().id());
             drop(guard);
+            if fetched {
+                self.wake.wake();
+            }
             self.after_post(op_id, req, Some(key), completer, (first, polled), (true, alone));
             return Ok(handle);
         }
@@ -1022,6 +1041,36 @@ impl Inner {
             },
         );
         id
+    }
+
+    /// Runs the notification poll the driver handed to posting threads, if it
+    /// is still due, and keeps what it fetched in [`State::inbox`]; returns
+    /// whether anything came (the caller wakes the driver).
+    ///
+    /// Called by a cached re-post right after its post, under the lock. A
+    /// thread that keeps posting holds NIXL's agent lock most of the time (a
+    /// small post copies inside the call), so the driver's own periodic
+    /// `get_notifs` would block on it and then make the next post block in
+    /// turn: a sleep and a wake-up each time, on the posting thread's
+    /// critical path. Polled here, between two posts, it costs that thread
+    /// one uncontended call instead.
+    fn take_notif_poll(&self, st: &mut State) -> bool {
+        use std::sync::atomic::Ordering::{AcqRel, Relaxed};
+        if !self.notif_due.load(Relaxed) || !self.notif_due.swap(false, AcqRel) {
+            return false;
+        }
+        match self.engine.get_notifs() {
+            Ok(n) => {
+                let fetched = !n.is_empty();
+                st.inbox.extend(n);
+                fetched
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "get_notifs failed");
+                st.m.notif_errors += 1;
+                false
+            }
+        }
     }
 
     /// Puts a completed request back into the cache; returns the one evicted.
@@ -1441,11 +1490,15 @@ impl Inner {
         let (poll_lo, poll_hi) = (self.cfg.poll_min.min(self.cfg.poll_max), self.cfg.poll_max.max(self.cfg.poll_min));
         let mut backoff = poll_lo;
         let mut escalate_now = true;
+        // Notification polls handed to posting threads (see `take_notif_poll`):
+        // whether the last due poll was handed over, and the count of cached
+        // re-posts when it was.
+        let (mut handed, mut fast_posts_then) = (false, 0u64);
         loop {
             let now = Instant::now();
             let mut progressed = false;
-            let (posted, exposures, outgoing, stop, youngest, next_esc) = {
-                let st = self.state();
+            let (posted, exposures, outgoing, stop, youngest, next_esc, inbox, fast_posts) = {
+                let mut st = self.state();
                 // Ops being posted or finished by another thread are not the driver's.
                 let mine = || {
                     st.ops.iter().filter_map(|(id, o)| o.driven.as_deref().filter(|d| !d.finishing).map(|d| (id, d)))
@@ -1453,10 +1506,25 @@ impl Inner {
                 let posted: Vec<(u64, ReqId, bool)> =
                     mine().map(|(id, d)| (*id, d.req, d.terminal.is_some())).collect();
                 let youngest = mine().map(|(_, d)| now.saturating_duration_since(d.started)).min();
-                (posted, !st.exposures.is_empty(), !st.outgoing.is_empty(), st.stop, youngest, st.next_escalation)
+                let inbox = std::mem::take(&mut st.inbox);
+                (
+                    posted,
+                    !st.exposures.is_empty(),
+                    !st.outgoing.is_empty(),
+                    st.stop,
+                    youngest,
+                    st.next_escalation,
+                    inbox,
+                    st.fast_posts,
+                )
             };
             if stop {
                 break;
+            }
+            // Fetched by a posting thread before anything this round fetches.
+            progressed |= !inbox.is_empty();
+            for n in inbox {
+                self.on_message(&n.agent, &n.msg);
             }
             for (op_id, req, terminal) in &posted {
                 if !terminal {
@@ -1475,7 +1543,23 @@ impl Inner {
             };
             if last_notif_poll.map_or(true, |t| now.saturating_duration_since(t) >= notif_every) {
                 last_notif_poll = Some(now);
-                progressed |= self.poll_notifs();
+                use std::sync::atomic::Ordering::{AcqRel, Release};
+                // Not yet taken: no thread re-posted since it was handed over.
+                let untaken = self.notif_due.swap(false, AcqRel);
+                let posting = fast_posts != fast_posts_then;
+                fast_posts_then = fast_posts;
+                // A thread is re-posting (or just took the last one): hand it this
+                // poll too. Else poll here; nothing fetched by a posting thread can
+                // be newer then, since none took a poll since the last round.
+                // Never with polling on every round (`notif_every` zero): the hand
+                // over would alternate with polls here.
+                if !notif_every.is_zero() && !untaken && (handed || posting) {
+                    handed = true;
+                    self.notif_due.store(true, Release);
+                } else {
+                    handed = false;
+                    progressed |= self.poll_notifs();
+                }
             }
             if escalate_now || next_esc.is_some_and(|t| t <= now) {
                 escalate_now = false;

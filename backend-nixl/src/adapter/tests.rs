@@ -62,6 +62,8 @@ struct Sim {
     acks_while_in_flight: u32,
     /// Order of posts, releases, invalidations, deregistrations.
     log: Vec<String>,
+    /// Every `get_notifs`: (agent, whether its driver thread called it, notifications returned).
+    notif_polls: Vec<(&'static str, bool, usize)>,
 }
 
 type Shared = Arc<Mutex<Sim>>;
@@ -189,7 +191,10 @@ fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine 
         if g.notifs_fail {
             return Err(backend_err(NixlOp::GetNotifs));
         }
-        Ok(g.inbox.get_mut(name).map(|q| q.drain(..).collect()).unwrap_or_default())
+        let fetched: Vec<Notification> = g.inbox.get_mut(name).map(|q| q.drain(..).collect()).unwrap_or_default();
+        let by_driver = std::thread::current().name().is_some_and(|t| t.starts_with("nixl-driver-"));
+        g.notif_polls.push((name, by_driver, fetched.len()));
+        Ok(fetched)
     });
     let s = sim.clone();
     m.expect_gen_notif().returning(move |to, msg| {
@@ -763,6 +768,55 @@ fn a_repost_done_at_the_first_status_poll_completes_in_the_post_and_an_error_the
         assert_eq!(g.releases, vec![1]);
         assert_eq!(g.early_releases, 0);
     }
+    exposed.abort();
+    let r = ini.shutdown(Duration::from_secs(1));
+    assert_eq!(r.in_flight_left, 0);
+}
+
+#[test]
+fn a_thread_that_keeps_reposting_takes_the_drivers_notification_poll_and_loses_nothing() {
+    // While a thread keeps re-posting (each re-post done at its first status
+    // poll), the initiator's driver hands its periodic `get_notifs` to that
+    // thread; what it fetches (here the target's ABORT) is still handled.
+    let (sim, ini, tgt, src, dst, to_ini) = inline_rig(Behaviour::DoneAfter(0));
+    let (exposed, remote) = tgt.expose(dst.reserve(1).expect("r"), to_ini).expect("expose");
+    let (aborted, remote2) = tgt.expose(dst.reserve(1).expect("r"), to_ini).expect("expose");
+    let by_poster = |sim: &Shared| lock(sim).notif_polls.iter().filter(|(a, d, _)| *a == "ini" && !*d).count();
+    let mut lease = Some(src.reserve(1).expect("r"));
+    let mut repost = || {
+        let l = lease.take().expect("lease");
+        let h = futures::executor::block_on(ini.write(l, &remote, TransferOptions::notify(false))).expect("post");
+        let out = h.now_or_never().expect("finished in the post").expect("not abandoned");
+        assert_eq!(out.result, Ok(()));
+        lease = Some(out.lease.into_reserved());
+    };
+    // Bounded: at most 20,000 re-posts or 5 s per phase.
+    let keep_reposting = |until: &mut dyn FnMut() -> bool, repost: &mut dyn FnMut()| {
+        let start = Instant::now();
+        for _ in 0..20_000 {
+            if until() || start.elapsed() > Duration::from_secs(5) {
+                break;
+            }
+            repost();
+        }
+        until()
+    };
+    assert!(keep_reposting(&mut || by_poster(&sim) >= 2, &mut repost), "the posting thread never polled");
+    // The target gives a slot up; the ABORT reaches the initiator while it posts.
+    aborted.abort();
+    assert!(keep_reposting(&mut || ini.metrics().aborts_received == 1, &mut repost), "the ABORT was lost");
+    // Handled as when the driver fetches it: the slot is refused and acknowledged.
+    let refused =
+        futures::executor::block_on(ini.write(src.reserve(1).expect("r"), &remote2, TransferOptions::notify(false)));
+    assert!(refused.is_err(), "a post to the aborted slot must be refused");
+    assert!(wait_until(Duration::from_secs(2), || lock(&sim).sent.iter().any(
+        |(from, _, m)| from == "ini" && *m == wire::encode(MsgKind::AbortAck, remote2.pool, &remote2.tenancies())
+    )));
+    // Posting stopped: the driver polls by itself again.
+    let driver_polls = || lock(&sim).notif_polls.iter().filter(|(a, d, _)| *a == "ini" && *d).count();
+    let before = driver_polls();
+    assert!(wait_until(Duration::from_secs(2), || driver_polls() > before + 1), "the driver stopped polling");
+    lease.take().expect("lease").release();
     exposed.abort();
     let r = ini.shutdown(Duration::from_secs(1));
     assert_eq!(r.in_flight_left, 0);
