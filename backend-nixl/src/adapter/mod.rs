@@ -430,8 +430,9 @@ struct State {
     cache: Vec<CacheKey>,
     /// Emptied tenancy lists of finished ops, reused by posts (no allocation per post).
     spare: Vec<Vec<Tenancy>>,
-    /// Cached re-posts finished under the lock (the driver compares it between
-    /// rounds to see whether a thread is posting; see [`Inner::take_notif_poll`]).
+    /// Cached re-posts made under the lock, finished there or not (the driver
+    /// compares it between rounds to see whether a thread is posting; see
+    /// [`Inner::take_notif_poll`]).
     fast_posts: u64,
     /// Notifications a posting thread fetched for the driver, oldest first.
     inbox: Vec<Notification>,
@@ -506,15 +507,14 @@ impl std::fmt::Debug for NixlTransfer {
 /// NIC) and whether the engine no longer knows the request.
 type Terminal = (Result<(), TransferError>, bool);
 
-/// What a status poll of `req` says: `None` while it is in progress (`IN_PROG`
-/// is never terminal), else its terminal result (every error and unknown
-/// status is an error) and whether the engine no longer knows the request.
-fn terminal(req: ReqId, status: Result<XferState, EngineError>) -> Option<Terminal> {
+/// What a status poll says: `None` while the request is in progress
+/// (`IN_PROG` is never terminal), else its terminal result (every error and
+/// unknown status is an error) and whether the engine no longer knows it.
+fn terminal(status: Result<XferState, EngineError>) -> Option<Terminal> {
     match status {
         Ok(XferState::InProgress) => None,
         Ok(XferState::Done) => Some((Ok(()), false)),
-        Err(EngineError::UnknownRequest(_)) => Some((Err(engine_error(&EngineError::UnknownRequest(req))), true)),
-        Err(e) => Some((Err(engine_error(&e)), false)),
+        Err(e) => Some((Err(engine_error(&e)), matches!(e, EngineError::UnknownRequest(_)))),
     }
 }
 
@@ -951,7 +951,7 @@ impl Inner {
             st.fast_posts += 1;
             let fetched = self.take_notif_poll(st);
             let mut polled = None;
-            match status.and_then(|s| terminal(req, s)) {
+            match status.and_then(terminal) {
                 Some((Ok(()), _)) => first = Ok(XferState::Done),
                 // An error status: terminal, unproven; the driver finishes it.
                 other => polled = other,
@@ -1293,7 +1293,7 @@ impl Inner {
 
     /// Polls a posted request once (see [`terminal`]).
     fn terminal_status(&self, req: ReqId) -> Option<Terminal> {
-        terminal(req, self.engine.xfer_status(req))
+        terminal(self.engine.xfer_status(req))
     }
 
     /// Finishes, in the posting thread, an op whose request reached `Done` there:
@@ -1491,8 +1491,8 @@ impl Inner {
         let mut backoff = poll_lo;
         let mut escalate_now = true;
         // Notification polls handed to posting threads (see `take_notif_poll`):
-        // whether the last due poll was handed over, and the count of cached
-        // re-posts when it was.
+        // whether the last due poll was handed over, and `fast_posts` as the
+        // last due poll saw it.
         let (mut handed, mut fast_posts_then) = (false, 0u64);
         loop {
             let now = Instant::now();
