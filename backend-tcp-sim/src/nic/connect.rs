@@ -1,0 +1,142 @@
+//! Bringing connections up: the HELLO handshake, connecting to a peer,
+//! the acceptor thread, and `add_conn`, which numbers a connection (a
+//! [`PeerId`] is never reused) and starts its sender and receiver.
+
+use super::conn::{Conn, ConnState};
+use super::{lock, InboundEvent, NicError, NicInner};
+use crate::stats::inc;
+use crate::wire::{self, Body, PREFIX_LEN};
+use kv_transfer_core::PeerId;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+impl NicInner {
+    fn hello(&self) -> Result<Vec<u8>, NicError> {
+        wire::encode_head(&Body::Hello { name: self.cfg.name.clone(), endpoint: self.endpoint.clone() }, 0)
+            .map_err(|e| NicError::Handshake(e.to_string()))
+    }
+
+    fn read_hello(&self, s: &mut TcpStream) -> Result<(String, String), NicError> {
+        let mut pre = [0u8; PREFIX_LEN];
+        s.read_exact(&mut pre)?;
+        let p = wire::decode_prefix(&pre).map_err(|e| NicError::Handshake(e.to_string()))?;
+        let mut f = vec![0u8; p.fields_len()];
+        s.read_exact(&mut f)?;
+        match wire::decode_fields(&p, &f) {
+            Ok(Body::Hello { name, endpoint }) => Ok((name, endpoint)),
+            Ok(other) => Err(NicError::Handshake(format!("expected HELLO, got {:?}", other.kind()))),
+            Err(e) => Err(NicError::Handshake(e.to_string())),
+        }
+    }
+
+    pub(super) fn connect_new(self: &Arc<Self>, endpoint: &str) -> Result<Arc<Conn>, NicError> {
+        if self.shutdown.load(Ordering::SeqCst) {
+            return Err(NicError::ShuttingDown);
+        }
+        let mut s = TcpStream::connect(endpoint)?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(self.cfg.handshake_timeout))?;
+        s.write_all(&self.hello()?)?;
+        let (name, ep) = self.read_hello(&mut s)?;
+        s.set_read_timeout(None)?;
+        inc(&self.counters.connections_opened);
+        self.add_conn(s, name, ep)
+    }
+
+    pub(super) fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        for s in listener.incoming() {
+            if self.shutdown.load(Ordering::SeqCst) {
+                break;
+            }
+            let Ok(mut s) = s else { continue };
+            let res = (|| -> Result<(), NicError> {
+                s.set_nodelay(true)?;
+                s.set_read_timeout(Some(self.cfg.handshake_timeout))?;
+                let (name, ep) = self.read_hello(&mut s)?;
+                s.write_all(&self.hello()?)?;
+                s.set_read_timeout(None)?;
+                inc(&self.counters.connections_accepted);
+                self.add_conn(s, name, ep)?;
+                Ok(())
+            })();
+            if let Err(e) = res {
+                inc(&self.counters.malformed_frames);
+                tracing::debug!(error = %e, "inbound handshake failed");
+            }
+        }
+    }
+
+    pub(super) fn wake_acceptor(&self) {
+        let _ = TcpStream::connect_timeout(
+            &match self.endpoint.parse() {
+                Ok(a) => a,
+                Err(_) => return,
+            },
+            Duration::from_millis(200),
+        );
+    }
+
+    fn add_conn(self: &Arc<Self>, s: TcpStream, name: String, endpoint: String) -> Result<Arc<Conn>, NicError> {
+        set_socket_buffers(&s, self.cfg.socket_buffer);
+        let peer = PeerId(self.next_peer.fetch_add(1, Ordering::SeqCst));
+        let index = self.next_conn_index.fetch_add(1, Ordering::SeqCst);
+        let rx_stream = s.try_clone()?;
+        let tx_stream = s.try_clone()?;
+        let conn = Arc::new(Conn {
+            peer,
+            index,
+            name: name.clone(),
+            endpoint: endpoint.clone(),
+            stream: s,
+            tx: Arc::default(),
+            st: Mutex::new(ConnState::default()),
+            dead: AtomicBool::new(false),
+            threads: Mutex::new(Vec::new()),
+        });
+        let mut conns = lock(&self.conns);
+        if self.shutdown.load(Ordering::SeqCst) {
+            let _ = conn.stream.shutdown(Shutdown::Both);
+            return Err(NicError::ShuttingDown);
+        }
+        let (n1, c1) = (self.clone(), conn.clone());
+        let rx = std::thread::Builder::new()
+            .name(format!("sim-rx-{}-{}", self.cfg.name, peer.0))
+            .spawn(move || n1.rx_loop(c1, rx_stream))?;
+        let (n2, c2) = (self.clone(), conn.clone());
+        let tx = std::thread::Builder::new()
+            .name(format!("sim-tx-{}-{}", self.cfg.name, peer.0))
+            .spawn(move || n2.tx_loop(c2, tx_stream))?;
+        lock(&conn.threads).extend([rx, tx]);
+        conns.insert(peer, conn.clone());
+        drop(conns);
+        tracing::debug!(nic = %self.cfg.name, peer = peer.0, remote = %name, "connection up");
+        self.event(InboundEvent::PeerConnected { peer, name, endpoint });
+        Ok(conn)
+    }
+}
+
+/// Sets `SO_SNDBUF` and `SO_RCVBUF` (best effort).
+fn set_socket_buffers(s: &TcpStream, bytes: Option<usize>) {
+    let Some(n) = bytes else { return };
+    let n = libc::c_int::try_from(n).unwrap_or(libc::c_int::MAX);
+    let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: `fd` is an open socket owned by `s`; the option value is a
+        // live `c_int` whose size is passed along.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                (&n as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            tracing::debug!(opt, "setsockopt failed");
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! Posting: a lease's WRITE or READ becomes one work request per slot,
+//! registered with the connection before its frames are queued
+//! (`submit`, which raw accesses use too), and application messages are
+//! queued on the data connection.
+
+use super::conn::{Conn, Dest, OpDone, OpEntry, Outgoing, Src, WrEntry};
+use super::{lock, NicError, NicInner};
+use crate::stats::{add, inc};
+use crate::wire::{self, AccessHeader, Body, TenancyList};
+use kv_transfer_core::{
+    check_shapes, Op, PeerId, PostError, PostErrorKind, RemoteSlots, Reserved, SlotLease, Tenancy, TransferError,
+    TransferHandle, TransferOptions,
+};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+impl NicInner {
+    pub(super) fn post(
+        self: &Arc<Self>,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        if let Err(kind) = check_shapes(&local, remote) {
+            return Err(PostError { lease: local, kind });
+        }
+        if self.shutdown.load(Ordering::SeqCst) {
+            return Err(PostError { lease: local, kind: PostErrorKind::ShuttingDown });
+        }
+        let Some(reg) = self.reg_for_pool(local.pool().id()) else {
+            return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
+        };
+        if reg.slot_size > wire::MAX_PAYLOAD as usize {
+            return Err(PostError { lease: local, kind: PostErrorKind::Unsupported("slots larger than 64 MiB") });
+        }
+        let conn = match self.conn_for_endpoint(&remote.endpoint) {
+            Some(c) => c,
+            None => match self.connect_new(&remote.endpoint) {
+                Ok(c) => c,
+                Err(e) => return Err(PostError { lease: local, kind: PostErrorKind::Peer(e.to_string()) }),
+            },
+        };
+        let span = tracing::trace_span!("post", ?op, peer = conn.peer.0, slots = local.len());
+        let _e = span.enter();
+        let exposed = local.expose_local(conn.peer);
+        let (handle, completer) = TransferHandle::pair(exposed);
+        let ts: Vec<Tenancy> = completer.lease().tenancies().to_vec();
+        let notify = opts.notify.then(|| TenancyList { key: remote.key, tenancies: remote.tenancies() });
+        let mut items = Vec::with_capacity(ts.len());
+        let mut wrs = Vec::with_capacity(ts.len());
+        let op_id = self.next_op.fetch_add(1, Ordering::Relaxed);
+        let len = reg.slot_size;
+        for (t, rs) in ts.iter().zip(&remote.slots) {
+            let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
+            let off = t.slot.0 as usize * len;
+            let h = AccessHeader {
+                wr_id,
+                key: remote.key,
+                addr: rs.addr,
+                slot: rs.slot,
+                generation: rs.generation,
+                len: len as u32,
+            };
+            let (body, pl, src, dest) = match op {
+                Op::Write => (Body::Write(h), len, Some(Src::Local { reg: reg.clone(), off, len }), None),
+                Op::Read => (Body::Read(h), 0, None, Some(Dest::Local { reg: reg.clone(), off, len })),
+            };
+            let head = match wire::encode_head(&body, pl) {
+                Ok(h) => h,
+                Err(e) => {
+                    // Unreachable by the size check above; fail honestly anyway.
+                    let proof = reg.authority.completed_lease(completer.lease());
+                    let _ = completer.complete(proof, Err(TransferError::Transport(e.to_string())));
+                    return Ok(handle);
+                }
+            };
+            items.push(Outgoing::Wr { wr_id, op: op_id, head, src });
+            wrs.push((
+                wr_id,
+                WrEntry { op: op_id, key: remote.key, tenancy: rs.tenancy(), sent: false, aborted: false, dest },
+            ));
+        }
+        add(&self.counters.wrs_posted, wrs.len() as u64);
+        let entry = OpEntry {
+            done: OpDone::Lease(completer),
+            reg: Some(reg),
+            remaining: wrs.len(),
+            err: None,
+            data: None,
+            notify,
+            sent_any: false,
+        };
+        self.submit(&conn, op_id, entry, wrs, items);
+        Ok(handle)
+    }
+
+    pub(super) fn submit(
+        &self,
+        conn: &Arc<Conn>,
+        op_id: u64,
+        entry: OpEntry,
+        wrs: Vec<(u64, WrEntry)>,
+        items: Vec<Outgoing>,
+    ) {
+        let mut st = lock(&conn.st);
+        if st.closed {
+            // Torn down and joined already: nothing of this connection can
+            // touch the lease any more.
+            drop(st);
+            self.finish_op(conn.peer, entry, Err(TransferError::Transport("connection fenced".into())), true);
+            return;
+        }
+        st.ops.insert(op_id, entry);
+        st.wrs.extend(wrs);
+        drop(st);
+        conn.tx.push(items);
+    }
+
+    pub(super) fn send_message(&self, peer: PeerId, msg: &[u8]) -> Result<(), NicError> {
+        if msg.len() + wire::RECORD_PREFIX > wire::MAX_CONTROL as usize {
+            return Err(NicError::TooLarge(msg.len()));
+        }
+        let conn = self.conn(peer).filter(|c| !c.dead.load(Ordering::SeqCst)).ok_or(NicError::UnknownPeer(peer))?;
+        inc(&self.counters.messages_sent);
+        conn.tx.push_message(msg);
+        Ok(())
+    }
+}

@@ -1,0 +1,350 @@
+//! A connection's receiver thread: decodes frames and dispatches them. As
+//! the target it applies WRITEs and serves READs (after the checks in
+//! `registration`) and delivers application messages; as the initiator it
+//! takes completions and read responses to their work requests and hands
+//! an operation its terminal status once every work request is terminal.
+//! Settlement frames (NOTIFY, ABORT, ABORT_ACK) go to `control`.
+
+use super::conn::{ring_before_read, ring_deferred, Conn, Dest, OpDone, OpEntry, Outgoing, DOORBELLS};
+use super::{lock, InboundEvent, MessageHook, NicInner};
+use crate::stats::{add, inc};
+use crate::wire::{self, AccessHeader, Body, DecodeError, TenancyList, WireStatus, PREFIX_LEN};
+use bytes::Bytes;
+use kv_transfer_core::{PeerId, TransferError};
+use std::io::{self, BufReader, Read};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+impl NicInner {
+    pub(super) fn rx_loop(self: Arc<Self>, conn: Arc<Conn>, stream: TcpStream) {
+        DOORBELLS.with(|d| *d.borrow_mut() = Some(Vec::new()));
+        let mut r = BufReader::with_capacity(8 << 10, stream);
+        let mut fields = Vec::with_capacity(wire::READ_FIELDS);
+        let res: Result<(), RxExit> = (|| loop {
+            if r.buffer().is_empty() {
+                // About to block on the socket: wake the senders owed.
+                ring_deferred();
+            }
+            let mut pre = [0u8; PREFIX_LEN];
+            r.read_exact(&mut pre)?;
+            let p = wire::decode_prefix(&pre)?;
+            fields.resize(p.fields_len(), 0);
+            r.read_exact(&mut fields)?;
+            let body = wire::decode_fields(&p, &fields)?;
+            match body {
+                Body::Write(h) => {
+                    self.on_write(&conn, &mut r, h)?;
+                }
+                Body::WriteImm(h, imm) => {
+                    // The immediate reaches the application only once the data landed.
+                    if self.on_write(&conn, &mut r, h)? {
+                        inc(&self.counters.messages_received);
+                        let hook = self.message_hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+                        self.deliver_message(&conn, hook.as_ref(), imm.as_bytes());
+                    }
+                }
+                Body::Read(h) => self.on_read(&conn, h),
+                Body::ReadResp { wr_id, status } => self.on_read_resp(&conn, &mut r, wr_id, status, p.payload_len())?,
+                Body::Completion { wr_id, status } => {
+                    let res = match status {
+                        WireStatus::Ok => Ok(None),
+                        s => Err(status_error(s)),
+                    };
+                    self.wr_terminal(&conn, wr_id, res);
+                }
+                Body::Notify(l) => {
+                    inc(&self.counters.notifications_received);
+                    self.settle_from_peer(&conn, l, true);
+                }
+                Body::Abort(l) => self.on_abort(&conn, l),
+                Body::AbortAck(l) => {
+                    inc(&self.counters.abort_acks_received);
+                    self.settle_from_peer(&conn, l, false);
+                }
+                Body::Message => self.on_message(&conn, &mut r, p.payload_len(), &mut fields)?,
+                Body::Hello { .. } => {}
+            }
+        })();
+        match res {
+            Err(RxExit::Decode(e)) => {
+                inc(&self.counters.malformed_frames);
+                tracing::debug!(peer = conn.peer.0, error = %e, "malformed frame: tearing the connection down");
+                *lock(&self.last_decode_error) = Some(e);
+            }
+            Err(RxExit::Io(e)) => tracing::trace!(peer = conn.peer.0, error = %e, "connection closed"),
+            Err(RxExit::Closed) | Ok(()) => {}
+        }
+        ring_deferred();
+        DOORBELLS.with(|d| *d.borrow_mut() = None);
+        conn.dead.store(true, Ordering::SeqCst);
+        let _ = conn.stream.shutdown(Shutdown::Both);
+        self.signal.dead(conn.peer);
+    }
+
+    fn on_message(
+        &self,
+        conn: &Conn,
+        r: &mut BufReader<TcpStream>,
+        len: usize,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), RxExit> {
+        ring_before_read(r, len);
+        buf.resize(len, 0);
+        r.read_exact(buf)?;
+        let msgs = wire::split_messages(buf)?;
+        add(&self.counters.messages_received, msgs.len() as u64);
+        let hook = self.message_hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+        for m in msgs {
+            self.deliver_message(conn, hook.as_ref(), m);
+        }
+        Ok(())
+    }
+
+    /// One application message (a record, or a WRITE's immediate) to the
+    /// hook, or to the event queue without one.
+    fn deliver_message(&self, conn: &Conn, hook: Option<&MessageHook>, m: &[u8]) {
+        match hook {
+            Some(h) => h(conn.peer, &conn.name, m),
+            None => self.event(InboundEvent::Message { peer: conn.peer, bytes: Bytes::copy_from_slice(m) }),
+        }
+    }
+
+    fn completion(conn: &Conn, wr_id: u64, status: WireStatus) {
+        conn.send_frame(&Body::Completion { wr_id, status });
+    }
+
+    /// Applies (or refuses) a WRITE and answers it; returns whether its
+    /// bytes landed.
+    fn on_write(&self, conn: &Conn, r: &mut BufReader<TcpStream>, h: AccessHeader) -> Result<bool, RxExit> {
+        let len = h.len as usize;
+        // The payload read may block (and so may a gate or a slow target).
+        ring_before_read(r, len);
+        // With a gate, the WRITE has arrived at the NIC (payload buffered) and
+        // waits there, before any check, until the test opens the gate. While
+        // it waits, the NIC still notices the peer going away.
+        let mut held = None;
+        if let Some(g) = &self.cfg.faults.gate {
+            let mut buf = vec![0u8; len];
+            r.read_exact(&mut buf)?;
+            let sock = r.get_ref();
+            let gone = || conn.dead.load(Ordering::SeqCst) || self.shutdown.load(Ordering::SeqCst) || peer_gone(sock);
+            if !g.pass(gone) {
+                return Err(RxExit::Closed);
+            }
+            held = Some(buf);
+        }
+        match self.check_access(conn, &h) {
+            Err(reason) => {
+                if held.is_none() {
+                    io::copy(&mut r.by_ref().take(len as u64), &mut io::sink())?;
+                }
+                tracing::debug!(peer = conn.peer.0, ?reason, slot = h.slot.0, gen = h.generation.0, "write rejected");
+                Self::completion(conn, h.wr_id, WireStatus::Rejected(reason));
+                Ok(false)
+            }
+            Ok((reg, off)) => {
+                let res = match &held {
+                    Some(b) => reg.fill_from(&mut b.as_slice(), off, len),
+                    None => reg.fill_from(r, off, len),
+                };
+                // A slow target is slow *while applying*: the access stays in
+                // flight, so a revocation has to wait for it.
+                if let Some(rate) = self.cfg.faults.slow_target_bytes_per_sec.filter(|r| *r > 0) {
+                    std::thread::sleep(Duration::from_secs_f64(len as f64 / rate as f64));
+                }
+                self.end_access(&reg, h.slot);
+                let applied = res?;
+                if applied {
+                    inc(&self.counters.writes_applied);
+                    add(&self.counters.bytes_applied, len as u64);
+                }
+                Self::completion(conn, h.wr_id, if applied { WireStatus::Ok } else { WireStatus::TargetError });
+                Ok(applied)
+            }
+        }
+    }
+
+    fn on_read(&self, conn: &Conn, h: AccessHeader) {
+        let head = |status: WireStatus, n: usize| wire::encode_head(&Body::ReadResp { wr_id: h.wr_id, status }, n);
+        let (status, payload) = match self.check_access(conn, &h) {
+            Err(reason) => (WireStatus::Rejected(reason), Bytes::new()),
+            Ok((reg, off)) => {
+                let mut v = vec![0u8; h.len as usize];
+                let ok = reg.region.read(off, &mut v).is_ok();
+                self.end_access(&reg, h.slot);
+                if ok {
+                    inc(&self.counters.reads_served);
+                    add(&self.counters.bytes_read, v.len() as u64);
+                    (WireStatus::Ok, Bytes::from(v))
+                } else {
+                    (WireStatus::TargetError, Bytes::new())
+                }
+            }
+        };
+        match head(status, payload.len()) {
+            Ok(head) => conn.send(Outgoing::Data { head, payload }),
+            Err(e) => tracing::warn!(error = %e, "cannot encode read response"),
+        }
+    }
+
+    fn on_read_resp(
+        &self,
+        conn: &Conn,
+        r: &mut BufReader<TcpStream>,
+        wr_id: u64,
+        status: WireStatus,
+        payload_len: usize,
+    ) -> Result<(), RxExit> {
+        ring_before_read(r, payload_len);
+        let dest = lock(&conn.st).wrs.get(&wr_id).and_then(|w| w.dest.clone());
+        let res = match (status, dest) {
+            (WireStatus::Ok, Some(Dest::Local { reg, off, len })) if len == payload_len => {
+                if reg.fill_from(r, off, len)? {
+                    Ok(None)
+                } else {
+                    Err(TransferError::Engine { engine: "tcp-sim", code: 2, message: "local region refused".into() })
+                }
+            }
+            (WireStatus::Ok, Some(Dest::Buf(len))) if len == payload_len => {
+                let mut v = vec![0u8; len];
+                r.read_exact(&mut v)?;
+                Ok(Some(Bytes::from(v)))
+            }
+            (s, _) => {
+                io::copy(&mut r.by_ref().take(payload_len as u64), &mut io::sink())?;
+                Err(match s {
+                    WireStatus::Ok => TransferError::Transport("read response of unexpected length".into()),
+                    s => status_error(s),
+                })
+            }
+        };
+        self.wr_terminal(conn, wr_id, res);
+        Ok(())
+    }
+
+    /// A WR reached its terminal status.
+    pub(super) fn wr_terminal(&self, conn: &Conn, wr_id: u64, res: Result<Option<Bytes>, TransferError>) {
+        let mut st = lock(&conn.st);
+        let Some(wr) = st.wrs.remove(&wr_id) else {
+            tracing::debug!(peer = conn.peer.0, wr_id, "completion for an unknown work request dropped");
+            return;
+        };
+        let mut acks = Vec::new();
+        st.aborts.retain_mut(|a| {
+            a.waiting.remove(&wr_id);
+            if a.waiting.is_empty() {
+                acks.push(std::mem::replace(&mut a.list, TenancyList { key: 0, tenancies: Vec::new() }));
+                false
+            } else {
+                true
+            }
+        });
+        match &res {
+            Ok(_) => inc(&self.counters.wrs_ok),
+            Err(_) => inc(&self.counters.wrs_failed),
+        }
+        let mut finished = None;
+        if let Some(op) = st.ops.get_mut(&wr.op) {
+            op.remaining = op.remaining.saturating_sub(1);
+            match res {
+                Ok(Some(b)) => op.data = Some(b),
+                Ok(None) => {}
+                Err(e) => {
+                    op.err.get_or_insert(e);
+                }
+            }
+            if op.remaining == 0 {
+                finished = st.ops.remove(&wr.op);
+            }
+        }
+        drop(st);
+        for l in acks {
+            inc(&self.counters.abort_acks_sent);
+            conn.send_frame(&Body::AbortAck(l));
+        }
+        if let Some(mut op) = finished {
+            let result = match op.err.take() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
+            if result.is_ok() {
+                if let Some(l) = op.notify.take() {
+                    inc(&self.counters.notifications_sent);
+                    conn.send_frame(&Body::Notify(l));
+                }
+            }
+            self.finish_op(conn.peer, op, result, false);
+        }
+    }
+
+    /// Hands an operation its terminal status. `fenced`: the connection is
+    /// torn down and joined, so the proof is `Fenced`; otherwise every WR
+    /// reached a terminal status and the proof is `Completed`.
+    pub(super) fn finish_op(&self, peer: PeerId, op: OpEntry, result: Result<(), TransferError>, fenced: bool) {
+        match op.done {
+            OpDone::Lease(c) => {
+                let Some(reg) = op.reg else { return };
+                let res = if fenced {
+                    c.complete(reg.authority.fenced(peer), result)
+                } else {
+                    let proof = reg.authority.completed_lease(c.lease());
+                    c.complete(proof, result)
+                };
+                if let Err(e) = res {
+                    tracing::warn!(error = %e, "operation's proof did not settle its lease");
+                }
+            }
+            OpDone::Raw(done) => done(result.map(|()| op.data)),
+            OpDone::Queue(cq, token) => cq.complete(token, result.map(|()| op.data)),
+        }
+    }
+}
+
+fn status_error(s: WireStatus) -> TransferError {
+    match s {
+        WireStatus::Rejected(r) => TransferError::Rejected(r),
+        WireStatus::TargetError => {
+            TransferError::Engine { engine: "tcp-sim", code: 2, message: "target could not access its memory".into() }
+        }
+        WireStatus::Ok => TransferError::Transport("unexpected status".into()),
+    }
+}
+
+enum RxExit {
+    Io(io::Error),
+    Decode(DecodeError),
+    Closed,
+}
+
+impl From<io::Error> for RxExit {
+    fn from(e: io::Error) -> Self {
+        Self::Io(e)
+    }
+}
+
+impl From<DecodeError> for RxExit {
+    fn from(e: DecodeError) -> Self {
+        Self::Decode(e)
+    }
+}
+
+/// Whether the peer closed or reset the socket, even with unread data
+/// still queued (the kernel's TCP state says so without consuming anything).
+fn peer_gone(s: &TcpStream) -> bool {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+    // SAFETY: `tcp_info` is plain data; zeroed is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `fd` is an open socket owned by `s`; `info` and `len` are live
+    // and `len` holds the buffer's size.
+    let rc = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&mut info as *mut libc::tcp_info).cast(), &mut len)
+    };
+    if rc != 0 {
+        return true;
+    }
+    // Anything but ESTABLISHED: the peer sent FIN (CLOSE_WAIT), reset, or we closed.
+    info.tcpi_state != 1
+}

@@ -1,0 +1,213 @@
+//! The public value types of the NIC's API: its configuration and release
+//! policy, the errors of its management calls and of `expose`, the inbound
+//! events and the message hook, and what `peers` and `fault_log` return.
+//! Plain data, kept apart from the handle so that `mod.rs` reads as the API.
+
+#[cfg(doc)]
+use super::SimNic;
+use crate::fault::FaultPlan;
+use bytes::Bytes;
+#[cfg(doc)]
+use kv_transfer_core::RejectReason;
+use kv_transfer_core::{PeerId, PoolError, Tenancy};
+use serde::{Deserialize, Serialize};
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How the NIC releases quarantined slots.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReleasePolicy {
+    /// The contract: generation checks at the NIC, and slots leave quarantine
+    /// only with a real proof (ABORT_ACK, revocation, fence).
+    #[default]
+    Safe,
+    /// **POSITIVE CONTROL FOR RACE TESTS ONLY. NEVER USE IT TO MOVE DATA.**
+    ///
+    /// Behaves like SGLang before its fix: the NIC checks only key and bounds
+    /// (one rkey per region, no generations), and the moment an exposed lease
+    /// is aborted the backend mints a `Completed` proof it has no evidence
+    /// for, so the slots go straight back to the free list while a peer's
+    /// write may still land in them. Race tests run it to show that they can
+    /// observe the corruption the safe policy prevents.
+    Naive,
+}
+
+/// Configuration of a [`SimNic`].
+#[derive(Clone, Debug)]
+pub struct NicConfig {
+    /// Name announced to peers in the handshake.
+    pub name: String,
+    /// Address to listen on (loopback; port 0 picks one).
+    pub listen: String,
+    /// Release policy (keep [`ReleasePolicy::Safe`] unless writing a positive control).
+    pub policy: ReleasePolicy,
+    /// Faults injected by this NIC.
+    pub faults: FaultPlan,
+    /// Longest WRITE/READ this NIC accepts as a target; longer ones are
+    /// rejected with [`RejectReason::Oversize`].
+    pub max_wr_bytes: u32,
+    /// How long a revocation waits for in-flight applies to drain before it
+    /// gives up (and the ladder moves on to the fence).
+    pub revoke_wait: Duration,
+    /// Bound on the handshake of a new connection.
+    pub handshake_timeout: Duration,
+    /// `SO_SNDBUF` / `SO_RCVBUF` of each connection (`None`: the kernel's
+    /// autotuning). 4 MiB by default: it lifts loopback throughput markedly.
+    pub socket_buffer: Option<usize>,
+}
+
+impl NicConfig {
+    /// A safe NIC named `name` on `127.0.0.1:0` with no faults.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            listen: "127.0.0.1:0".into(),
+            policy: ReleasePolicy::Safe,
+            faults: FaultPlan::default(),
+            max_wr_bytes: 16 << 20,
+            revoke_wait: Duration::from_secs(1),
+            handshake_timeout: Duration::from_secs(5),
+            socket_buffer: Some(4 << 20),
+        }
+    }
+    /// Replaces the release policy.
+    pub fn with_policy(mut self, policy: ReleasePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+    /// Replaces the fault plan.
+    pub fn with_faults(mut self, faults: FaultPlan) -> Self {
+        self.faults = faults;
+        self
+    }
+    /// Replaces the largest accepted access.
+    pub fn with_max_wr_bytes(mut self, max: u32) -> Self {
+        self.max_wr_bytes = max;
+        self
+    }
+}
+
+/// Errors of NIC management calls.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NicError {
+    /// A socket call failed.
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    /// The peer did not complete the handshake.
+    #[error("handshake failed: {0}")]
+    Handshake(String),
+    /// The pool could not be built.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// No live connection to this peer.
+    #[error("unknown or disconnected peer {0:?}")]
+    UnknownPeer(PeerId),
+    /// Larger than a frame can carry.
+    #[error("{0} bytes is more than a frame can carry")]
+    TooLarge(usize),
+    /// The NIC is shut down (or crashed).
+    #[error("NIC is shut down")]
+    ShuttingDown,
+    /// No region of this NIC has this key (or the range lies outside it).
+    #[error("no registered range {len} bytes at {offset} in region {key:#x}")]
+    LocalRange {
+        /// The key asked for.
+        key: u64,
+        /// Start of the range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+    },
+}
+
+/// Why [`SimNic::expose`] refused. The lease comes back unexposed.
+pub type ExposeError = kv_transfer_core::ExposeError<ExposeErrorKind>;
+
+/// Reasons of an [`ExposeError`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExposeErrorKind {
+    /// The lease's pool was not registered with this NIC.
+    #[error("pool not registered with this NIC")]
+    ForeignPool,
+    /// No live connection to this peer.
+    #[error("unknown or disconnected peer {0:?}")]
+    UnknownPeer(PeerId),
+    /// The NIC is shut down.
+    #[error("NIC is shut down")]
+    ShuttingDown,
+}
+
+/// Something that happened at this NIC that the application may care about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InboundEvent {
+    /// A connection came up (opened or accepted).
+    PeerConnected {
+        /// The peer as this NIC numbers it.
+        peer: PeerId,
+        /// The peer's name.
+        name: String,
+        /// The peer's listening endpoint.
+        endpoint: String,
+    },
+    /// A peer notified that an operation on these tenancies completed (the
+    /// data is in place); the exposures were settled with `Completed`.
+    Notified {
+        /// The peer.
+        peer: PeerId,
+        /// Key of the region.
+        key: u64,
+        /// Tenancies settled (stale ones left out).
+        tenancies: Vec<Tenancy>,
+    },
+    /// The connection to the peer was torn down and fenced.
+    PeerLost {
+        /// The peer.
+        peer: PeerId,
+    },
+    /// An application message from the peer ([`SimNic::send_message`]),
+    /// reported here when no [`MessageHook`] is set.
+    Message {
+        /// The peer.
+        peer: PeerId,
+        /// The bytes, uninterpreted.
+        bytes: Bytes,
+    },
+}
+
+/// Receives the application messages of every connection
+/// ([`SimNic::set_message_hook`]): the peer, its name, and the bytes (valid
+/// for the call only: the receiver reuses its buffer).
+///
+/// It runs on the connection's receiving thread, in the order the frames
+/// arrived, so it must return quickly and must not wait on this NIC (no
+/// `fence`, `revoke` or `shutdown` from inside it). Sending is fine: it only
+/// queues.
+pub type MessageHook = Arc<dyn Fn(PeerId, &str, &[u8]) + Send + Sync>;
+
+/// A live connection, as [`SimNic::peers`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The peer as this NIC numbers it (never reused).
+    pub peer: PeerId,
+    /// The peer's name.
+    pub name: String,
+    /// The peer's listening endpoint.
+    pub endpoint: String,
+    /// Index of the connection at this NIC (what [`DropSpec`](crate::DropSpec) names).
+    pub index: u32,
+}
+
+/// One decision of the fault plan, as the NIC applied it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FaultRecord {
+    /// Connection index.
+    pub conn: u32,
+    /// WR sequence number on that connection.
+    pub seq: u64,
+    /// Delay applied before sending, µs.
+    pub delay_us: u64,
+}
