@@ -1,8 +1,9 @@
 //! # kv-transfer-tests
 //!
 //! The conformance and race suite: scenarios written once, as functions over
-//! a [`Backend`], run against every backend that is
-//! available (the TCP simulator always; the real engines where installed).
+//! a [`Backend`], run against every backend compiled in (the TCP simulator
+//! always; the others behind this crate's features), one test per scenario
+//! and backend (see below).
 //! Every scenario checks bytes, not only statuses: payloads are tagged with
 //! their request id and destination tenancy ([`kv_transfer_examples::payload`]),
 //! so a consumer tells its own bytes from anyone else's.
@@ -29,6 +30,25 @@
 //! what it skipped. Then add it to [`backends`]. The TCP simulator's
 //! harness, [`sim::SimBackend`], is the reference implementation; the NIXL,
 //! Mooncake and MORI harnesses go beside it (`src/nixl.rs`, ...).
+//!
+//! ## The matrix: one test per (scenario, backend)
+//!
+//! `tests/conformance.rs` is a custom harness (`libtest-mimic`): it makes
+//! one test per scenario and backend compiled in ([`backends`]), named
+//! [`test_name`]`(scenario, backend)`, e.g.
+//! `s1_abort_while_writes_in_flight::tcp_sim` or
+//! `s3_peer_crash_killed_process::nixl`, so a failure names both and a
+//! filter selects either (`-- ::mori`, `-- s5_`, `-- --exact NAME`).
+//! `--list`, `--ignored`, `--include-ignored`, `--test-threads` (and
+//! `RUST_TEST_THREADS`) and `cargo nextest` work as with the built-in
+//! harness; the tests run on a thread pool, like libtest's.
+//!
+//! A backend whose engine is missing ([`Backend::available`] returns the
+//! install hint) has its tests marked *ignored*, not passed, and the hint is
+//! printed to stderr once per backend (`ignored: <test> (and 7 more
+//! ::<backend>): needs <hint>`). With `CI=true` ([`ci`]) those tests are not
+//! ignored: they run and fail, the hint in the failure message. Run with
+//! `--ignored` outside CI, they fail the same way.
 //!
 //! Scenario 2 needs a release policy that can be switched to `naive` (the
 //! positive control) and writes that can be held past their abort; only the
@@ -63,13 +83,28 @@ pub fn backends(prefill_worker: Option<std::path::PathBuf>) -> Vec<Box<dyn Backe
     all
 }
 
-/// Runs `f` for every available backend; a backend that is not available
-/// is reported on stderr and skipped, unless `CI=true`, where it fails.
+/// Whether `CI=true` is set: a backend whose engine is missing then fails
+/// its tests (with the install hint) instead of having them ignored.
+pub fn ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// The conformance test name of `scenario` against the backend named
+/// `backend`: `<scenario>::<backend>`, the backend's `-` written `_`
+/// (`s5_bad_input::tcp_sim`).
+pub fn test_name(scenario: &str, backend: &str) -> String {
+    format!("{scenario}::{}", backend.replace('-', "_"))
+}
+
+/// Runs `f` for every available backend, in one go; a backend that is not
+/// available is reported on stderr and skipped, unless `CI=true`, where it
+/// fails. (The conformance suite itself runs one test per scenario and
+/// backend instead, where a missing backend shows as ignored.)
 pub fn for_each_backend(
     prefill_worker: Option<std::path::PathBuf>,
     f: impl Fn(&dyn Backend) -> Result<(), Failure>,
 ) -> Result<(), Failure> {
-    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let ci = ci();
     for b in backends(prefill_worker) {
         match b.available() {
             Ok(()) => {

@@ -1,54 +1,98 @@
-//! Scenarios 1 and 3-8 against every available backend.
+//! Scenarios 1 and 3-8 against every backend compiled in: one test per
+//! (scenario, backend), named `<scenario>::<backend>` (e.g.
+//! `s1_abort_while_writes_in_flight::tcp_sim`), so a failure names both and
+//! a filter picks either (`-- ::nixl`, `-- s3_`).
+//!
+//! A custom harness (`libtest-mimic`, `harness = false` in `Cargo.toml`):
+//! a backend whose engine is missing has its tests marked *ignored* (the
+//! install hint goes to stderr, once per backend); with `CI=true` they run
+//! and fail with the hint instead. `--ignored` / `--include-ignored` run
+//! them too, and they fail with the hint.
 
-use kv_transfer_tests::{for_each_backend, scenarios, Failure};
+use kv_transfer_tests::{backends, ci, test_name, Backend, Failure};
+use libtest_mimic::{Arguments, Failed, Trial};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 fn worker() -> Option<PathBuf> {
     Some(PathBuf::from(env!("CARGO_BIN_EXE_prefill-worker")))
 }
 
-fn run(f: impl Fn(&dyn kv_transfer_tests::Backend) -> Result<(), Failure>) {
-    if let Err(e) = for_each_backend(worker(), f) {
-        panic!("{e}");
+/// A scenario of the matrix.
+type Scenario = fn(&dyn Backend) -> Result<(), Failure>;
+
+/// The scenarios, by test name (scenario 2 is `tests/race.rs`).
+const SCENARIOS: &[(&str, Scenario)] = &[
+    ("s1_abort_while_writes_in_flight", kv_transfer_tests::scenarios::abort_in_flight),
+    ("s3_peer_crash_in_process", |b| kv_transfer_tests::scenarios::peer_crash(b, false)),
+    ("s3_peer_crash_killed_process", |b| kv_transfer_tests::scenarios::peer_crash(b, true)),
+    ("s4_stale_ack_never_settles_new_tenancy", kv_transfer_tests::scenarios::stale_ack),
+    ("s5_bad_input", kv_transfer_tests::scenarios::bad_input),
+    ("s6_admission_overload", kv_transfer_tests::scenarios::admission_overload),
+    ("s7_dropped_handle_and_lease", kv_transfer_tests::scenarios::dropped_handles),
+    ("s8_peer_never_acks", kv_transfer_tests::scenarios::never_acks),
+];
+
+/// Runs `scenario` against the backend named `backend` (built afresh on
+/// the trial's own thread: backends are not `Send`).
+fn run_one(backend: &'static str, scenario: Scenario) -> Result<(), Failed> {
+    let b = backends(worker())
+        .into_iter()
+        .find(|b| b.name() == backend)
+        .ok_or_else(|| Failed::from(format!("backend {backend} is not compiled in")))?;
+    if let Err(hint) = b.available() {
+        let why = if ci() { "not available under CI=true" } else { "not available" };
+        return Err(format!("{backend} {why}: needs {hint}").into());
     }
+    scenario(b.as_ref()).map_err(|e| format!("[{backend}] {e}").into())
 }
 
-#[test]
-fn s1_abort_while_writes_in_flight() {
-    run(scenarios::abort_in_flight);
-}
+fn main() {
+    let mut args = Arguments::from_args();
+    // libtest honours RUST_TEST_THREADS; libtest-mimic only `--test-threads`.
+    if args.test_threads.is_none() {
+        if let Ok(v) = std::env::var("RUST_TEST_THREADS") {
+            match v.parse::<usize>() {
+                Ok(n) if n > 0 => args.test_threads = Some(n),
+                _ => {
+                    eprintln!("RUST_TEST_THREADS is `{v}`, should be a positive integer");
+                    std::process::exit(101);
+                }
+            }
+        }
+    }
 
-#[test]
-fn s3_peer_crash_in_process() {
-    run(|b| scenarios::peer_crash(b, false));
-}
+    let ci = ci();
+    let mut trials = Vec::new();
+    // Backend name -> (install hint, test names), for the missing ones.
+    let mut missing: BTreeMap<&'static str, (String, Vec<String>)> = BTreeMap::new();
+    for b in backends(worker()) {
+        let backend = b.name();
+        let unavailable = b.available().err();
+        for &(scenario, f) in SCENARIOS {
+            let name = test_name(scenario, backend);
+            let trial =
+                Trial::test(name.clone(), move || run_one(backend, f)).with_ignored_flag(unavailable.is_some() && !ci);
+            if let Some(hint) = &unavailable {
+                if !args.is_filtered_out(&trial) {
+                    missing.entry(backend).or_insert_with(|| (hint.clone(), Vec::new())).1.push(name);
+                }
+            }
+            trials.push(trial);
+        }
+    }
 
-#[test]
-fn s3_peer_crash_killed_process() {
-    run(|b| scenarios::peer_crash(b, true));
-}
+    if !args.list {
+        for (backend, (hint, names)) in &missing {
+            let what = if ci { "failing under CI=true" } else { "ignored" };
+            let first = &names[0];
+            let more = match names.len() {
+                1 => String::new(),
+                n => format!(" (and {} more ::{})", n - 1, backend.replace('-', "_")),
+            };
+            eprintln!("{what}: {first}{more}: needs {hint}");
+        }
+    }
 
-#[test]
-fn s4_stale_ack_never_settles_new_tenancy() {
-    run(scenarios::stale_ack);
-}
-
-#[test]
-fn s5_bad_input() {
-    run(scenarios::bad_input);
-}
-
-#[test]
-fn s6_admission_overload() {
-    run(scenarios::admission_overload);
-}
-
-#[test]
-fn s7_dropped_handle_and_lease() {
-    run(scenarios::dropped_handles);
-}
-
-#[test]
-fn s8_peer_never_acks() {
-    run(scenarios::never_acks);
+    libtest_mimic::run(&args, trials).exit();
 }
