@@ -5,6 +5,7 @@
 //! root (override with `MOONCAKE_ENGINES_DIR`). If it is missing the tests are
 //! skipped, or FAIL when `CI=true`.
 
+use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -414,7 +415,7 @@ fn hazard_run(eng: &Engines, policy: ReleasePolicy) -> usize {
     });
     exposed.abort();
     let foreign = match policy {
-        ReleasePolicy::NaivePositiveControl => {
+        ReleasePolicy::Naive => {
             wait_for("naive release", Duration::from_secs(5), || pool.metrics().free == 1);
             let mut next = pool.reserve(1).unwrap();
             next.write_at(0, 0, &fill).unwrap();
@@ -430,7 +431,7 @@ fn hazard_run(eng: &Engines, policy: ReleasePolicy) -> usize {
             next.release();
             n
         }
-        ReleasePolicy::Safe => {
+        _ => {
             assert!(matches!(pool.reserve(1), Err(AdmissionError::OverCapacity { .. })), "slot quarantined");
             let (rc, early) = match peer.lines.try_recv() {
                 Ok(l) => (l, true),
@@ -444,11 +445,19 @@ fn hazard_run(eng: &Engines, policy: ReleasePolicy) -> usize {
             // Our ABORT reached the real engine's notify queue.
             let n = peer.cmd("notifies");
             let n: Vec<(String, String)> = serde_json::from_str(n.strip_prefix("OK ").unwrap()).unwrap();
-            let abort = n.iter().find(|(_, m)| m.starts_with("kvt1 A ")).expect("ABORT delivered to the real peer");
-            assert_eq!(abort.0, seg);
+            let abort = n
+                .iter()
+                .find_map(|(from, m)| {
+                    let msg = ControlMessage::decode_text(m.as_bytes()).ok()?;
+                    (msg.kind == ControlKind::Abort).then_some((from, msg))
+                })
+                .expect("ABORT delivered to the real peer");
+            assert_eq!(*abort.0, seg);
             // The real initiator (v2) saw COMPLETED: its application acks,
-            // through Mooncake's own notify-after-completion.
-            let ack = abort.1.replacen("kvt1 A ", "kvt1 K ", 1);
+            // through Mooncake's own notify-after-completion, with the token
+            // the ABORT carried (the exposure's own).
+            let m = abort.1;
+            let ack = ControlMessage::new(ControlKind::AbortAck, m.pool, m.token, m.tenancies).encode_text().unwrap();
             assert_eq!(peer.cmd(&format!("notify {seg} {} {ack}", remote.slots[0].addr)), "RC 0");
             wait_for("the ack to reclaim the slot", Duration::from_secs(10), || pool.metrics().free == 1);
             assert_eq!(decode.metrics().settled_by_peer, 1);
@@ -470,7 +479,7 @@ fn hazard_run(eng: &Engines, policy: ReleasePolicy) -> usize {
 #[test]
 fn hazard_real_initiator_naive_release_leaks() {
     let Some(eng) = engines() else { return };
-    let foreign = hazard_run(&eng, ReleasePolicy::NaivePositiveControl);
+    let foreign = hazard_run(&eng, ReleasePolicy::Naive);
     eprintln!("naive release: {foreign} foreign bytes in the new tenant's {HAZARD}-byte slot");
     assert!(foreign > 0, "positive control did not reproduce the hazard");
 }
@@ -504,6 +513,7 @@ fn adapter_initiator_to_real_target() {
         pool: kv_transfer_core::PoolId(0),
         key: 0,
         slot_size: SLOT as u64,
+        token: Default::default(),
         slots: slots
             .iter()
             .map(|&i| kv_transfer_core::RemoteSlot {

@@ -64,12 +64,15 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use kv_transfer_core::drain::{
+    self, AbortTracker, Capabilities, ControlKind, ControlMessage, ExposureTable, OpEnd, ReleasePolicy, Trust,
+};
 use kv_transfer_core::{
-    check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Generation, Op, PeerId, PoolConfig, PoolError,
-    PoolId, PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority,
-    SlotId, SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions,
+    check_shapes, Completer, EscalationAction, Exposed, Generation, Op, PeerId, PoolConfig, PoolError, PoolId,
+    PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority, SlotId,
+    SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions,
 };
 // Named in the docs; the impl comes from `impl_transfer_via_post_now!`.
 #[cfg(doc)]
@@ -94,9 +97,6 @@ const TOMBSTONES: usize = 1 << 16;
 /// Decoded remote descriptors kept (see `Inner::endpoints`).
 const MAX_ENDPOINTS: usize = 1024;
 
-const MSG_ABORT: u8 = 1;
-const MSG_ABORT_ACK: u8 = 2;
-
 const TAG_SETTLE: u64 = 1 << 63;
 
 /// The tag of a transfer aimed at remote tenancy `t` of memory `mem`:
@@ -112,35 +112,6 @@ fn unpack_tag(tag: Tag) -> (bool, u32, Tenancy) {
     let settle = tag.slot & TAG_SETTLE != 0;
     let mem = ((tag.slot >> 32) & 0x7FFF_FFFF) as u32;
     (settle, mem, Tenancy::new(SlotId((tag.slot & 0xFFFF_FFFF) as u32), Generation(tag.generation)))
-}
-
-fn encode_list(kind: u8, rkey: u64, ts: &[Tenancy]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(13 + ts.len() * 12);
-    v.push(kind);
-    v.extend_from_slice(&rkey.to_le_bytes());
-    v.extend_from_slice(&(ts.len() as u32).to_le_bytes());
-    for t in ts {
-        v.extend_from_slice(&t.slot.0.to_le_bytes());
-        v.extend_from_slice(&t.generation.0.to_le_bytes());
-    }
-    v
-}
-
-fn decode_list(b: &[u8]) -> Option<(u8, u64, Vec<Tenancy>)> {
-    let kind = *b.first()?;
-    let rkey = u64::from_le_bytes(b.get(1..9)?.try_into().ok()?);
-    let n = u32::from_le_bytes(b.get(9..13)?.try_into().ok()?) as usize;
-    if b.len() != 13 + n.checked_mul(12)? {
-        return None;
-    }
-    let mut ts = Vec::with_capacity(n);
-    for i in 0..n {
-        let at = 13 + i * 12;
-        let slot = u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?);
-        let gen = u64::from_le_bytes(b.get(at + 4..at + 12)?.try_into().ok()?);
-        ts.push(Tenancy::new(SlotId(slot), Generation(gen)));
-    }
-    Some((kind, rkey, ts))
 }
 
 /// The endpoint string of [`RemoteSlots`] made by this adapter: what the
@@ -244,23 +215,8 @@ fn inc(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Why [`MoriTransfer::expose`] refused. The lease comes back unexposed.
-pub type ExposeError = kv_transfer_core::ExposeError<ExposeErrorKind>;
-
-/// Reasons of an [`ExposeError`].
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ExposeErrorKind {
-    /// The lease's pool was not registered with this adapter.
-    #[error("pool not registered with this adapter")]
-    ForeignPool,
-    /// The peer was not added with [`MoriTransfer::add_peer`].
-    #[error("unknown peer {0:?}")]
-    UnknownPeer(PeerId),
-    /// The engine refused to grant access.
-    #[error("engine: {0}")]
-    Engine(String),
-}
+/// Why [`MoriTransfer::expose`] refused (core's one type; the lease comes back unexposed).
+pub use kv_transfer_core::{ExposeError, ExposeErrorKind};
 
 /// Errors of adapter management calls.
 #[derive(Debug, thiserror::Error)]
@@ -282,32 +238,7 @@ struct PoolEntry {
     authority: SettlementAuthority,
     desc: MemoryDesc,
     slot_size: u64,
-    /// Target side: slot → (generation, peer) of live exposures (and of
-    /// quarantined ones until their proof).
-    exposures: Mutex<HashMap<u32, (u64, PeerId)>>,
 }
-
-impl PoolEntry {
-    fn is_exposed(&self, t: Tenancy, peer: PeerId) -> bool {
-        lock(&self.exposures).get(&t.slot.0) == Some(&(t.generation.0, peer))
-    }
-
-    /// Removes the exposure of `t` to `peer` if it is the current one; the
-    /// caller then settles it.
-    fn take_exposure(&self, t: Tenancy, peer: Option<PeerId>) -> bool {
-        let mut ex = lock(&self.exposures);
-        match ex.get(&t.slot.0) {
-            Some(&(g, p)) if g == t.generation.0 && peer.map_or(true, |q| q == p) => {
-                ex.remove(&t.slot.0);
-                true
-            }
-            _ => false,
-        }
-    }
-}
-
-/// A remote tenancy: (peer, the target memory's rkey, slot and generation).
-type RemoteKey = (PeerId, u64, Tenancy);
 
 /// Remote tenancies of one post (one, usually: kept inline).
 type Tenancies = SmallVec<[Tenancy; 2]>;
@@ -321,8 +252,12 @@ struct OpState {
     done: Mutex<OpDone>,
     remaining: AtomicUsize,
     unknown: AtomicBool,
+    /// The op's id in the drain protocol's abort tracker.
+    id: u64,
     peer: PeerId,
-    rkey: u64,
+    /// The target's pool (what its ABORT names) and the exposure's token.
+    remote_pool: PoolId,
+    token: drain::ExposureToken,
     remote: Tenancies,
     settle: bool,
     pool: Arc<PoolEntry>,
@@ -349,21 +284,12 @@ impl OpState {
     }
 }
 
-struct PendingAbort {
-    from: EngineKey,
-    peer: PeerId,
-    rkey: u64,
-    list: Vec<Tenancy>,
-    waiting: HashSet<Tenancy>,
-}
-
-#[derive(Default)]
 struct OpTable {
-    /// Remote tenancies with a transfer that is not terminal.
-    busy: HashSet<RemoteKey>,
-    tombstones: HashSet<RemoteKey>,
-    tombstone_order: VecDeque<RemoteKey>,
-    aborts: Vec<PendingAbort>,
+    /// Core's initiator side of the drain protocol: which remote tenancies
+    /// have a transfer of ours in flight (at most one each), which were
+    /// handed back or aborted, and which ABORTs wait for which ops.
+    aborts: AbortTracker<PeerId>,
+    next_op: u64,
     /// Ops whose status proved nothing and whose peer could not be fenced:
     /// kept (with their leases) for good.
     parked: Vec<Arc<OpState>>,
@@ -376,15 +302,16 @@ struct OpTable {
     ops_completed: u64,
 }
 
-impl OpTable {
-    fn tombstone(&mut self, k: RemoteKey) {
-        if self.tombstones.insert(k) {
-            self.tombstone_order.push_back(k);
-            if self.tombstone_order.len() > TOMBSTONES {
-                if let Some(old) = self.tombstone_order.pop_front() {
-                    self.tombstones.remove(&old);
-                }
-            }
+impl Default for OpTable {
+    fn default() -> Self {
+        Self {
+            aborts: AbortTracker::new(TOMBSTONES),
+            next_op: 0,
+            parked: Vec::new(),
+            posts: 0,
+            transfers: 0,
+            transfers_succeeded: 0,
+            ops_completed: 0,
         }
     }
 }
@@ -394,7 +321,8 @@ enum Job {
     Filed(InboundStatus),
     Message(EngineKey, Vec<u8>),
     Fence(Arc<OpState>),
-    Send(EngineKey, Vec<u8>),
+    /// An ABORT_ACK for a peer, by its number.
+    SendTo(PeerId, ControlMessage),
 }
 
 #[derive(Default)]
@@ -474,6 +402,11 @@ struct Inner {
     /// Shared with every operation (held strongly by each, so a
     /// completion reaches it without upgrading a weak reference).
     hub: Arc<OpHub>,
+    /// Target side of core's drain protocol: every tenancy exposed to a
+    /// peer, under its token.
+    exposures: Mutex<ExposureTable>,
+    /// What the transport lets this adapter prove (its pools' ladders).
+    caps: Capabilities,
 }
 
 /// What an operation needs when its statuses end: the op table, the
@@ -514,10 +447,12 @@ impl fmt::Debug for MoriTransfer {
 }
 
 impl MoriTransfer {
-    /// An adapter over `engine`. Installs the engine's inbound and message
+    /// An adapter over `engine`, whose transport can prove `caps` (the
+    /// simulator's: [`crate::sim::CAPABILITIES`]; real MORI over RDMA has
+    /// none beyond drain and ack). Installs the engine's inbound and message
     /// hooks and starts the driver thread (inbound settlement, ABORT /
-    /// ABORT_ACK, escalation).
-    pub fn new(engine: Arc<dyn IoEngine>) -> Result<Self, AdapterError> {
+    /// ABORT_ACK, escalation). The pools' ladders hold only `caps`' steps.
+    pub fn new(engine: Arc<dyn IoEngine>, caps: Capabilities) -> Result<Self, AdapterError> {
         let jobs = Arc::new(Jobs::default());
         let inner = Arc::new(Inner {
             routes: RwLock::new(Routes { peers: PeerTable { next: 1, ..PeerTable::default() }, ..Routes::default() }),
@@ -528,6 +463,8 @@ impl MoriTransfer {
                 jobs: jobs.clone(),
                 counters: Counters::default(),
             }),
+            exposures: Mutex::new(ExposureTable::new()),
+            caps,
         });
         let j = jobs.clone();
         let hub = inner.hub.clone();
@@ -566,7 +503,7 @@ impl MoriTransfer {
             return Err(AdapterError::Region("only host memory with a host pointer is supported".into()));
         }
         let slot_size = config.slot_size as u64;
-        let (pool, authority) = SlotPool::new(region.clone(), config)?;
+        let (pool, authority) = SlotPool::new(region.clone(), config.with_capabilities(self.inner.caps))?;
         // SAFETY: `region` is kept alive by the pool, which this adapter
         // keeps while the memory is registered (registrations are never
         // removed while the adapter lives), and the pool's leases keep the
@@ -576,7 +513,7 @@ impl MoriTransfer {
         let desc = self.inner.engine.register_memory(mem)?;
         let jobs = self.inner.hub.jobs.clone();
         authority.on_quarantine(move || jobs.kick());
-        let entry = Arc::new(PoolEntry { pool: pool.clone(), authority, desc, slot_size, exposures: Mutex::default() });
+        let entry = Arc::new(PoolEntry { pool: pool.clone(), authority, desc, slot_size });
         self.inner.routes_mut().pools.push(entry);
         Ok(pool)
     }
@@ -631,13 +568,8 @@ impl MoriTransfer {
                 return Err(ExposeError { lease, kind: ExposeErrorKind::Engine(e.to_string()) });
             }
         }
-        {
-            let mut ex = lock(&entry.exposures);
-            for t in &ts {
-                ex.insert(t.slot.0, (t.generation.0, peer));
-            }
-        }
-        Ok(lease.expose(peer, entry.desc.rkey, encode_endpoint(&entry.desc)))
+        let token = lock(&self.inner.exposures).expose(entry.pool.id(), &ts, peer, Trust::Proving);
+        Ok(entry.authority.expose(lease, peer, entry.desc.rkey, encode_endpoint(&entry.desc), token))
     }
 
     /// Counters.
@@ -710,29 +642,23 @@ impl MoriTransfer {
             }
         }
         let remote_ts: Tenancies = remote.slots.iter().map(|s| s.tenancy()).collect();
-        {
+        let op_id = {
             let mut ops = lock(&inner.hub.ops);
-            // Claim every remote tenancy, or none.
-            let refused = remote_ts.iter().position(|t| {
-                let k = (peer, rdesc.rkey, *t);
-                ops.tombstones.contains(&k) || !ops.busy.insert(k)
-            });
-            if let Some(at) = refused {
-                for t in &remote_ts[..at] {
-                    ops.busy.remove(&(peer, rdesc.rkey, *t));
-                }
+            ops.next_op += 1;
+            let id = ops.next_op;
+            // Claim every remote tenancy, or none: at most one transfer of
+            // ours per remote tenancy, none to one handed back or aborted.
+            if let Err(refusal) = ops.aborts.admit(id, &peer, remote, true) {
                 drop(ops);
                 inc(&inner.hub.counters.posts_refused_tombstone);
-                let kind = PostErrorKind::Descriptor(format!(
-                    "{} is settled, aborted or busy at the target: post a fresh descriptor",
-                    remote_ts[at]
-                ));
+                let kind = PostErrorKind::Descriptor(format!("{refusal}: post a fresh descriptor"));
                 return Err(PostError { lease: local, kind });
             }
             ops.posts += 1;
             ops.transfers += remote_ts.len() as u64;
-        }
-        let exposed = local.expose_local(peer);
+            id
+        };
+        let exposed = entry.authority.expose_local(local, peer);
         let (handle, completer) = TransferHandle::pair(exposed);
         // One MORI transfer per slot, built while the completer still lends
         // its lease's tenancies.
@@ -769,8 +695,10 @@ impl MoriTransfer {
             done: Mutex::new(OpDone { completer: Some(completer), error: None, failed: 0, statuses: SmallVec::new() }),
             remaining: AtomicUsize::new(n),
             unknown: AtomicBool::new(false),
+            id: op_id,
             peer,
-            rkey: rdesc.rkey,
+            remote_pool: remote.pool,
+            token: remote.token,
             remote: remote_ts,
             settle: opts.notify,
             pool: entry,
@@ -902,36 +830,21 @@ fn finish(
         Some((code, message)) => Err(to_transfer_error(code, message)),
     };
     let hub = &op.hub;
-    let mut acks = Vec::new();
-    {
+    let acks = {
         let mut ops = lock(&hub.ops);
         ops.ops_completed += 1;
         ops.transfers_succeeded += op.remote.len().saturating_sub(failed) as u64;
-        for t in &op.remote {
-            let k = (op.peer, op.rkey, *t);
-            ops.busy.remove(&k);
-            if op.settle {
-                ops.tombstone(k);
-            }
+        // An unknown status proves nothing about the target: never acked.
+        let end = if op.unknown.load(Ordering::Acquire) { OpEnd::Unproven } else { OpEnd::Proven };
+        let acks = ops.aborts.finished(op.id, end);
+        if op.settle {
+            // Handed back: the target settles from its inbound status.
+            ops.aborts.tombstone(&op.peer, op.remote_pool, op.token, &op.remote);
         }
-        if !ops.aborts.is_empty() {
-            ops.aborts.retain_mut(|a| {
-                if a.peer == op.peer && a.rkey == op.rkey {
-                    for t in &op.remote {
-                        a.waiting.remove(t);
-                    }
-                }
-                if a.waiting.is_empty() {
-                    acks.push((a.from.clone(), encode_list(MSG_ABORT_ACK, a.rkey, &a.list)));
-                    false
-                } else {
-                    true
-                }
-            });
-        }
-    }
-    for (to, bytes) in acks {
-        hub.jobs.push(Job::Send(to, bytes));
+        acks
+    };
+    for a in acks {
+        hub.jobs.push(Job::SendTo(a.to, a.msg));
     }
     if let Some(c) = completer {
         if let Err(e) = c.complete(proof, result) {
@@ -985,9 +898,6 @@ impl Inner {
     fn pool_by_mem(&self, mem: u32) -> Option<Arc<PoolEntry>> {
         self.routes().pools.iter().find(|e| e.desc.id == mem).cloned()
     }
-    fn pool_by_rkey(&self, rkey: u64) -> Option<Arc<PoolEntry>> {
-        self.routes().pools.iter().find(|e| e.desc.rkey == rkey).cloned()
-    }
     fn all_pools(&self) -> Vec<Arc<PoolEntry>> {
         self.routes().pools.clone()
     }
@@ -998,26 +908,17 @@ impl Inner {
         self.routes().peers.by_id.get(&id).cloned()
     }
 
-    /// Settles exposed tenancies `ts` of `entry` named by `peer` with
-    /// `Completed` (those that are its current exposures); counts the rest stale.
-    fn settle_from_peer(&self, entry: &PoolEntry, peer: Option<PeerId>, ts: &[Tenancy]) -> (usize, usize) {
-        let mut ok = Vec::with_capacity(ts.len());
-        let mut stale = 0;
-        for t in ts {
-            if entry.take_exposure(*t, peer) {
-                let _ = self.engine.withdraw_access(&entry.desc, t.slot.0, t.generation.0);
-                ok.push(*t);
-            } else {
-                stale += 1;
-            }
+    /// Settles `t` of `entry` from an inbound status of `peer` (the engine
+    /// binds it to the peer's connection): `Completed` if it is that peer's
+    /// current exposure, else stale. Returns whether it settled.
+    fn settle_by_status(&self, entry: &PoolEntry, peer: PeerId, t: Tenancy) -> bool {
+        if !lock(&self.exposures).take(entry.pool.id(), t, peer) {
+            entry.authority.record_stale(1);
+            return false;
         }
-        if stale > 0 {
-            entry.authority.record_stale(stale as u64);
-        }
-        if !ok.is_empty() {
-            entry.authority.deliver(entry.authority.completed(&ok));
-        }
-        (ok.len(), stale)
+        let _ = self.engine.withdraw_access(&entry.desc, t.slot.0, t.generation.0);
+        entry.authority.deliver(entry.authority.completed(&[t]));
+        true
     }
 
     fn on_status(&self, s: InboundStatus) {
@@ -1038,7 +939,7 @@ impl Inner {
         };
         match self.peer_id(&s.remote) {
             Some(p) => {
-                if !s.code.is_success() && entry.is_exposed(t, p) {
+                if !s.code.is_success() && lock(&self.exposures).is_exposed(entry.pool.id(), t, p) {
                     // Recorded before the proof, so the application sees it
                     // as soon as the slot is settled.
                     inc(&c.inbound_failed);
@@ -1053,9 +954,11 @@ impl Inner {
                         }
                     }
                 }
-                let (ok, stale) = self.settle_from_peer(&entry, Some(p), &[t]);
-                c.inbound_settled.fetch_add(ok as u64, Ordering::Relaxed);
-                c.inbound_stale.fetch_add(stale as u64, Ordering::Relaxed);
+                if self.settle_by_status(&entry, p, t) {
+                    inc(&c.inbound_settled);
+                } else {
+                    inc(&c.inbound_stale);
+                }
             }
             None => {
                 inc(&c.inbound_stale);
@@ -1064,66 +967,76 @@ impl Inner {
         }
     }
 
+    /// A control message of core's drain protocol from `from` (the engine
+    /// binds messages to the peer's connection).
     fn on_message(&self, from: &EngineKey, bytes: &[u8]) {
-        let Some((kind, rkey, ts)) = decode_list(bytes) else {
-            tracing::warn!(peer = %from, "malformed control message dropped");
-            return;
+        let msg = match ControlMessage::decode(bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(peer = %from, error = %e, "malformed control message dropped");
+                return;
+            }
         };
-        match kind {
-            MSG_ABORT => {
+        match msg.kind {
+            ControlKind::Abort => {
                 inc(&self.hub.counters.aborts_received);
-                // A peer never added has no transfer of ours to wait for.
+                let ack = match self.peer_id(from) {
+                    Some(peer) => lock(&self.hub.ops).aborts.on_abort(&peer, msg),
+                    // A peer never added has no transfer of ours to wait for.
+                    None => Some(drain::Outgoing {
+                        to: PeerId(0),
+                        msg: ControlMessage::new(ControlKind::AbortAck, msg.pool, msg.token, msg.tenancies),
+                    }),
+                };
+                if let Some(a) = ack {
+                    self.send(from, a.msg);
+                }
+            }
+            ControlKind::AbortAck => {
+                inc(&self.hub.counters.abort_acks_received);
+                let Some(entry) = self.pool_entry(msg.pool) else { return };
                 let Some(peer) = self.peer_id(from) else {
-                    self.send(from, encode_list(MSG_ABORT_ACK, rkey, &ts));
+                    entry.authority.record_stale(msg.tenancies.len() as u64);
                     return;
                 };
-                let mut ops = lock(&self.hub.ops);
-                let mut waiting = HashSet::default();
-                for t in &ts {
-                    let k = (peer, rkey, *t);
-                    if ops.busy.contains(&k) {
-                        waiting.insert(*t);
-                    }
-                    ops.tombstone(k);
+                let v = lock(&self.exposures).accept(peer, &msg);
+                for t in &v.settled {
+                    let _ = self.engine.withdraw_access(&entry.desc, t.slot.0, t.generation.0);
                 }
-                if waiting.is_empty() {
-                    drop(ops);
-                    self.send(from, encode_list(MSG_ABORT_ACK, rkey, &ts));
-                } else {
-                    ops.aborts.push(PendingAbort { from: from.clone(), peer, rkey, list: ts, waiting });
-                }
+                v.deliver(&entry.authority);
             }
-            MSG_ABORT_ACK => {
-                inc(&self.hub.counters.abort_acks_received);
-                let Some(entry) = self.pool_by_rkey(rkey) else { return };
-                let peer = self.peer_id(from);
-                if peer.is_none() {
-                    entry.authority.record_stale(ts.len() as u64);
-                    return;
-                }
-                self.settle_from_peer(&entry, peer, &ts);
-            }
-            _ => tracing::warn!(peer = %from, kind, "unknown control message dropped"),
+            // This adapter's DONE is the engine's inbound status.
+            ControlKind::Done => tracing::warn!(peer = %from, "unexpected DONE message dropped"),
         }
     }
 
-    fn send(&self, to: &EngineKey, bytes: Vec<u8>) {
-        let kind = bytes.first().copied();
-        match self.engine.send_message(to, bytes) {
-            Ok(()) => match kind {
-                Some(MSG_ABORT) => inc(&self.hub.counters.aborts_sent),
-                Some(MSG_ABORT_ACK) => inc(&self.hub.counters.abort_acks_sent),
-                _ => {}
-            },
-            Err(e) => tracing::warn!(peer = %to, error = %e, "control message not sent"),
+    fn send(&self, to: &EngineKey, msg: ControlMessage) {
+        let kind = msg.kind;
+        for m in msg.chunks() {
+            let bytes = match m.encode() {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::error!(error = %e, "control message cannot be encoded");
+                    return;
+                }
+            };
+            match self.engine.send_message(to, bytes) {
+                Ok(()) => match kind {
+                    ControlKind::Abort => inc(&self.hub.counters.aborts_sent),
+                    ControlKind::AbortAck => inc(&self.hub.counters.abort_acks_sent),
+                    ControlKind::Done => {}
+                },
+                Err(e) => tracing::warn!(peer = %to, error = %e, "control message not sent"),
+            }
         }
     }
 
     /// The connection to `peer` is torn down (and the transport confirmed
     /// it): `Fenced` for every exposure to it, in every pool.
     fn fenced(&self, peer: PeerId) {
+        lock(&self.exposures).fenced(peer);
+        lock(&self.hub.ops).aborts.forget_peer(&peer);
         for e in self.all_pools() {
-            lock(&e.exposures).retain(|_, (_, p)| *p != peer);
             e.authority.deliver(e.authority.fenced(peer));
         }
     }
@@ -1144,37 +1057,22 @@ impl Inner {
         }
     }
 
+    /// Executes core's plan for one escalation action.
     fn escalate(&self, entry: &PoolEntry, a: EscalationAction) {
         tracing::debug!(peer = a.peer.0, step = ?a.step, slots = a.tenancies.len(), "escalation");
-        // Only the target's exposures are ours to escalate; a local lease of
-        // an operation is drained by the operation itself.
-        let exposed: Vec<Tenancy> = {
-            let ex = lock(&entry.exposures);
-            a.tenancies
-                .iter()
-                .copied()
-                .filter(|t| ex.get(&t.slot.0).is_some_and(|&(g, p)| g == t.generation.0 && p == a.peer))
-                .collect()
-        };
-        match a.step {
-            EscalationStep::RequestDrain => {
-                if exposed.is_empty() {
-                    return;
-                }
-                match self.peer_key(a.peer) {
-                    Some(key) => self.send(&key, encode_list(MSG_ABORT, entry.desc.rkey, &exposed)),
-                    None => tracing::warn!(peer = a.peer.0, "cannot ask an unknown peer to drain"),
-                }
-            }
-            EscalationStep::Revoke => {
-                let mut done = Vec::new();
-                for t in &exposed {
+        let plan = lock(&self.exposures).plan(entry.pool.id(), &a, self.caps, ReleasePolicy::Safe);
+        match plan {
+            drain::Plan::Nothing => {}
+            drain::Plan::SendAbort { peer, messages } => match self.peer_key(peer) {
+                Some(key) => messages.into_iter().for_each(|m| self.send(&key, m)),
+                None => tracing::warn!(peer = peer.0, "cannot ask an unknown peer to drain"),
+            },
+            drain::Plan::Revoke { peer, tenancies } => {
+                // Only a revocation the transport confirmed is a proof.
+                let mut confirmed = Vec::new();
+                for t in &tenancies {
                     match self.engine.revoke_access(&entry.desc, t.slot.0, t.generation.0) {
-                        Ok(true) => {
-                            if entry.take_exposure(*t, Some(a.peer)) {
-                                done.push(*t);
-                            }
-                        }
+                        Ok(true) => confirmed.push(*t),
                         Ok(false) => {}
                         Err(e) => {
                             tracing::debug!(error = %e, "revocation unavailable: the ladder moves on to the fence");
@@ -1182,21 +1080,22 @@ impl Inner {
                         }
                     }
                 }
+                let done = lock(&self.exposures).revoked(entry.pool.id(), peer, &confirmed);
                 if !done.is_empty() {
                     self.hub.counters.revoked.fetch_add(done.len() as u64, Ordering::Relaxed);
                     entry.authority.deliver(entry.authority.revoked(&done));
                 }
             }
-            EscalationStep::Fence => {
-                if !a.tenancies.is_empty() {
-                    self.fence(a.peer);
-                }
+            drain::Plan::Fence { peer } => {
+                self.fence(peer);
             }
-            EscalationStep::Exhausted => tracing::error!(
-                peer = a.peer.0,
-                slots = a.tenancies.len(),
+            drain::Plan::Stuck { peer, tenancies } => tracing::error!(
+                peer = peer.0,
+                slots = tenancies.len(),
                 "escalation exhausted: slots stay quarantined (a leak, not a reuse)"
             ),
+            #[allow(unreachable_patterns)]
+            _ => {}
         }
     }
 }
@@ -1205,10 +1104,9 @@ fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
     loop {
         let mut timeout = DRIVER_TICK;
         if let Some(inner) = weak.upgrade() {
-            let now = Instant::now();
             for e in inner.all_pools() {
-                if let Some(at) = e.authority.next_escalation_at() {
-                    timeout = timeout.min(at.saturating_duration_since(now));
+                if let Some(d) = e.authority.next_escalation_in() {
+                    timeout = timeout.min(d);
                 }
             }
         }
@@ -1234,7 +1132,10 @@ fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
                 }
                 Job::Filed(st) => inner.on_status(st),
                 Job::Message(from, bytes) => inner.on_message(&from, &bytes),
-                Job::Send(to, bytes) => inner.send(&to, bytes),
+                Job::SendTo(to, msg) => match inner.peer_key(to) {
+                    Some(key) => inner.send(&key, msg),
+                    None => tracing::warn!(peer = to.0, "ABORT_ACK for a peer no longer known dropped"),
+                },
                 Job::Fence(op) => {
                     if inner.fence(op.peer) {
                         let proof = op.pool.authority.fenced(op.peer);
@@ -1247,7 +1148,7 @@ fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
             }
         }
         for e in inner.all_pools() {
-            for a in e.authority.poll_escalations(Instant::now()) {
+            for a in e.authority.poll_escalations() {
                 inner.escalate(&e, a);
             }
         }
@@ -1274,9 +1175,9 @@ kv_transfer_core::impl_transfer_via_post_now!(MoriTransfer, BACKEND);
 pub(crate) mod tests_support {
     use super::*;
 
-    /// An ABORT message as a target adapter sends it.
-    pub(crate) fn abort_bytes(rkey: u64, ts: &[Tenancy]) -> Vec<u8> {
-        encode_list(MSG_ABORT, rkey, ts)
+    /// An ABORT message as a target adapter sends it (for the target's `pool`).
+    pub(crate) fn abort_bytes(pool: PoolId, ts: &[Tenancy]) -> Vec<u8> {
+        ControlMessage::new(ControlKind::Abort, pool, Default::default(), ts.to_vec()).encode().expect("encodes")
     }
 }
 
@@ -1320,15 +1221,5 @@ mod tests {
         assert_eq!(decode_endpoint(&encode_endpoint(&d), 99), Some(d));
         assert_eq!(decode_endpoint("tcp://x", 1), None);
         assert_eq!(decode_endpoint("mori:/1/2/3/4/cpu", 1), None);
-    }
-
-    #[test]
-    fn list_round_trip_and_garbage() {
-        let ts = vec![Tenancy::new(SlotId(1), Generation(2)), Tenancy::new(SlotId(3), Generation(u64::MAX))];
-        let b = encode_list(MSG_ABORT, 42, &ts);
-        assert_eq!(decode_list(&b), Some((MSG_ABORT, 42, ts)));
-        assert_eq!(decode_list(&b[..b.len() - 1]), None);
-        assert_eq!(decode_list(&[]), None);
-        assert_eq!(decode_list(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255]), None);
     }
 }

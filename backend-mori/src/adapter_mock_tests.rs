@@ -2,6 +2,7 @@
 //! worst: `IN_PROGRESS` forever, no failure notice, unknown codes,
 //! wrap-around of transfer ids. Every wait is bounded.
 
+use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -83,11 +84,16 @@ fn setup(
     slots: usize,
     ladder: EscalationLadder,
 ) -> (MoriTransfer, SlotPool, kv_transfer_core::PeerId) {
-    let t = MoriTransfer::new(e).expect("adapter");
+    let t = MoriTransfer::new(e, kv_transfer_core::drain::Capabilities::ALL).expect("adapter");
     let region = Arc::new(HostRegion::new(slots * SLOT).unwrap());
     let pool = t.register_pool(region, PoolConfig::new(SLOT).with_ladder(ladder)).expect("pool");
     let peer = t.add_peer(&peer_desc()).expect("peer");
     (t, pool, peer)
+}
+
+/// The kind of a control message the adapter sent (core's codec).
+fn kind_of(bytes: &[u8]) -> ControlKind {
+    ControlMessage::decode(bytes).expect("a control message").kind
 }
 
 /// A descriptor of `n` slots of the peer's memory (id 3, key 5).
@@ -97,6 +103,7 @@ fn remote(n: usize) -> RemoteSlots {
         pool: PoolId(999),
         key: 5,
         slot_size: SLOT as u64,
+        token: Default::default(),
         slots: (0..n)
             .map(|i| RemoteSlot { slot: SlotId(i as u32), generation: Generation(1), addr: 4096 + (i * SLOT) as u64 })
             .collect(),
@@ -150,7 +157,7 @@ fn in_progress_forever_never_resolves_and_keeps_the_slots() {
     assert_eq!(t.stats().ops_draining, 1);
 
     // The target asks to abort: no ack while the transfers are IN_PROGRESS.
-    let abort = crate::adapter::tests_support::abort_bytes(5, &remote(2).tenancies());
+    let abort = crate::adapter::tests_support::abort_bytes(remote(1).pool, &remote(2).tenancies());
     let hook = lock(&cap.message).clone().expect("message hook");
     hook(EngineKey::new("peer"), abort);
     thread::sleep(Duration::from_millis(100));
@@ -186,7 +193,7 @@ fn late_terminal_statuses_complete_across_uid_wrap_and_ack_the_abort() {
         futures_lite_block(t.write(pool.reserve(4).unwrap(), &remote(4), TransferOptions::default())).expect("post");
     assert_eq!(*lock(&seen_uids), vec![u64::MAX - 1, u64::MAX, 0, 1]);
     let hook = lock(&cap.message).clone().expect("message hook");
-    hook(EngineKey::new("peer"), crate::adapter::tests_support::abort_bytes(5, &remote(4).tenancies()));
+    hook(EngineKey::new("peer"), crate::adapter::tests_support::abort_bytes(remote(1).pool, &remote(4).tenancies()));
     thread::sleep(Duration::from_millis(50));
     // Complete in reverse order; the handle resolves only after the last.
     let ups: Vec<StatusUpdater> = lock(&updaters).drain(..).collect();
@@ -208,7 +215,7 @@ fn late_terminal_statuses_complete_across_uid_wrap_and_ack_the_abort() {
         thread::sleep(Duration::from_millis(2));
     }
     assert_eq!(lock(&cap.sent).len(), 1, "ABORT_ACK once every transfer is terminal");
-    assert_eq!(lock(&cap.sent)[0][0], 2);
+    assert_eq!(kind_of(&lock(&cap.sent)[0]), ControlKind::AbortAck);
 }
 
 #[test]
@@ -281,7 +288,7 @@ fn no_failure_notice_goes_up_the_ladder_and_never_frees_on_a_timer() {
             assert_eq!((m.free, m.quarantined), (2, 2), "the ladder is exhausted and nothing was freed");
         }
         assert_eq!(lock(&cap.sent).len(), 1, "one ABORT");
-        assert_eq!(lock(&cap.sent)[0][0], 1);
+        assert_eq!(kind_of(&lock(&cap.sent)[0]), ControlKind::Abort);
         assert_eq!(cap.fences.load(Ordering::SeqCst), 1);
     }
 }

@@ -56,7 +56,7 @@ impl MoriSide {
     ) -> Result<Self, AdapterError> {
         let t = SimTransport::new(transport);
         let engine = Arc::new(MoriEngine::new(key, engine, t.clone())?);
-        let transfer = MoriTransfer::new(engine.clone())?;
+        let transfer = MoriTransfer::new(engine.clone(), crate::sim::CAPABILITIES)?;
         let pool = transfer.register_pool(region, pool)?;
         Ok(Self { transfer, pool, engine, transport: t })
     }

@@ -65,6 +65,12 @@ use crate::transport::{Completion, EventSink, MoriTransport, Notification, OpKin
 use crate::types::{EngineDesc, EngineKey, HostBuffer, MemoryId, MemoryLocation, MemoryRegion, Tag};
 use crate::util::{lock, HashMap, HashSet};
 
+/// What MORI over the simulator can prove: drain and ack (its control
+/// messages), revoke (the simulated NIC's generation binding) and fence
+/// ([`MoriTransport::fence`](crate::transport::MoriTransport::fence)), as the
+/// simulator itself does.
+pub const CAPABILITIES: kv_transfer_core::drain::Capabilities = backend_tcp_sim::CAPABILITIES;
+
 /// Name the simulator transport publishes in [`EngineDesc::transport`].
 pub const TCP_SIM: &str = "tcp-sim";
 

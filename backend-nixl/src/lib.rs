@@ -32,7 +32,7 @@
 //! The adapter, [`adapter::NixlTransfer`], implements `kv-transfer-core`'s
 //! `Transfer` over any [`engine::NixlEngine`]: requests are released only after a
 //! terminal status and leases returned only after release; target exposures settle
-//! from notifications carrying slot and generation (format in [`adapter::wire`]);
+//! from notifications carrying slot, generation and the exposure's token (core's drain codec);
 //! aborts are drained and acknowledged (ABORT / ABORT_ACK); teardown waits for
 //! every request to or from a peer to be terminal. NIXL offers no per-tenancy
 //! revoke and no confirmed per-peer fence, so those escalation steps produce no

@@ -9,9 +9,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use backend_nixl::adapter::wire::MsgKind;
 use backend_nixl::adapter::{AdapterConfig, NixlTransfer, Progress};
 use futures::executor::block_on;
+use kv_transfer_core::drain::ControlKind;
 use kv_transfer_core::{Exposed, HostRegion, PoolConfig, Region, Settled, SlotLease, Transfer, TransferOptions};
 
 const SLOT: usize = 256 << 10;
@@ -88,8 +88,8 @@ fn scenario(progress: Progress, request_cache: usize) {
         assert!(got == common::pattern(SLOT, 50 + i as u8), "READ slot {i} differs");
     }
     settle(exposed, Duration::from_secs(20)).release();
-    let kinds: Vec<MsgKind> = tgt.take_events().iter().map(|e| e.kind).collect();
-    assert_eq!(kinds, vec![MsgKind::Written, MsgKind::Read]);
+    let kinds: Vec<ControlKind> = tgt.take_events().iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, vec![ControlKind::Done, ControlKind::Done]);
 
     // Abort while a write is in flight: the slots come back only once nothing can
     // land any more, so every byte of the write is there when they do.

@@ -60,7 +60,7 @@ pub mod wire;
 pub use fault::{splitmix64, DelayDist, DropSpec, FaultPlan, Gate};
 pub use nic::{
     ExposeError, ExposeErrorKind, FaultRecord, InboundEvent, MessageHook, NicConfig, NicError, PeerInfo, RawAccess,
-    RawCallback, RawCompletions, RawHandle, ReleasePolicy, SimNic,
+    RawCallback, RawCompletions, RawHandle, ReleasePolicy, SimNic, CAPABILITIES,
 };
 pub use stats::NicStats;
 

@@ -86,6 +86,9 @@ stats! {
     connections_accepted,
     /// Naive policy only: Completed proofs minted without evidence on quarantine.
     naive_releases,
+    /// DONE / ABORT_ACK tenancies dropped as forged: from a connection they
+    /// were not exposed to, or without the exposure's token.
+    forged,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {

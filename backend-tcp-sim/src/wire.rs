@@ -15,7 +15,7 @@
 //! READ       wr_id:u64 key:u64 addr:u64 slot:u32 generation:u64 read_len:u32
 //! READ_RESP  wr_id:u64 status:u8 reason:u8 | payload (len - 10 bytes)
 //! COMPLETION wr_id:u64 status:u8 reason:u8
-//! NOTIFY / ABORT / ABORT_ACK   key:u64 count:u16 count × (slot:u32 generation:u64)
+//! CONTROL    one DONE / ABORT / ABORT_ACK in core's drain codec (kv_transfer_core::drain)
 //! ```
 //!
 //! ```
@@ -34,7 +34,8 @@
 //! # let _ = WireStatus::Ok;
 //! ```
 
-use kv_transfer_core::{Generation, RejectReason, SlotId, Tenancy};
+use kv_transfer_core::drain::{self, ControlMessage};
+use kv_transfer_core::{Generation, RejectReason, SlotId};
 
 /// First two bytes of every frame.
 pub const MAGIC: u16 = 0x4B56;
@@ -47,8 +48,8 @@ pub const MAX_PAYLOAD: u32 = 64 << 20;
 pub const MAX_CONTROL: u32 = 64 << 10;
 /// Longest immediate a WRITE_IMM carries.
 pub const MAX_IMM: usize = 64;
-/// Most tenancies one NOTIFY / ABORT / ABORT_ACK may carry.
-pub const MAX_TENANCIES: usize = (MAX_CONTROL as usize - 10) / 12;
+/// Most tenancies one CONTROL frame may carry (core's codec limit).
+pub const MAX_TENANCIES: usize = drain::MAX_TENANCIES;
 /// Longest name or endpoint in a HELLO.
 pub const MAX_NAME: usize = 1024;
 
@@ -73,12 +74,9 @@ pub enum Kind {
     ReadResp = 4,
     /// Terminal status of a WRITE, sent by the target after it applied (or rejected) it.
     Completion = 5,
-    /// After the data: the tenancies an operation wrote or read.
-    Notify = 6,
-    /// Target → initiator: stop and drain everything aimed at these tenancies, then ack.
-    Abort = 7,
-    /// Initiator → target: every operation on these tenancies is terminal.
-    AbortAck = 8,
+    /// One control message of the drain protocol (DONE after the data,
+    /// ABORT, ABORT_ACK), in core's codec. (Kinds 7 and 8 are retired.)
+    Control = 6,
     /// Application messages: the payload (at most [`MAX_CONTROL`] bytes) is
     /// one or more records, each a `u32` length and that many bytes (see
     /// [`split_messages`]), delivered in order with the connection's other
@@ -100,9 +98,7 @@ impl Kind {
             3 => Self::Read,
             4 => Self::ReadResp,
             5 => Self::Completion,
-            6 => Self::Notify,
-            7 => Self::Abort,
-            8 => Self::AbortAck,
+            6 => Self::Control,
             9 => Self::Message,
             10 => Self::WriteImm,
             _ => return None,
@@ -160,9 +156,9 @@ pub enum DecodeError {
     /// A name or endpoint that is not UTF-8 or too long.
     #[error("bad name in HELLO")]
     BadName,
-    /// More tenancies than [`MAX_TENANCIES`].
-    #[error("{0} tenancies in one frame; at most {MAX_TENANCIES}")]
-    TooManyTenancies(usize),
+    /// A CONTROL frame whose message core's codec refuses.
+    #[error("control message: {0}")]
+    Control(#[from] drain::DecodeError),
 }
 
 /// Why a frame cannot be encoded.
@@ -172,9 +168,9 @@ pub enum EncodeError {
     /// Payload longer than [`MAX_PAYLOAD`], or a payload on a frame kind without one.
     #[error("payload of {0} bytes not allowed here")]
     Payload(usize),
-    /// More tenancies than [`MAX_TENANCIES`].
-    #[error("{0} tenancies in one frame; at most {MAX_TENANCIES}")]
-    TooManyTenancies(usize),
+    /// A control message core's codec refuses to encode.
+    #[error("control message: {0}")]
+    Control(#[from] drain::EncodeError),
     /// Name or endpoint longer than [`MAX_NAME`].
     #[error("name too long")]
     NameTooLong,
@@ -301,15 +297,6 @@ impl WireStatus {
     }
 }
 
-/// Tenancies of one region, as NOTIFY, ABORT and ABORT_ACK carry them.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TenancyList {
-    /// The region's key (at the side that exposed the slots).
-    pub key: u64,
-    /// The tenancies.
-    pub tenancies: Vec<Tenancy>,
-}
-
 /// A decoded frame without its payload.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Body {
@@ -340,12 +327,8 @@ pub enum Body {
         /// Its status.
         status: WireStatus,
     },
-    /// Data of an operation is complete at these tenancies.
-    Notify(TenancyList),
-    /// Drain and ack.
-    Abort(TenancyList),
-    /// Drained.
-    AbortAck(TenancyList),
+    /// A drain-protocol message (DONE, ABORT, ABORT_ACK).
+    Control(ControlMessage),
     /// An application message; its payload follows.
     Message,
 }
@@ -360,9 +343,7 @@ impl Body {
             Self::Read(_) => Kind::Read,
             Self::ReadResp { .. } => Kind::ReadResp,
             Self::Completion { .. } => Kind::Completion,
-            Self::Notify(_) => Kind::Notify,
-            Self::Abort(_) => Kind::Abort,
-            Self::AbortAck(_) => Kind::AbortAck,
+            Self::Control(_) => Kind::Control,
             Self::Message => Kind::Message,
         }
     }
@@ -453,18 +434,17 @@ pub fn decode_prefix(b: &[u8]) -> Result<Prefix, DecodeError> {
         }
         Kind::Read if len as usize != READ_FIELDS => return Err(bad_len),
         Kind::Completion if len as usize != STATUS_FIELDS => return Err(bad_len),
-        Kind::Hello | Kind::Notify | Kind::Abort | Kind::AbortAck => {
-            if len > MAX_CONTROL {
-                return Err(DecodeError::Oversize { kind, len, max: MAX_CONTROL });
-            }
-            if kind != Kind::Hello && (len < 10 || (len - 10) % 12 != 0) {
-                return Err(bad_len);
-            }
+        Kind::Hello if len > MAX_CONTROL => {
+            return Err(DecodeError::Oversize { kind, len, max: MAX_CONTROL });
         }
+        Kind::Control if len as usize > drain::MAX_LEN => {
+            return Err(DecodeError::Oversize { kind, len, max: drain::MAX_LEN as u32 });
+        }
+        Kind::Control if (len as usize) < drain::HEADER_LEN => return Err(bad_len),
         Kind::Message if len > MAX_CONTROL => {
             return Err(DecodeError::Oversize { kind, len, max: MAX_CONTROL });
         }
-        Kind::Read | Kind::Completion | Kind::Message => {}
+        Kind::Read | Kind::Completion | Kind::Message | Kind::Hello | Kind::Control => {}
     }
     Ok(Prefix { kind, len, imm_len })
 }
@@ -514,27 +494,10 @@ pub fn decode_fields(prefix: &Prefix, fields: &[u8]) -> Result<Body, DecodeError
                 Body::Completion { wr_id, status }
             }
         }
-        Kind::Notify | Kind::Abort | Kind::AbortAck => {
-            let key = c.u64()?;
-            let count = c.u16()? as usize;
-            if count > MAX_TENANCIES {
-                return Err(DecodeError::TooManyTenancies(count));
-            }
-            if c.b.len() != count * 12 {
-                return Err(DecodeError::BadLength { kind: prefix.kind, len: prefix.len });
-            }
-            let mut tenancies = Vec::with_capacity(count);
-            for _ in 0..count {
-                let slot = SlotId(c.u32()?);
-                let generation = Generation(c.u64()?);
-                tenancies.push(Tenancy::new(slot, generation));
-            }
-            let list = TenancyList { key, tenancies };
-            match prefix.kind {
-                Kind::Notify => Body::Notify(list),
-                Kind::Abort => Body::Abort(list),
-                _ => Body::AbortAck(list),
-            }
+        Kind::Control => {
+            let m = ControlMessage::decode(c.b)?;
+            c.b = &[];
+            Body::Control(m)
         }
         Kind::Message => Body::Message,
     };
@@ -620,19 +583,6 @@ pub fn decode(buf: &[u8]) -> Result<Decoded<'_>, DecodeError> {
     Ok(Decoded { body, payload: &rest[fl..total], consumed: PREFIX_LEN + total })
 }
 
-fn put_list(out: &mut Vec<u8>, l: &TenancyList) -> Result<(), EncodeError> {
-    if l.tenancies.len() > MAX_TENANCIES {
-        return Err(EncodeError::TooManyTenancies(l.tenancies.len()));
-    }
-    out.extend_from_slice(&l.key.to_le_bytes());
-    out.extend_from_slice(&(l.tenancies.len() as u16).to_le_bytes());
-    for t in &l.tenancies {
-        out.extend_from_slice(&t.slot.0.to_le_bytes());
-        out.extend_from_slice(&t.generation.0.to_le_bytes());
-    }
-    Ok(())
-}
-
 fn put_name(out: &mut Vec<u8>, s: &str) -> Result<(), EncodeError> {
     if s.len() > MAX_NAME {
         return Err(EncodeError::NameTooLong);
@@ -688,7 +638,7 @@ pub fn encode_head(body: &Body, payload_len: usize) -> Result<Vec<u8>, EncodeErr
             out.extend_from_slice(&wr_id.to_le_bytes());
             out.extend_from_slice(&status.to_bytes());
         }
-        Body::Notify(l) | Body::Abort(l) | Body::AbortAck(l) => put_list(&mut out, l)?,
+        Body::Control(m) => m.encode_into(&mut out)?,
         Body::Message => {}
     }
     let len = (out.len() - PREFIX_LEN + payload_len) as u32;
@@ -700,11 +650,10 @@ pub fn encode_head(body: &Body, payload_len: usize) -> Result<Vec<u8>, EncodeErr
 mod tests {
     use super::*;
 
-    fn list() -> TenancyList {
-        TenancyList {
-            key: 9,
-            tenancies: vec![Tenancy::new(SlotId(1), Generation(2)), Tenancy::new(SlotId(3), Generation(4))],
-        }
+    fn control(kind: drain::ControlKind) -> ControlMessage {
+        use kv_transfer_core::{PoolId, Tenancy};
+        let ts = vec![Tenancy::new(SlotId(1), Generation(2)), Tenancy::new(SlotId(3), Generation(4))];
+        ControlMessage::new(kind, PoolId(9), drain::ExposureToken::from_bytes([5; 16]), ts)
     }
 
     #[test]
@@ -719,9 +668,9 @@ mod tests {
             (Body::ReadResp { wr_id: 1, status: WireStatus::Ok }, 3),
             (Body::ReadResp { wr_id: 1, status: WireStatus::Rejected(RejectReason::StaleGeneration) }, 0),
             (Body::Completion { wr_id: 1, status: WireStatus::TargetError }, 0),
-            (Body::Notify(list()), 0),
-            (Body::Abort(list()), 0),
-            (Body::AbortAck(list()), 0),
+            (Body::Control(control(drain::ControlKind::Done)), 0),
+            (Body::Control(control(drain::ControlKind::Abort)), 0),
+            (Body::Control(control(drain::ControlKind::AbortAck)), 0),
             (Body::Message, 0),
             (Body::Message, 33),
         ];

@@ -579,10 +579,7 @@ fn peer_process_killed_mid_transfer_is_fenced() {
     assert_eq!(lines.next().unwrap().unwrap(), "connected");
     let peer = target.wait_for_peer("killed-peer", WAIT).unwrap();
     let (exposed, remote) = target.expose(tpool.reserve(2).unwrap(), peer).unwrap();
-    let mut desc = format!("{} {}", remote.key, remote.slot_size);
-    for s in &remote.slots {
-        desc += &format!(" {}:{}:{}", s.slot.0, s.generation.0, s.addr);
-    }
+    let desc = serde_json::to_string(&remote).unwrap();
     let mut stdin = child.stdin.take().unwrap();
     writeln!(stdin, "{desc}").unwrap();
     assert_eq!(lines.next().unwrap().unwrap(), "posted");

@@ -2,8 +2,9 @@
 //! and every encodable frame round-trips. (The `fuzz/` crate drives the same
 //! decoder with libFuzzer.)
 
-use backend_tcp_sim::wire::{self, AccessHeader, Body, TenancyList, WireStatus};
-use kv_transfer_core::{Generation, RejectReason, SlotId, Tenancy};
+use backend_tcp_sim::wire::{self, AccessHeader, Body, WireStatus};
+use kv_transfer_core::drain::{ControlKind, ControlMessage, ExposureToken};
+use kv_transfer_core::{Generation, PoolId, RejectReason, SlotId, Tenancy};
 use proptest::prelude::*;
 
 fn status() -> impl Strategy<Value = WireStatus> {
@@ -21,11 +22,14 @@ fn status() -> impl Strategy<Value = WireStatus> {
     ]
 }
 
-fn list() -> impl Strategy<Value = TenancyList> {
-    (any::<u64>(), prop::collection::vec((any::<u32>(), any::<u64>()), 0..40)).prop_map(|(key, ts)| TenancyList {
-        key,
-        tenancies: ts.into_iter().map(|(s, g)| Tenancy::new(SlotId(s), Generation(g))).collect(),
-    })
+fn control() -> impl Strategy<Value = ControlMessage> {
+    let kind = prop_oneof![Just(ControlKind::Done), Just(ControlKind::Abort), Just(ControlKind::AbortAck)];
+    (kind, any::<u64>(), any::<[u8; 16]>(), prop::collection::vec((any::<u32>(), any::<u64>()), 1..40)).prop_map(
+        |(kind, pool, token, ts)| {
+            let ts = ts.into_iter().map(|(s, g)| Tenancy::new(SlotId(s), Generation(g))).collect();
+            ControlMessage::new(kind, PoolId(pool), ExposureToken::from_bytes(token), ts)
+        },
+    )
 }
 
 fn body() -> impl Strategy<Value = (Body, usize)> {
@@ -48,9 +52,7 @@ fn body() -> impl Strategy<Value = (Body, usize)> {
             (Body::ReadResp { wr_id, status }, n)
         }),
         (any::<u64>(), status()).prop_map(|(wr_id, status)| (Body::Completion { wr_id, status }, 0)),
-        list().prop_map(|l| (Body::Notify(l), 0)),
-        list().prop_map(|l| (Body::Abort(l), 0)),
-        list().prop_map(|l| (Body::AbortAck(l), 0)),
+        control().prop_map(|m| (Body::Control(m), 0)),
     ]
 }
 

@@ -605,9 +605,10 @@ pub fn run_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<
 
 /// `naive` or `safe`.
 pub fn policy_name(p: ReleasePolicy) -> &'static str {
-    match p {
-        ReleasePolicy::Naive => "naive",
-        ReleasePolicy::Safe => "safe",
+    if p.is_naive() {
+        "naive"
+    } else {
+        "safe"
     }
 }
 

@@ -15,7 +15,7 @@ fn pool(slots: usize, slot_size: usize) -> (SlotPool, SettlementAuthority) {
 
 fn cycle(pool: &SlotPool, authority: &SettlementAuthority) {
     let lease = pool.reserve(1).unwrap();
-    let exposed = lease.expose_local(PeerId(1));
+    let exposed = authority.expose_local(lease, PeerId(1));
     let proof = authority.completed_lease(&exposed);
     let settled = match exposed.settle(proof) {
         Ok(s) => s,

@@ -8,7 +8,7 @@ fn main() {
     let (pool, authority) = SlotPool::new(Arc::new(HostRegion::new(1024 * 64).unwrap()), PoolConfig::new(64)).unwrap();
     let start = std::time::Instant::now();
     for _ in 0..n {
-        let exposed = pool.reserve(1).unwrap().expose_local(PeerId(1));
+        let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(1));
         let proof = authority.completed_lease(&exposed);
         match exposed.settle(proof) {
             Ok(s) => s.release(),

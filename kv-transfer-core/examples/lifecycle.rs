@@ -37,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     pool.reserve(4)?.release();
 
     let lease = pool.reserve(4)?;
-    let (exposed, remote) = lease.expose(PeerId(1), 0xbeef, "prefill-0");
+    let (exposed, remote) = authority.expose(lease, PeerId(1), 0xbeef, "prefill-0", Default::default());
     show(&pool, "4 slots exposed to prefill-0");
     println!("descriptor sent to the peer: {}", serde_json_like(&remote));
 
@@ -47,7 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Deadlines pass. Each one escalates; none frees.
     for _ in 0..4 {
-        for action in authority.poll_escalations(clock.now()) {
+        for action in authority.poll_escalations() {
             println!("  escalation: {:?} for peer {} ({} slots)", action.step, action.peer.0, action.tenancies.len());
         }
         clock.advance(Duration::from_millis(300));

@@ -7,6 +7,7 @@
 //! produce a proof; the slot leaves quarantine only when one arrives. At the
 //! end of the ladder the slot stays quarantined and is counted as stuck.
 
+use crate::drain::Capabilities;
 use crate::ids::{PeerId, Tenancy};
 use std::time::Duration;
 
@@ -44,22 +45,53 @@ pub enum EscalationStep {
 }
 
 impl EscalationStep {
-    pub(crate) fn next(self) -> Option<Self> {
+    /// Whether a backend with `caps` can take this step (`Exhausted` always).
+    pub fn available(self, caps: Capabilities) -> bool {
         match self {
-            Self::RequestDrain => Some(Self::Revoke),
-            Self::Revoke => Some(Self::Fence),
-            Self::Fence => Some(Self::Exhausted),
-            Self::Exhausted => None,
+            Self::RequestDrain => caps.drain,
+            Self::Revoke => caps.revoke,
+            Self::Fence => caps.fence,
+            Self::Exhausted => true,
         }
     }
 
-    /// Time from the previous step to this one.
-    pub(crate) fn delay(self, ladder: &EscalationLadder) -> Duration {
+    /// The first step of a ladder for `caps` (`Exhausted` when none is available).
+    pub(crate) fn first(caps: Capabilities) -> Self {
+        Self::RequestDrain.or_next(caps)
+    }
+
+    /// This step if available, else the next available one.
+    fn or_next(self, caps: Capabilities) -> Self {
+        let mut s = self;
+        while !s.available(caps) {
+            s = s.successor();
+        }
+        s
+    }
+
+    fn successor(self) -> Self {
         match self {
-            Self::RequestDrain => Duration::ZERO,
-            Self::Revoke => ladder.drain,
-            Self::Fence => ladder.revoke,
-            Self::Exhausted => ladder.fence,
+            Self::RequestDrain => Self::Revoke,
+            Self::Revoke => Self::Fence,
+            Self::Fence | Self::Exhausted => Self::Exhausted,
+        }
+    }
+
+    /// The next available step after this one (`None` after `Exhausted`).
+    pub(crate) fn next(self, caps: Capabilities) -> Option<Self> {
+        match self {
+            Self::Exhausted => None,
+            s => Some(s.successor().or_next(caps)),
+        }
+    }
+
+    /// How long this step has before the ladder moves on.
+    pub(crate) fn budget(self, ladder: &EscalationLadder) -> Duration {
+        match self {
+            Self::RequestDrain => ladder.drain,
+            Self::Revoke => ladder.revoke,
+            Self::Fence => ladder.fence,
+            Self::Exhausted => Duration::ZERO,
         }
     }
 }

@@ -151,6 +151,13 @@ pub enum AccessError {
     /// The region refused.
     #[error(transparent)]
     Region(#[from] RegionError),
+    /// The slot's bytes do not match the digest its DONE carried: something
+    /// wrote into it after the sender finished. Nothing was handed over.
+    #[error("slot {index} of the lease does not match the digest of its DONE")]
+    Integrity {
+        /// The lease's slot index.
+        index: usize,
+    },
 }
 
 impl<S: LeaseState> SlotLease<S> {
@@ -221,6 +228,12 @@ impl<S: LeaseState> SlotLease<S> {
         Ok(())
     }
 
+    /// A whole slot's bytes, whatever the state (the drain protocol's
+    /// digests of a backend's own exposed lease).
+    pub(crate) fn read_local_for_backend(&self, index: usize, dst: &mut [u8]) -> Result<(), AccessError> {
+        self.read_local(index, 0, dst)
+    }
+
     fn exposed(self, peer: PeerId) -> SlotLease<Exposed> {
         self.pool().mark_exposed(self.tenancies(), peer);
         self.morph(Some(peer))
@@ -239,11 +252,16 @@ impl SlotLease<Reserved> {
         self.write_local(index, offset, src)
     }
 
-    /// Exposes the slots to `peer` and describes them for it. The backend
-    /// supplies `key` (its access key for this tenancy) and `endpoint` (how
-    /// the peer reaches this side). From here on the slots leave the lease
-    /// only with a settlement proof.
-    pub fn expose(self, peer: PeerId, key: u64, endpoint: impl Into<String>) -> (SlotLease<Exposed>, RemoteSlots) {
+    /// Exposes the slots to `peer` and describes them for it (through
+    /// [`SettlementAuthority::expose`](crate::SettlementAuthority::expose):
+    /// only a backend exposes).
+    pub(crate) fn expose(
+        self,
+        peer: PeerId,
+        key: u64,
+        endpoint: impl Into<String>,
+        token: crate::drain::ExposureToken,
+    ) -> (SlotLease<Exposed>, RemoteSlots) {
         let pool = self.pool();
         let slots = self
             .tenancies()
@@ -254,14 +272,20 @@ impl SlotLease<Reserved> {
                 addr: pool.slot_addr(t.slot).unwrap_or_default(),
             })
             .collect();
-        let remote =
-            RemoteSlots { endpoint: endpoint.into(), pool: pool.id(), key, slot_size: pool.slot_size() as u64, slots };
+        let remote = RemoteSlots {
+            endpoint: endpoint.into(),
+            pool: pool.id(),
+            key,
+            slot_size: pool.slot_size() as u64,
+            token,
+            slots,
+        };
         (self.exposed(peer), remote)
     }
 
     /// Exposes the slots as the local side of an operation posted to `peer`
-    /// (a backend does this when a lease moves into a transfer).
-    pub fn expose_local(self, peer: PeerId) -> SlotLease<Exposed> {
+    /// (through [`SettlementAuthority::expose_local`](crate::SettlementAuthority::expose_local)).
+    pub(crate) fn expose_local(self, peer: PeerId) -> SlotLease<Exposed> {
         self.exposed(peer)
     }
 }
@@ -309,16 +333,36 @@ impl SlotLease<Settled> {
     pub fn release(self) {
         drop(self)
     }
-    /// Reads bytes of the lease's `index`-th slot.
+    /// Reads bytes of the lease's `index`-th slot. If the slot's DONE
+    /// carried a digest, the whole slot is checked against it first and a
+    /// mismatch is refused ([`AccessError::Integrity`]): no byte handed over.
     pub fn read_at(&self, index: usize, offset: usize, dst: &mut [u8]) -> Result<(), AccessError> {
+        if let Some(t) = self.tenancies().get(index) {
+            self.verify(std::slice::from_ref(t), index)?;
+        }
         self.read_local(index, offset, dst)
+    }
+
+    /// Checks every slot against the digest its DONE carried, if any: a
+    /// write that landed after the DONE (the positive control's bug) shows
+    /// here as [`AccessError::Integrity`], counted in `integrity_failures`.
+    pub fn verify_integrity(&self) -> Result<(), AccessError> {
+        self.verify(self.tenancies(), 0)
+    }
+
+    fn verify(&self, ts: &[crate::ids::Tenancy], first: usize) -> Result<(), AccessError> {
+        self.pool()
+            .verify_digests(ts, |i, buf| self.read_local(first + i, 0, buf).is_ok())
+            .map_err(|i| AccessError::Integrity { index: first + i })
     }
     /// Writes bytes into the lease's `index`-th slot.
     pub fn write_at(&mut self, index: usize, offset: usize, src: &[u8]) -> Result<(), AccessError> {
         self.write_local(index, offset, src)
     }
-    /// All slots' bytes, concatenated in lease order.
+    /// All slots' bytes, concatenated in lease order, after the integrity
+    /// check of [`verify_integrity`](Self::verify_integrity).
     pub fn bytes(&self) -> Result<Vec<u8>, AccessError> {
+        self.verify_integrity()?;
         let slot_size = self.pool().slot_size();
         let mut out = vec![0u8; slot_size * self.len()];
         for (i, chunk) in out.chunks_mut(slot_size).enumerate() {

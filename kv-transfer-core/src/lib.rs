@@ -33,14 +33,14 @@
 //!
 //! // Decode side: reserve, expose to the prefill peer, hand it the descriptor.
 //! let lease = pool.reserve(4).unwrap();
-//! let (exposed, remote) = lease.expose(PeerId(1), 0x1234, "decode-0");
+//! let (exposed, remote) = authority.expose(lease, PeerId(1), 0x1234, "decode-0", Default::default());
 //!
 //! // The request is aborted while the peer's writes may be in flight.
 //! exposed.abort();
 //! assert_eq!(pool.metrics().quarantined, 4); // not free: a NIC may still write
 //!
 //! // Deadlines only escalate: the backend is asked to drain, revoke, fence.
-//! let actions = authority.poll_escalations(std::time::Instant::now());
+//! let actions = authority.poll_escalations();
 //! assert_eq!(actions[0].step, EscalationStep::RequestDrain);
 //! assert_eq!(pool.metrics().free, 12);
 //!
@@ -53,6 +53,7 @@
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 mod clock;
+pub mod drain;
 mod escalation;
 mod ids;
 mod lease;
@@ -62,6 +63,7 @@ mod proof;
 mod region;
 mod remote;
 mod sync;
+mod target;
 mod transfer;
 mod wait;
 
@@ -77,9 +79,10 @@ pub use pool::{AdmissionError, DeliveryReport, PoolConfig, PoolError, SlotPool};
 pub use proof::{Completed, Fenced, Revoked, Settlement, SettlementAuthority, SettlementKind};
 pub use region::{HostRegion, MemoryKind, Region, RegionError};
 pub use remote::{RemoteSlot, RemoteSlots};
+pub use target::{BackendError, ExposeError, ExposeErrorKind, Target};
 pub use transfer::{
-    check_shapes, Abandoned, Completer, ExposeError, Op, PostError, PostErrorKind, PostFuture, PostNow, RejectReason,
-    Transfer, TransferError, TransferHandle, TransferOptions, TransferOutcome,
+    check_shapes, Abandoned, Completer, Op, PostError, PostErrorKind, PostFuture, PostNow, RejectReason, Transfer,
+    TransferError, TransferHandle, TransferOptions, TransferOutcome,
 };
 
 pub use wait::{block_on, poll_until};

@@ -84,6 +84,8 @@ pub(crate) struct Counters {
     pub(crate) settled_fenced: u64,
     pub(crate) quarantined_total: u64,
     pub(crate) stale_rejected: u64,
+    pub(crate) forged_rejected: u64,
+    pub(crate) integrity_failures: u64,
     pub(crate) released: u64,
     pub(crate) abort_to_reclaim: Histogram,
 }
@@ -120,6 +122,12 @@ pub struct MetricsSnapshot {
     pub quarantined_total: u64,
     /// Stale proofs, notifications or acks (old generation) dropped.
     pub stale_rejected: u64,
+    /// DONE / ABORT_ACK tenancies dropped because the sender was not the
+    /// peer they were exposed to or the exposure's token did not match.
+    pub forged_rejected: u64,
+    /// Reads of a settled lease refused because its bytes did not match the
+    /// digest its DONE carried (a write landed after the DONE).
+    pub integrity_failures: u64,
     /// Slots returned to the free list.
     pub released: u64,
     /// Time from abort (or drop) of an exposed lease to the return of its

@@ -3,6 +3,7 @@
 //! [`SettlementAuthority`](crate::SettlementAuthority) (the backend).
 
 use crate::clock::{Clock, SystemClock};
+use crate::drain::Capabilities;
 use crate::escalation::{EscalationAction, EscalationLadder, EscalationStep, QuarantineId};
 use crate::ids::{Generation, PeerId, PoolId, SlotId, Tenancy};
 use crate::lease::{Reserved, SlotLease, Tenancies};
@@ -73,14 +74,29 @@ pub struct PoolConfig {
     pub slot_size: usize,
     /// Deadlines of the escalation ladder.
     pub ladder: EscalationLadder,
-    /// Time source (the system clock unless a test drives it).
+    /// Time source (the system clock unless a test drives it). Escalation
+    /// deadlines are read from it, so a pool with a [`ManualClock`](crate::ManualClock)
+    /// escalates only when the test advances it.
     pub clock: Arc<dyn Clock>,
+    /// What the backend can prove: the ladder holds only these steps (a
+    /// backend sets its own when it registers the pool; all three by default).
+    pub capabilities: Capabilities,
 }
 
 impl PoolConfig {
     /// Slots of `slot_size` bytes, the default ladder, the system clock.
     pub fn new(slot_size: usize) -> Self {
-        Self { slot_size, ladder: EscalationLadder::default(), clock: Arc::new(SystemClock) }
+        Self {
+            slot_size,
+            ladder: EscalationLadder::default(),
+            clock: Arc::new(SystemClock),
+            capabilities: Capabilities::ALL,
+        }
+    }
+    /// Replaces the capabilities the ladder is built from.
+    pub fn with_capabilities(mut self, capabilities: Capabilities) -> Self {
+        self.capabilities = capabilities;
+        self
     }
     /// Replaces the escalation ladder.
     pub fn with_ladder(mut self, ladder: EscalationLadder) -> Self {
@@ -132,6 +148,9 @@ pub(crate) struct PoolState {
     pub(crate) quarantine_vacant: Vec<u32>,
     pub(crate) next_quarantine_id: u64,
     pub(crate) waiters: HashMap<u32, Waker>,
+    /// Digests a DONE carried for settled tenancies, by slot: `(generation,
+    /// crc32c)`, checked when the settled lease is read; dropped at release.
+    pub(crate) digests: HashMap<u32, (u64, u32)>,
     pub(crate) counters: Counters,
     pub(crate) leased: u64,
     pub(crate) quarantined: u64,
@@ -145,6 +164,7 @@ pub(crate) struct PoolInner {
     pub(crate) slot_size: usize,
     pub(crate) capacity: u32,
     pub(crate) ladder: EscalationLadder,
+    pub(crate) capabilities: Capabilities,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) state: Mutex<PoolState>,
 }
@@ -224,6 +244,7 @@ impl SlotPool {
             quarantine_vacant: Vec::new(),
             next_quarantine_id: 0,
             waiters: HashMap::new(),
+            digests: HashMap::new(),
             counters: Counters::default(),
             leased: 0,
             quarantined: 0,
@@ -236,6 +257,7 @@ impl SlotPool {
             slot_size: config.slot_size,
             capacity,
             ladder: config.ladder,
+            capabilities: config.capabilities,
             clock: config.clock,
             state: Mutex::new(state),
         };
@@ -331,6 +353,8 @@ impl SlotPool {
             settled_fenced: c.settled_fenced,
             quarantined_total: c.quarantined_total,
             stale_rejected: c.stale_rejected,
+            forged_rejected: c.forged_rejected,
+            integrity_failures: c.integrity_failures,
             released: c.released,
             abort_to_reclaim: c.abort_to_reclaim.summary(),
         }
@@ -403,6 +427,11 @@ impl SlotPool {
             st.free.push(t.slot.0);
             n += 1;
         }
+        if !st.digests.is_empty() {
+            for t in tenancies {
+                st.digests.remove(&t.slot.0);
+            }
+        }
         st.leased -= n;
         st.counters.released += n;
         drop(st);
@@ -466,6 +495,7 @@ impl SlotPool {
             if meta.state == PROVEN {
                 st.slots[t.slot.0 as usize].state = FREE;
                 st.free.push(t.slot.0);
+                st.digests.remove(&t.slot.0);
                 freed += 1;
             } else {
                 debug_assert_eq!(meta.state, EXPOSED);
@@ -499,7 +529,7 @@ impl SlotPool {
             peer,
             remaining,
             since: now,
-            next_step: EscalationStep::RequestDrain,
+            next_step: EscalationStep::first(self.inner.capabilities),
             next_at: now,
             stuck: false,
         });
@@ -606,6 +636,11 @@ impl SlotPool {
                     match meta.state {
                         EXPOSED => {
                             st.slots[t.slot.0 as usize].state = PROVEN;
+                            if let Some(ds) = &proof.digests {
+                                if let Some((_, d)) = ds.iter().find(|(dt, _)| dt == t) {
+                                    st.digests.insert(t.slot.0, (t.generation.0, *d));
+                                }
+                            }
                             if !st.waiters.is_empty() {
                                 if let Some(w) = st.waiters.remove(&t.slot.0) {
                                     wake.push(w);
@@ -720,8 +755,9 @@ impl SlotPool {
         lock(&self.inner.state).escalation_hook = hook;
     }
 
-    pub(crate) fn poll_escalations(&self, now: Instant) -> Vec<EscalationAction> {
-        let ladder = self.inner.ladder;
+    pub(crate) fn poll_escalations(&self) -> Vec<EscalationAction> {
+        let now = self.inner.clock.now();
+        let (ladder, caps) = (self.inner.ladder, self.inner.capabilities);
         let _span = tracing::trace_span!("kvt.escalate", pool = self.inner.id.0).entered();
         let mut st = lock(&self.inner.state);
         let mut actions = Vec::new();
@@ -736,9 +772,9 @@ impl SlotPool {
                     tenancies: entry.remaining.to_vec(),
                     step,
                 });
-                match step.next() {
+                match step.next(caps) {
                     Some(next) => {
-                        entry.next_at += next.delay(&ladder);
+                        entry.next_at += step.budget(&ladder);
                         entry.next_step = next;
                     }
                     None => {
@@ -756,12 +792,69 @@ impl SlotPool {
         let _ = stuck;
         if newly_stuck > 0 {
             tracing::warn!(
+                target: "kvt::quarantine_stuck",
                 pool = self.inner.id.0,
                 slots = newly_stuck,
-                "escalation ladder exhausted: slots stay quarantined until a proof arrives"
+                drain = caps.drain,
+                revoke = caps.revoke,
+                fence = caps.fence,
+                "quarantine_stuck: no escalation step left that this backend can take; \
+                 the slots stay quarantined until a proof arrives"
             );
         }
         actions
+    }
+
+    /// Time until the next escalation step falls due, by the pool's clock.
+    pub(crate) fn next_escalation_in(&self) -> Option<std::time::Duration> {
+        let at = self.next_escalation_at()?;
+        Some(at.saturating_duration_since(self.inner.clock.now()))
+    }
+
+    pub(crate) fn record_forged(&self, n: u64) {
+        lock(&self.inner.state).counters.forged_rejected += n;
+        report_counter!("kvt_forged_rejected_total", self.inner.id, n);
+    }
+
+    /// Checks the bytes of settled tenancies against the digests their DONE
+    /// carried (`read` fills `buf` with one slot's bytes). `Err(index)`: the
+    /// lease's `index`-th slot does not match (counted).
+    pub(crate) fn verify_digests(
+        &self,
+        tenancies: &[Tenancy],
+        mut read: impl FnMut(usize, &mut [u8]) -> bool,
+    ) -> Result<(), usize> {
+        let wanted: SmallVec<[(usize, u32); 4]> = {
+            let st = lock(&self.inner.state);
+            if st.digests.is_empty() {
+                return Ok(());
+            }
+            tenancies
+                .iter()
+                .enumerate()
+                .filter_map(|(i, t)| match st.digests.get(&t.slot.0) {
+                    Some(&(g, d)) if g == t.generation.0 => Some((i, d)),
+                    _ => None,
+                })
+                .collect()
+        };
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let mut buf = vec![0u8; self.inner.slot_size];
+        for (i, d) in wanted {
+            if !read(i, &mut buf) || crate::drain::digest(&buf) != d {
+                lock(&self.inner.state).counters.integrity_failures += 1;
+                report_counter!("kvt_integrity_failures_total", self.inner.id, 1);
+                tracing::warn!(
+                    pool = self.inner.id.0,
+                    slot = tenancies[i].slot.0,
+                    "settled slot does not match the digest its DONE carried: bytes withheld"
+                );
+                return Err(i);
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn next_escalation_at(&self) -> Option<Instant> {

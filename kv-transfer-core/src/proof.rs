@@ -8,7 +8,7 @@
 
 use crate::escalation::EscalationAction;
 use crate::ids::{PeerId, PoolId, Tenancy};
-use crate::lease::{Exposed, SlotLease, Tenancies};
+use crate::lease::{Exposed, Reserved, SlotLease, Tenancies};
 use crate::pool::{DeliveryReport, SlotPool};
 use std::sync::Arc;
 use std::time::Instant;
@@ -37,6 +37,9 @@ pub struct Settlement {
     pub(crate) pool: PoolId,
     pub(crate) kind: SettlementKind,
     pub(crate) scope: ProofScope,
+    /// With a `Completed` from a DONE that carried them: each tenancy's
+    /// digest, kept with the settled tenancy and checked when it is read.
+    pub(crate) digests: Option<Box<[(Tenancy, u32)]>>,
 }
 
 impl Settlement {
@@ -100,7 +103,7 @@ proof_type!(
 ///
 /// let (pool, authority) = SlotPool::new(Arc::new(HostRegion::new(4 * 64).unwrap()), PoolConfig::new(64)).unwrap();
 /// let lease = pool.reserve(2).unwrap();
-/// let (exposed, remote) = lease.expose(PeerId(7), 0xfeed, "127.0.0.1:9000");
+/// let (exposed, remote) = authority.expose(lease, PeerId(7), 0xfeed, "127.0.0.1:9000", Default::default());
 /// assert_eq!(remote.slots.len(), 2);
 /// // ... the peer writes, then acknowledges both tenancies ...
 /// authority.deliver(authority.completed(&remote.tenancies()));
@@ -121,13 +124,21 @@ impl SettlementAuthority {
     }
 
     fn mint(&self, kind: SettlementKind, scope: ProofScope) -> Settlement {
-        Settlement { pool: self.pool.id(), kind, scope }
+        Settlement { pool: self.pool.id(), kind, scope, digests: None }
     }
 
     /// A `Completed` proof for these tenancies. Mint it only when every
     /// operation touching them reached a terminal status.
     pub fn completed(&self, tenancies: &[Tenancy]) -> Completed {
         Completed(self.mint(SettlementKind::Completed, ProofScope::Tenancies(Tenancies::from_slice(tenancies))))
+    }
+    /// A `Completed` proof for these tenancies whose DONE carried a digest
+    /// of each one's bytes: the pool keeps them with the settled tenancies,
+    /// and reading a settled lease checks its bytes against them.
+    pub fn completed_with_digests(&self, tenancies: &[Tenancy], digests: &[(Tenancy, u32)]) -> Completed {
+        let mut s = self.mint(SettlementKind::Completed, ProofScope::Tenancies(Tenancies::from_slice(tenancies)));
+        s.digests = Some(digests.into());
+        Completed(s)
     }
     /// A `Completed` proof covering an exposed lease's slots.
     pub fn completed_lease(&self, lease: &SlotLease<Exposed>) -> Completed {
@@ -180,15 +191,59 @@ impl SettlementAuthority {
         self.pool.record_stale(n)
     }
 
-    /// Escalation steps that are due at `now`. Never frees anything: each
-    /// action asks the backend for a proof.
-    pub fn poll_escalations(&self, now: Instant) -> Vec<EscalationAction> {
-        self.pool.poll_escalations(now)
+    /// Counts DONE / ABORT_ACK tenancies dropped as forged (wrong peer or
+    /// token): `forged_rejected` in the pool's metrics.
+    pub fn record_forged(&self, n: u64) {
+        self.pool.record_forged(n)
     }
 
-    /// When the next escalation step falls due, if any.
+    /// Escalation steps that are due now, by the pool's own clock (so a pool
+    /// built with a [`ManualClock`](crate::ManualClock) escalates only when
+    /// the test advances it). Never frees anything: each action asks the
+    /// backend for a proof. The ladder holds only the steps the pool's
+    /// [`Capabilities`](crate::drain::Capabilities) allow.
+    pub fn poll_escalations(&self) -> Vec<EscalationAction> {
+        self.pool.poll_escalations()
+    }
+
+    /// When the next escalation step falls due, if any (on the pool's clock).
     pub fn next_escalation_at(&self) -> Option<Instant> {
         self.pool.next_escalation_at()
+    }
+
+    /// How long until the next escalation step falls due, by the pool's
+    /// clock: what a driver sleeps at most.
+    pub fn next_escalation_in(&self) -> Option<std::time::Duration> {
+        self.pool.next_escalation_in()
+    }
+
+    /// The capabilities the pool's ladder was built from.
+    pub fn capabilities(&self) -> crate::drain::Capabilities {
+        self.pool.inner.capabilities
+    }
+
+    /// Exposes a reserved lease to `peer` and describes it: the backend's
+    /// access `key` for this tenancy, its `endpoint` (how the peer reaches
+    /// this side) and the exposure's `token` (from its
+    /// [`ExposureTable`](crate::drain::ExposureTable)). From here on the slots
+    /// leave the lease only with a proof. Only the backend, which holds the
+    /// authority, can expose: an application goes through its
+    /// [`Target::expose`](crate::Target::expose).
+    pub fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+        key: u64,
+        endpoint: impl Into<String>,
+        token: crate::drain::ExposureToken,
+    ) -> (SlotLease<Exposed>, crate::RemoteSlots) {
+        lease.expose(peer, key, endpoint, token)
+    }
+
+    /// Exposes a reserved lease as the local side of an operation posted to
+    /// `peer` (a backend does this when the lease moves into a transfer).
+    pub fn expose_local(&self, lease: SlotLease<Reserved>, peer: PeerId) -> SlotLease<Exposed> {
+        lease.expose_local(peer)
     }
 
     /// Called (outside the pool's lock) whenever slots enter quarantine, so a

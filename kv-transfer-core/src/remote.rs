@@ -29,12 +29,12 @@ impl RemoteSlot {
 /// ```
 /// # use kv_transfer_core::*;
 /// # use std::sync::Arc;
-/// let (pool, _a) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(1024)).unwrap();
-/// let (_exposed, remote) = pool.reserve(2).unwrap().expose(PeerId(1), 42, "decode-0");
+/// let (pool, authority) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(1024)).unwrap();
+/// let (_exposed, remote) = authority.expose(pool.reserve(2).unwrap(), PeerId(1), 42, "decode-0", Default::default());
 /// let json = serde_json::to_string(&remote).unwrap();
 /// let back: RemoteSlots = serde_json::from_str(&json).unwrap();
 /// assert_eq!(back, remote);
-/// assert_eq!(back.len_bytes(), 2048);
+/// assert_eq!(back.len_bytes(), Some(2048));
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteSlots {
@@ -47,6 +47,11 @@ pub struct RemoteSlots {
     pub key: u64,
     /// Bytes per slot.
     pub slot_size: u64,
+    /// The exposure's unguessable token: a DONE or ABORT_ACK for these
+    /// tenancies settles them only if it carries it (DESIGN rule 8). Keep it
+    /// as secret as the data.
+    #[serde(default)]
+    pub token: crate::drain::ExposureToken,
     /// The slots, in the exposing lease's order.
     pub slots: Vec<RemoteSlot>,
 }
@@ -56,8 +61,8 @@ impl RemoteSlots {
     pub fn tenancies(&self) -> Vec<Tenancy> {
         self.slots.iter().map(RemoteSlot::tenancy).collect()
     }
-    /// Total bytes described.
-    pub fn len_bytes(&self) -> u64 {
-        self.slot_size * self.slots.len() as u64
+    /// Total bytes described; `None` if a peer-supplied size overflows.
+    pub fn len_bytes(&self) -> Option<u64> {
+        self.slot_size.checked_mul(self.slots.len() as u64)
     }
 }

@@ -36,18 +36,28 @@ pub struct TransferOptions {
     /// can settle its exposure (`Completed`). Sent only after a successful
     /// terminal status for every part of the operation.
     pub notify: bool,
+    /// With `notify` on a WRITE: the DONE carries a crc32c of each slot's
+    /// bytes as sent, and the target checks the bytes against it when the
+    /// settled lease is read (a write that landed after the DONE is caught
+    /// there). Off by default: it reads every byte once more.
+    pub digest: bool,
 }
 
 impl Default for TransferOptions {
     fn default() -> Self {
-        Self { notify: true }
+        Self { notify: true, digest: false }
     }
 }
 
 impl TransferOptions {
     /// Options with notification on or off.
     pub fn notify(notify: bool) -> Self {
-        Self { notify }
+        Self { notify, digest: false }
+    }
+    /// The same options with the DONE's digests on or off.
+    pub fn with_digest(mut self, digest: bool) -> Self {
+        self.digest = digest;
+        self
     }
 }
 
@@ -135,23 +145,6 @@ pub struct PostError {
 impl fmt::Debug for PostError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostError").field("kind", &self.kind).field("lease", &self.lease).finish()
-    }
-}
-
-/// A backend's `expose` refused, with the lease handed back unexposed
-/// (rule 3); `K` is the backend's reason.
-#[derive(thiserror::Error)]
-#[error("expose failed: {kind}")]
-pub struct ExposeError<K: fmt::Display + fmt::Debug> {
-    /// The lease, still reserved.
-    pub lease: SlotLease<Reserved>,
-    /// Why.
-    pub kind: K,
-}
-
-impl<K: fmt::Display + fmt::Debug> fmt::Debug for ExposeError<K> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ExposeError").field("kind", &self.kind).field("lease", &self.lease).finish()
     }
 }
 
@@ -254,7 +247,7 @@ pub trait PostNow: Send + Sync {
 /// kv_transfer_core::impl_transfer_via_post_now!(Closed, "closed");
 ///
 /// let (pool, _authority) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(4096)).unwrap();
-/// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, slots: vec![] };
+/// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, token: Default::default(), slots: vec![] };
 /// assert_eq!(Closed.backend(), "closed");
 /// let refused = block_on(Closed.write(pool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap_err();
 /// assert!(matches!(refused.kind, PostErrorKind::ShuttingDown));
@@ -345,7 +338,7 @@ impl<'a> PostFuture<'a> {
     ///     }
     /// }
     /// let (pool, _authority) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(4096)).unwrap();
-    /// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, slots: vec![] };
+    /// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, token: Default::default(), slots: vec![] };
     /// let post = PostFuture::deferred(&Refuse, Op::Write, pool.reserve(1).unwrap(), &remote, TransferOptions::default());
     /// assert_eq!(pool.metrics().free, 0); // nothing happened yet: the lease waits in the future
     /// let refused = block_on(post).unwrap_err();
@@ -492,7 +485,7 @@ impl TransferHandle {
     /// use kv_transfer_core::{block_on, HostRegion, PeerId, PoolConfig, SlotPool, TransferHandle};
     /// use std::sync::Arc;
     /// let (pool, authority) = SlotPool::new(Arc::new(HostRegion::new(2 * 64).unwrap()), PoolConfig::new(64)).unwrap();
-    /// let exposed = pool.reserve(1).unwrap().expose_local(PeerId(1));
+    /// let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(1));
     /// // ... the backend's engine reported the transfer terminal inside its post ...
     /// let proof = authority.completed_lease(&exposed);
     /// let (handle, settled) = TransferHandle::completed(exposed, proof, Ok(()));

@@ -53,7 +53,7 @@ fn admission_is_all_or_nothing_and_typed() {
 #[test]
 fn aborted_exposure_stays_quarantined_until_a_proof() {
     let (pool, authority) = pool(2);
-    let (exposed, remote) = pool.reserve(2).unwrap().expose(PeerId(9), 1, "t");
+    let (exposed, remote) = authority.expose(pool.reserve(2).unwrap(), PeerId(9), 1, "t", Default::default());
     exposed.abort();
     let m = pool.metrics();
     assert_eq!((m.free, m.quarantined, m.quarantined_total), (0, 2, 2));
@@ -73,7 +73,7 @@ fn aborted_exposure_stays_quarantined_until_a_proof() {
 #[test]
 fn dropping_an_exposed_lease_is_an_abort_not_a_release() {
     let (pool, authority) = pool(1);
-    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     drop(exposed);
     assert_eq!(pool.metrics().free, 0);
     assert_eq!(pool.metrics().quarantined, 1);
@@ -84,7 +84,7 @@ fn dropping_an_exposed_lease_is_an_abort_not_a_release() {
 #[test]
 fn forgetting_an_exposed_lease_leaks_but_never_frees() {
     let (pool, authority) = pool(1);
-    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     std::mem::forget(exposed);
     assert_eq!(pool.metrics().free, 0);
     // A proof for a forgotten live exposure marks it proven; the slot stays
@@ -98,11 +98,11 @@ fn forgetting_an_exposed_lease_leaks_but_never_frees() {
 fn a_timer_never_frees_it_only_escalates() {
     let clock = Arc::new(ManualClock::new());
     let (pool, authority) = pool_with(1, clock.clone());
-    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(3), 1, "t");
+    let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(3), 1, "t", Default::default());
     exposed.abort();
     let mut steps = Vec::new();
     for _ in 0..10 {
-        for a in authority.poll_escalations(clock.now()) {
+        for a in authority.poll_escalations() {
             assert_eq!(a.peer, PeerId(3));
             assert_eq!(a.tenancies, remote.tenancies());
             steps.push(a.step);
@@ -118,7 +118,7 @@ fn a_timer_never_frees_it_only_escalates() {
     assert_eq!((m.quarantined, m.quarantine_stuck), (1, 1));
     assert_eq!(authority.next_escalation_at(), None);
     clock.advance(Duration::from_secs(3600));
-    assert!(authority.poll_escalations(clock.now()).is_empty());
+    assert!(authority.poll_escalations().is_empty());
     assert_eq!(pool.metrics().free, 0);
     // Only a proof ends it, even after the ladder is exhausted.
     authority.deliver(authority.fenced(PeerId(3)));
@@ -134,7 +134,7 @@ fn escalation_hook_fires_on_quarantine() {
     authority.on_quarantine(move || {
         f.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     });
-    let (exposed, _r) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (exposed, _r) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     exposed.abort();
     assert_eq!(fired.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
@@ -142,11 +142,11 @@ fn escalation_hook_fires_on_quarantine() {
 #[test]
 fn stale_proofs_are_dropped_and_counted() {
     let (pool, authority) = pool(1);
-    let (exposed, old) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (exposed, old) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     authority.deliver(authority.completed(&old.tenancies()));
     exposed.try_settled().unwrap().release();
     // Next tenancy of the same slot.
-    let (exposed, new) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (exposed, new) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     assert_eq!(new.slots[0].slot, old.slots[0].slot);
     assert!(new.slots[0].generation > old.slots[0].generation);
     // A late ack for the old tenancy must not settle the new one.
@@ -163,7 +163,7 @@ fn stale_proofs_are_dropped_and_counted() {
 fn a_proof_from_another_pool_settles_nothing() {
     let (pool, _authority) = pool(1);
     let (_other_pool, other) = self::pool(1);
-    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (exposed, remote) = other.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     let forged = other.completed(&remote.tenancies());
     let err = exposed.settle(forged).unwrap_err();
     assert_eq!(err.reason, SettleErrorReason::ForeignProof);
@@ -176,7 +176,7 @@ fn a_proof_from_another_pool_settles_nothing() {
 #[test]
 fn settle_needs_a_proof_covering_every_slot() {
     let (pool, authority) = pool(2);
-    let (exposed, remote) = pool.reserve(2).unwrap().expose(PeerId(1), 1, "t");
+    let (exposed, remote) = authority.expose(pool.reserve(2).unwrap(), PeerId(1), 1, "t", Default::default());
     let ts = remote.tenancies();
     let err = exposed.settle(authority.completed(&ts[..1])).unwrap_err();
     assert_eq!(err.reason, SettleErrorReason::Incomplete);
@@ -187,10 +187,10 @@ fn settle_needs_a_proof_covering_every_slot() {
 #[test]
 fn fence_settles_every_exposure_to_that_peer_only() {
     let (pool, authority) = pool(4);
-    let (a, _) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
-    let (b, _) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
-    let (c, _) = pool.reserve(1).unwrap().expose(PeerId(2), 1, "t");
-    let (d, _) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (a, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
+    let (b, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
+    let (c, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(2), 1, "t", Default::default());
+    let (d, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     d.abort();
     let r = authority.deliver(authority.fenced(PeerId(1)));
     assert_eq!((r.settled, r.reclaimed), (3, 1));
@@ -205,7 +205,7 @@ fn fence_settles_every_exposure_to_that_peer_only() {
 #[test]
 fn settled_future_waits_for_the_proof() {
     let (pool, authority) = pool(1);
-    let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "t");
+    let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     let mut fut = exposed.settled();
     assert!((&mut fut).now_or_never().is_none());
     let a2 = authority.clone();
@@ -226,7 +226,7 @@ fn local_reads_and_writes_are_bounded_to_the_lease() {
     assert!(matches!(lease.write_at(1, 0, b"x"), Err(AccessError::NoSuchSlot { .. })));
     assert!(matches!(lease.write_at(0, SLOT - 1, b"xy"), Err(AccessError::OutOfSlot { .. })));
     assert!(matches!(lease.write_at(0, usize::MAX, b"xy"), Err(AccessError::OutOfSlot { .. })));
-    let exposed = lease.expose_local(PeerId(1));
+    let exposed = authority.expose_local(lease, PeerId(1));
     let settled = exposed.settle(authority.completed(&pool_tenancies(&pool, 0))).unwrap();
     assert_eq!(&settled.bytes().unwrap()[..5], b"hello");
 }
@@ -264,7 +264,7 @@ fn metadata_is_at_most_32_bytes_per_slot() {
 #[test]
 fn dropped_handle_returns_the_lease_only_after_completion() {
     let (pool, authority) = pool(1);
-    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(1));
+    let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(1));
     let (handle, completer) = TransferHandle::pair(exposed);
     drop(handle);
     assert!(completer.is_detached());
@@ -284,7 +284,7 @@ fn completion_racing_the_handle_drop_never_loses_or_leaks_a_lease() {
     let (pool, authority) = pool(1);
     let authority = Arc::new(authority);
     for i in 0..2_000 {
-        let exposed = pool.reserve(1).unwrap().expose_local(PeerId(1));
+        let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(1));
         let (handle, completer) = TransferHandle::pair(exposed);
         match i % 3 {
             0 => {
@@ -317,7 +317,7 @@ fn handle_resolves_only_at_terminal_status_and_returns_the_lease() {
     let (pool, authority) = pool(1);
     let mut lease = pool.reserve(1).unwrap();
     lease.write_at(0, 0, &[7; 4]).unwrap();
-    let (handle, completer) = TransferHandle::pair(lease.expose_local(PeerId(1)));
+    let (handle, completer) = TransferHandle::pair(authority.expose_local(lease, PeerId(1)));
     handle.cancel();
     assert!(completer.cancel_requested());
     let mut handle = handle;
@@ -338,7 +338,7 @@ fn handle_resolves_only_at_terminal_status_and_returns_the_lease() {
 #[test]
 fn a_completer_dropped_without_status_quarantines_and_reports_abandoned() {
     let (pool, authority) = pool(1);
-    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(5));
+    let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(5));
     let (handle, completer) = TransferHandle::pair(exposed);
     drop(completer);
     assert_eq!(block_on(handle).unwrap_err(), Abandoned { error: None });
@@ -350,7 +350,7 @@ fn a_completer_dropped_without_status_quarantines_and_reports_abandoned() {
 #[test]
 fn an_abandoned_operation_keeps_its_lease_quarantined_and_reports_the_error() {
     let (pool, authority) = pool(1);
-    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(5));
+    let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(5));
     let (handle, completer) = TransferHandle::pair(exposed);
     let error = TransferError::Engine { engine: "test", code: -2, message: "backend".into() };
     completer.abandon(error.clone());
@@ -364,7 +364,7 @@ fn an_abandoned_operation_keeps_its_lease_quarantined_and_reports_the_error() {
 fn completing_with_a_wrong_proof_does_not_free() {
     let (pool, _authority) = pool(1);
     let (_p2, other) = self::pool(1);
-    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(5));
+    let exposed = other.expose_local(pool.reserve(1).unwrap(), PeerId(5));
     let ts = exposed.tenancies().to_vec();
     let (handle, completer) = TransferHandle::pair(exposed);
     assert_eq!(completer.complete(other.completed(&ts), Ok(())), Err(SettleErrorReason::ForeignProof));
@@ -379,7 +379,7 @@ fn a_completed_handle_resolves_at_once_and_only_with_a_settling_proof() {
     // once; the bytes and the result come back with the lease.
     let mut lease = pool.reserve(1).unwrap();
     lease.write_at(0, 0, &[3; 4]).unwrap();
-    let exposed = lease.expose_local(PeerId(2));
+    let exposed = authority.expose_local(lease, PeerId(2));
     let proof = authority.completed_lease(&exposed);
     let (mut handle, settled) = TransferHandle::completed(exposed, proof, Err(TransferError::Canceled));
     assert_eq!(settled, Ok(()));
@@ -392,13 +392,13 @@ fn a_completed_handle_resolves_at_once_and_only_with_a_settling_proof() {
     outcome.lease.release();
     assert_eq!(pool.metrics().free, 2);
     // Dropped unpolled: the settled lease goes back.
-    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(2));
+    let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(2));
     let proof = authority.completed_lease(&exposed);
     drop(TransferHandle::completed(exposed, proof, Ok(())).0);
     assert_eq!(pool.metrics().free, 2);
     // A proof that does not settle it: quarantined, Abandoned, and the reason.
     let (_p2, other) = self::pool(1);
-    let exposed = pool.reserve(1).unwrap().expose_local(PeerId(2));
+    let exposed = other.expose_local(pool.reserve(1).unwrap(), PeerId(2));
     let ts = exposed.tenancies().to_vec();
     let (handle, settled) = TransferHandle::completed(exposed, other.completed(&ts), Ok(()));
     assert_eq!(settled, Err(SettleErrorReason::ForeignProof));
@@ -412,7 +412,7 @@ fn a_failed_post_hands_the_lease_back() {
     let (pool, _authority) = pool(2);
     let (pool2, _a2) = self::pool(2);
     let lease = pool.reserve(1).unwrap();
-    let (_e, remote) = pool2.reserve(2).unwrap().expose(PeerId(1), 1, "t");
+    let (_e, remote) = _a2.expose(pool2.reserve(2).unwrap(), PeerId(1), 1, "t", Default::default());
     let kind = check_shapes(&lease, &remote).unwrap_err();
     let err = PostError { lease, kind };
     assert!(err.to_string().contains("descriptor mismatch"));
@@ -425,6 +425,7 @@ fn a_failed_post_hands_the_lease_back() {
 /// A backend that posts synchronously: exposes the lease to peer 1 and hands
 /// back a pending handle whose completer it keeps (the "engine").
 struct SyncBackend {
+    authority: SettlementAuthority,
     completers: std::sync::Mutex<Vec<Completer>>,
     posts: std::sync::atomic::AtomicUsize,
 }
@@ -438,7 +439,7 @@ impl PostNow for SyncBackend {
         _opts: TransferOptions,
     ) -> Result<TransferHandle, PostError> {
         self.posts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let (handle, completer) = TransferHandle::pair(local.expose_local(PeerId(1)));
+        let (handle, completer) = TransferHandle::pair(self.authority.expose_local(local, PeerId(1)));
         self.completers.lock().unwrap().push(completer);
         Ok(handle)
     }
@@ -447,9 +448,16 @@ impl PostNow for SyncBackend {
 #[test]
 fn a_deferred_post_posts_at_its_first_poll_and_an_unpolled_one_hands_the_lease_back() {
     let (pool, authority) = pool(2);
-    let backend = SyncBackend { completers: Default::default(), posts: Default::default() };
-    let remote =
-        RemoteSlots { endpoint: "peer".into(), pool: PoolId(0), key: 0, slot_size: SLOT as u64, slots: vec![] };
+    let backend =
+        SyncBackend { authority: authority.clone(), completers: Default::default(), posts: Default::default() };
+    let remote = RemoteSlots {
+        endpoint: "peer".into(),
+        pool: PoolId(0),
+        key: 0,
+        slot_size: SLOT as u64,
+        token: Default::default(),
+        slots: vec![],
+    };
     let posts = || backend.posts.load(std::sync::atomic::Ordering::SeqCst);
 
     // Dropped unpolled: nothing was posted, nothing exposed, the slot is free again.

@@ -19,7 +19,7 @@ fn setup(capacity: usize) -> (SlotPool, SettlementAuthority) {
 fn abort_vs_completion_vs_reuse() {
     loom::model(|| {
         let (pool, authority) = setup(1);
-        let (exposed, remote) = pool.reserve(1).unwrap().expose(PeerId(1), 1, "p");
+        let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "p", Default::default());
         let nic_busy = Arc::new(AtomicBool::new(true));
 
         let app = thread::spawn(move || exposed.abort());
@@ -52,8 +52,8 @@ fn abort_vs_completion_vs_reuse() {
 fn fence_vs_abort_vs_settle_two_leases() {
     loom::model(|| {
         let (pool, authority) = setup(2);
-        let (a, _) = pool.reserve(1).unwrap().expose(PeerId(7), 1, "p");
-        let (b, _) = pool.reserve(1).unwrap().expose(PeerId(7), 1, "p");
+        let (a, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(7), 1, "p", Default::default());
+        let (b, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(7), 1, "p", Default::default());
         let nic_busy = Arc::new(AtomicBool::new(true));
 
         let aborter = thread::spawn(move || a.abort());

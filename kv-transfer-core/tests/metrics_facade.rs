@@ -64,7 +64,7 @@ fn lifecycle_events_reach_the_facade() {
     metrics::with_local_recorder(&rec, || {
         let (pool, authority) = SlotPool::new(Arc::new(HostRegion::new(4 * 64).unwrap()), PoolConfig::new(64)).unwrap();
         let _ = pool.reserve(5);
-        let (exposed, remote) = pool.reserve(2).unwrap().expose(PeerId(1), 1, "t");
+        let (exposed, remote) = authority.expose(pool.reserve(2).unwrap(), PeerId(1), 1, "t", Default::default());
         exposed.abort();
         assert_eq!(rec.get("kvt_quarantined_slots"), 2.0);
         authority.deliver(authority.completed(&remote.tenancies()));

@@ -110,7 +110,7 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
                 if i < held.len() {
                     if let Held::Reserved(_) = &held[i] {
                         let Held::Reserved(lease) = held.remove(i) else { unreachable!() };
-                        let (exposed, remote) = lease.expose(PeerId(peer), 1, "m");
+                        let (exposed, remote) = authority.expose(lease, PeerId(peer), 1, "m", Default::default());
                         for t in remote.tenancies() {
                             m.unproven.insert(t, peer);
                             m.history.push(t);
@@ -206,7 +206,7 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
             }
             Step::Escalate(ms) => {
                 clock.advance(Duration::from_millis(ms));
-                for a in authority.poll_escalations(clock.now()) {
+                for a in authority.poll_escalations() {
                     for t in &a.tenancies {
                         prop_assert!(m.quarantined.contains(t), "escalation for a slot not in quarantine");
                     }

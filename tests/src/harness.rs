@@ -94,8 +94,9 @@ pub type StalledExposure = (SlotLease<Exposed>, Box<dyn Any>);
 /// A peer under the test's direct control that can send notifications the
 /// real engines would not (replays, old and future generations).
 pub trait RawPeer {
-    /// Sends a NOTIFY naming `tenancies` of the region with key `key`.
-    fn notify(&mut self, key: u64, tenancies: &[Tenancy]) -> Result<(), Failure>;
+    /// Sends a DONE for `tenancies` of the exposure `remote` describes (its
+    /// pool, key and token: this peer is the one it was exposed to).
+    fn notify(&mut self, remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<(), Failure>;
 }
 
 /// A backend under test.

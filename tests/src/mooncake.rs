@@ -31,7 +31,6 @@
 use crate::ensure;
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::post_tagged;
-use backend_mooncake::adapter::wire::{Kind, Message};
 use backend_mooncake::proto::NotifyDesc;
 use backend_mooncake::proto::{RequestHeader, TcpOpcode, HEADER_LEN};
 use backend_mooncake::transport::TransportWork;
@@ -39,8 +38,9 @@ use backend_mooncake::{
     AdapterConfig, BatchId, DataTransport, EngineConfig, EngineError, MemoryRegion, MooncakeEngine, MooncakeTransfer,
     SegmentId, SegmentInfo, TaskStatus, TcpTransport, TcpTransportConfig, TransferEngine, TransferRequest,
 };
+use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
-    Exposed, HostRegion, PeerId, PoolConfig, PoolId, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
+    Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
     TransferError, TransferHandle,
 };
 use std::any::Any;
@@ -305,15 +305,15 @@ pub struct MooncakeRig {
 struct MooncakeRawPeer {
     engine: MooncakeEngine,
     decode: SegmentId,
-    pool: PoolId,
 }
 
 impl RawPeer for MooncakeRawPeer {
-    /// Sends `kvt1 W <pool> <tenancies>`. Mooncake TCP has no access key
-    /// (`key` is 0 in every exposure); the decode pool's id scopes the tenancies.
-    fn notify(&mut self, _key: u64, tenancies: &[Tenancy]) -> Result<(), Failure> {
-        let msg = Message { kind: Kind::Done, pool: self.pool, tenancies: tenancies.to_vec() };
-        self.engine.send_notify(self.decode, &msg.encode()).map_err(|e| fail("raw notify")(&e))
+    /// Sends a DONE (core's codec, text form) for the exposure's pool and
+    /// token. Mooncake TCP has no access key (`key` is 0 in every exposure).
+    fn notify(&mut self, remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<(), Failure> {
+        let msg = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, tenancies.to_vec());
+        let text = msg.encode_text().map_err(|e| fail("encode")(&e))?;
+        self.engine.send_notify(self.decode, &text).map_err(|e| fail("raw notify")(&e))
     }
 }
 
@@ -429,7 +429,7 @@ impl Rig for MooncakeRig {
             let (engine, peer) = self.raw_engine()?;
             let decode = engine.open_segment(self.decode.segment_name()).map_err(|e| fail("raw open_segment")(&e))?;
             *lock(&self.raw) = Some(peer);
-            Ok(Box::new(MooncakeRawPeer { engine, decode, pool: self.dpool.id() }) as Box<dyn RawPeer>)
+            Ok(Box::new(MooncakeRawPeer { engine, decode }) as Box<dyn RawPeer>)
         })())
     }
     fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {

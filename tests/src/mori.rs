@@ -113,10 +113,10 @@ struct MoriRawPeer {
 }
 
 impl RawPeer for MoriRawPeer {
-    fn notify(&mut self, key: u64, tenancies: &[Tenancy]) -> Result<(), Failure> {
+    fn notify(&mut self, remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<(), Failure> {
         // A key that is not the decode pool's names no memory of it: keep the
         // memory id out of range so the notification is stale.
-        let mem = if key == self.key { self.mem } else { u32::MAX >> 1 };
+        let mem = if remote.key == self.key { self.mem } else { u32::MAX >> 1 };
         for t in tenancies {
             self.peer.notify(StatusCode::Success, settle_tag(mem, *t)).map_err(|e| fail("raw notify")(&e))?;
         }

@@ -39,13 +39,13 @@
 
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::post_tagged;
-use backend_nixl::adapter::wire::{self, MsgKind};
 use backend_nixl::engine::{AgentConfig, NixlLibrary, INSTALL_HINT};
 use backend_nixl::{
     AdapterConfig, EngineConfig, EngineError, MemRegion, NixlEngine, NixlTransfer, Notification, Progress,
     RealNixlEngine, RegId, ReqId, XferSpec, XferState,
 };
 use backend_tcp_sim::block_on;
+use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
     Exposed, HostRegion, PeerId, PoolConfig, PoolId, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
     TransferError, TransferHandle, TransferOptions,
@@ -367,13 +367,14 @@ struct NixlRawPeer {
 }
 
 impl RawPeer for NixlRawPeer {
-    fn notify(&mut self, key: u64, tenancies: &[Tenancy]) -> Result<(), Failure> {
+    fn notify(&mut self, remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<(), Failure> {
         // The adapter's messages name the pool, not the key: a key that is not the
         // decode pool's names a pool that does not exist.
-        let known = self.keys.lock().unwrap_or_else(|p| p.into_inner()).get(&key).copied();
+        let known = self.keys.lock().unwrap_or_else(|p| p.into_inner()).get(&remote.key).copied();
         let pool = known.unwrap_or(PoolId(u64::MAX));
-        let msg = wire::encode(MsgKind::Written, pool, tenancies);
-        self.engine.gen_notif(&self.decode, &msg).map_err(|e| fail("raw notify")(&e))
+        let msg = ControlMessage::new(ControlKind::Done, pool, remote.token, tenancies.to_vec());
+        let text = msg.encode_text().map_err(|e| fail("encode")(&e))?;
+        self.engine.gen_notif(&self.decode, text.as_bytes()).map_err(|e| fail("raw notify")(&e))
     }
 }
 

@@ -4,6 +4,7 @@ use crate::ensure;
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use backend_tcp_sim::wire::{self, Body};
 use backend_tcp_sim::{block_on, FaultPlan, Gate, NicConfig, RawAccess, SimNic};
+use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
     Exposed, Generation, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy,
     Transfer, TransferError, TransferHandle, TransferOptions,
@@ -164,9 +165,9 @@ pub struct SimRig {
 struct SimRawPeer(TcpStream);
 
 impl RawPeer for SimRawPeer {
-    fn notify(&mut self, key: u64, tenancies: &[Tenancy]) -> Result<(), Failure> {
-        let f = wire::encode_head(&Body::Notify(wire::TenancyList { key, tenancies: tenancies.to_vec() }), 0)
-            .map_err(|e| fail("encode")(&e))?;
+    fn notify(&mut self, remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<(), Failure> {
+        let m = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, tenancies.to_vec());
+        let f = wire::encode_head(&Body::Control(m), 0).map_err(|e| fail("encode")(&e))?;
         self.0.write_all(&f).map_err(|e| fail("raw notify")(&e))
     }
 }

@@ -21,7 +21,7 @@
 //! core's [`Completer`] meanwhile, so a dropped
 //! [`TransferHandle`] parks it until then. If every task COMPLETED under
 //! protocol v2 and the caller asked for it, a `W` notification naming the
-//! remote tenancies follows (see [`wire`]); never on failure, never to a v1
+//! remote tenancies follows (core's drain codec, see below); never on failure, never to a v1
 //! target.
 //!
 //! # Target side ([`MooncakeTransfer::expose`])
@@ -36,25 +36,24 @@
 //! An aborted (or dropped) exposure is quarantined by core. The adapter's
 //! control thread then follows the ladder:
 //!
-//! - `RequestDrain`: send `A` (ABORT) to the peer. An initiator running this
+//! - `RequestDrain`: send an ABORT to the peer. An initiator running this
 //!   adapter records the tenancies as aborted (later posts to them fail),
-//!   waits until every task touching them is finished, then answers `K`
-//!   (ABORT_ACK), which settles them `Completed`. It withholds the ack when a
-//!   finished task proves nothing about the target's memory: the target
-//!   speaks v1, or a task FAILED mid-connection (bytes already in the
-//!   target's socket may still be applied there), or the engine lost a task.
-//!   A plain Mooncake application can ack too: Mooncake sends a transfer's
-//!   notification only after it saw the transfer COMPLETED (the interop
-//!   hazard test does exactly that).
-//! - `Revoke`: **not available**. Mooncake's TCP transport has no access key
-//!   per tenancy (the address is the key) and the pool is registered as one
-//!   region; unregistering a slot's range and registering it again later
-//!   would let a late request of the old tenancy land in the new one. Counted
-//!   in [`AdapterMetrics::revoke_unavailable`]; nothing is minted.
-//! - `Fence`: **not available** per peer: a data connection carries no peer
-//!   identity and a peer can always reconnect. Counted in
-//!   [`AdapterMetrics::fence_unavailable`]; nothing is minted.
-//! - `Exhausted`: the slots stay quarantined (core counts them as stuck).
+//!   waits until every task touching them is finished, then answers
+//!   ABORT_ACK, which settles them `Completed`. It withholds the ack when a
+//!   finished task proves nothing about the target's memory: it ran under
+//!   v1, or FAILED mid-connection (bytes already in the target's socket may
+//!   still be applied there), or the engine lost it. A plain Mooncake
+//!   application can ack too, echoing the ABORT's token: Mooncake sends a
+//!   transfer's notification only after it saw the transfer COMPLETED (the
+//!   interop hazard test does exactly that).
+//! - `Revoke` and `Fence` are **not in this backend's ladder**
+//!   ([`CAPABILITIES`]): Mooncake's TCP transport has no access key per
+//!   tenancy (the address is the key; unregistering a slot's range and
+//!   registering it again later would let a late request of the old tenancy
+//!   land in the new one), and a data connection carries no peer identity (a
+//!   peer can always reconnect). Core skips both steps.
+//! - `Exhausted`: the slots stay quarantined (core counts them as stuck and
+//!   reports `quarantine_stuck`).
 //!
 //! So a peer that never acks (a plain Mooncake application, a v1 peer, a
 //! dead peer) leaves its aborted slots quarantined and visible in the pool's
@@ -70,26 +69,39 @@
 //! ([`AdapterMetrics::v1_peers`], [`AdapterMetrics::v1_exposures`],
 //! [`AdapterMetrics::v1_completions_ignored`]).
 //!
+//! # The drain protocol
+//!
+//! Exposures, ABORT / ABORT_ACK, tombstones and the ladder are core's
+//! ([`kv_transfer_core::drain`]): the control messages travel as Mooncake
+//! notifications in the codec's text form (`kvt2 <hex>`), and a `W`/`K` of
+//! the old format is foreign. A notification's sender is the name it
+//! declares, so it is never trusted alone: a message settles only with the
+//! exposure's token, which only the peer it was exposed to received.
+//!
 //! # The positive control
 //!
-//! [`ReleasePolicy::NaivePositiveControl`] reproduces the bug class on
-//! purpose (a proof minted on abort, without evidence) so tests can show the
-//! hazard is real. Never use it outside such a test.
+//! `ReleasePolicy::Naive` (feature `naive-positive-control` of
+//! `kv-transfer-core`) reproduces the bug class on purpose (a proof minted
+//! on abort, without evidence) so tests can show the hazard is real. Never
+//! use it outside such a test.
 
-pub mod wire;
-
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+pub use kv_transfer_core::drain::ReleasePolicy;
+use kv_transfer_core::drain::{
+    self, AbortTracker, Capabilities, ControlKind, ControlMessage, DecodeError, ExposureTable, OpEnd, Outbox, Outgoing,
+    Plan, Trust,
+};
 use kv_transfer_core::{
-    check_shapes, Completer, EscalationAction, EscalationStep, Exposed, Op, PeerId, PoolConfig, PoolId, PostError,
-    PostErrorKind, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool, Tenancy,
-    Transfer, TransferError, TransferHandle, TransferOptions,
+    check_shapes, Completer, EscalationAction, Exposed, Op, PeerId, PoolConfig, PoolId, PostError, PostErrorKind,
+    Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool, Transfer, TransferError,
+    TransferHandle, TransferOptions,
 };
 
 use crate::engine::{BatchId, SegmentId, TransferEngine, TransferRequest};
@@ -97,20 +109,11 @@ use crate::error::{EngineError, TaskError};
 use crate::memory::MemoryRegion;
 use crate::proto::{ProtoVersion, TcpOpcode};
 use crate::TransferStatus;
-use wire::{Kind, Message, ParseError};
 
-/// What the adapter does when core asks it to drain an aborted exposure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ReleasePolicy {
-    /// The contract: ABORT / ABORT_ACK, slots stay quarantined until the ack.
-    #[default]
-    Safe,
-    /// **Positive control only.** Mints `Completed` for aborted tenancies at
-    /// once, with no evidence: exactly the bug class this workspace exists to
-    /// rule out (a slot freed while a peer may still write into it). Tests use
-    /// it to show that the hazard reproduces; never use it in a server.
-    NaivePositiveControl,
-}
+/// What Mooncake over TCP can prove: drain and ack only. No revoke (the
+/// address is the key: no per-tenancy access key) and no fence (data
+/// connections carry no peer identity, and a peer can always reconnect).
+pub const CAPABILITIES: Capabilities = Capabilities::DRAIN_ONLY;
 
 /// Adapter options.
 #[derive(Debug, Clone)]
@@ -194,16 +197,18 @@ counters! {
     notify_failed,
     /// Adapter notifications received.
     notifies_received,
-    /// Notifications with the `kvt1` prefix that do not parse; dropped.
+    /// Notifications with the `kvt2 ` prefix that do not decode; dropped.
     notifies_malformed,
     /// Notifications without the prefix (an application's); dropped.
     notifies_foreign,
-    /// Tenancies in a `W`/`K` from a peer they were not exposed to (or for an
-    /// unknown pool, or from an unknown sender); dropped.
+    /// Tenancies in a DONE / ABORT_ACK from a peer they were not exposed to,
+    /// without the exposure's token, for an unknown pool, or from an unknown
+    /// sender; dropped (the forged ones are also in the pool's `forged_rejected`).
     wrong_peer,
     /// Tenancies settled `Completed` from a peer's `W`/`K`.
     settled_by_peer,
-    /// Tenancies in a `W`/`K` from a v1 peer; proves nothing, dropped.
+    /// Tenancies in a DONE / ABORT_ACK for an exposure made to a v1 peer (its
+    /// trust recorded when it was exposed); proves nothing, dropped.
     v1_completions_ignored,
     /// Peers added that speak protocol v1 (ourselves included, if we advertise v1).
     v1_peers,
@@ -217,16 +222,13 @@ counters! {
     aborts_received,
     /// ABORT_ACKs sent.
     abort_acks_sent,
-    /// ABORT_ACKs withheld because a task on those tenancies ran under v1,
-    /// failed mid-connection, or was lost by the engine (its end proves
-    /// nothing about the target's memory). The target's slots stay quarantined.
+    /// Tenancies an ABORT_ACK was withheld for because a task on them ran
+    /// under v1 or failed mid-connection (its end proves nothing about the
+    /// target's memory; a task the engine lost is never acked at all). The
+    /// target's slots stay quarantined.
     abort_acks_withheld,
     /// Posts refused because the target had aborted the tenancies.
     posts_to_aborted,
-    /// Revoke steps that could not be carried out (no per-tenancy key).
-    revoke_unavailable,
-    /// Fence steps that could not be carried out (no per-peer fence).
-    fence_unavailable,
     /// Escalations that reached the end of the ladder.
     exhausted,
     /// Tenancies released by the naive positive control, without evidence.
@@ -250,72 +252,13 @@ struct Peers {
 struct PoolEntry {
     authority: SettlementAuthority,
     region: Arc<dyn Region>,
-    /// Tenancies handed to peers, and to whom; removed when settled here.
-    exposed: HashMap<Tenancy, PeerId>,
 }
 
-#[derive(Debug)]
-struct InflightOp {
-    endpoint: String,
-    remote_pool: PoolId,
-    tenancies: Vec<Tenancy>,
-}
-
-/// Remote tenancies by target segment name (pool ids are only unique within
-/// one process), bounded: the oldest are forgotten beyond `max`.
-#[derive(Debug, Default)]
-struct TenancySet {
-    map: HashMap<String, HashSet<(PoolId, Tenancy)>>,
-    order: VecDeque<(String, PoolId, Tenancy)>,
-}
-
-impl TenancySet {
-    fn insert(&mut self, max: usize, endpoint: &str, pool: PoolId, ts: &[Tenancy]) {
-        let set = self.map.entry(endpoint.to_string()).or_default();
-        let mut added = Vec::new();
-        for t in ts {
-            if set.insert((pool, *t)) {
-                added.push((endpoint.to_string(), pool, *t));
-            }
-        }
-        self.order.extend(added);
-        while self.order.len() > max.max(1) {
-            let Some((name, pool, t)) = self.order.pop_front() else { break };
-            if let Some(set) = self.map.get_mut(&name) {
-                set.remove(&(pool, t));
-                if set.is_empty() {
-                    self.map.remove(&name);
-                }
-            }
-        }
-    }
-
-    fn any(&self, endpoint: &str, pool: PoolId, ts: &[Tenancy]) -> bool {
-        self.map.get(endpoint).is_some_and(|set| ts.iter().any(|t| set.contains(&(pool, *t))))
-    }
-}
-
-#[derive(Debug)]
-struct PendingAbort {
-    reply_to: SegmentId,
-    pool: PoolId,
-    tenancies: Vec<Tenancy>,
-    waiting: HashSet<u64>,
-    /// A task on these tenancies ran under v1 or failed mid-connection: its
-    /// end proves nothing about the target's memory, so no ack.
-    tainted: bool,
-    attempts: u32,
-}
-
-#[derive(Debug, Default)]
+/// Initiator side: core's abort tracker, keyed by the target's segment
+/// name, and the control messages waiting to be sent (one retry policy).
 struct Inflight {
-    ops: HashMap<u64, InflightOp>,
-    /// Remote tenancies their target aborted: no more posts to them.
-    aborted: TenancySet,
-    /// Remote tenancies an operation ended on without proving anything about
-    /// the target's memory (v1, connection failed mid-request, engine lost it).
-    tainted: TenancySet,
-    pending: Vec<PendingAbort>,
+    tracker: AbortTracker<String>,
+    outbox: Outbox<String>,
     next: u64,
 }
 
@@ -324,7 +267,9 @@ struct Job {
     batch: BatchId,
     tasks: Range<usize>,
     completer: Completer,
-    notify: Option<(SegmentId, Message)>,
+    /// The DONE to send after the data, with its target's segment and
+    /// segment name, and whether to digest the local slots into it.
+    notify: Option<(SegmentId, String, ControlMessage, bool)>,
 }
 
 struct Inner {
@@ -336,6 +281,8 @@ struct Inner {
     segment_name: String,
     pools: Mutex<HashMap<PoolId, PoolEntry>>,
     peers: Mutex<Peers>,
+    /// Target side of core's drain protocol.
+    exposures: Mutex<ExposureTable>,
     inflight: Mutex<Inflight>,
     counters: Counters,
     wake: (Mutex<bool>, Condvar),
@@ -395,6 +342,7 @@ impl MooncakeTransfer {
                  exposures settle only by a fence, which this transport cannot give"
             );
         }
+        let cfg_max_aborted = cfg.max_aborted;
         let inner = Arc::new(Inner {
             self_proto,
             segment_name,
@@ -402,7 +350,12 @@ impl MooncakeTransfer {
             cfg,
             pools: Mutex::default(),
             peers: Mutex::default(),
-            inflight: Mutex::default(),
+            exposures: Mutex::new(ExposureTable::new()),
+            inflight: Mutex::new(Inflight {
+                tracker: AbortTracker::new(cfg_max_aborted),
+                outbox: Outbox::default(),
+                next: 0,
+            }),
             counters: Counters::default(),
             wake: (Mutex::new(false), Condvar::new()),
             stop: AtomicBool::new(false),
@@ -453,7 +406,9 @@ impl MooncakeTransfer {
 
     /// The adapter's counters.
     pub fn metrics(&self) -> AdapterMetrics {
-        self.inner.counters.snapshot()
+        let mut m = self.inner.counters.snapshot();
+        m.abort_acks_withheld = lock(&self.inner.inflight).tracker.stats().acks_withheld;
+        m
     }
 
     /// Registers `region` with the engine and builds a pool over it. The
@@ -465,7 +420,7 @@ impl MooncakeTransfer {
         if region.host_ptr().is_none() {
             return Err(AdapterError::NotHostMemory);
         }
-        let (pool, authority) = SlotPool::new(region.clone(), config)?;
+        let (pool, authority) = SlotPool::new(region.clone(), config.with_capabilities(CAPABILITIES))?;
         // SAFETY: the region is owned by the `Arc` the adapter keeps in
         // `pools` until the engine unregistered it (or forever, leaked, if it
         // never can: see `Drop`); every byte the engine touches lies in a
@@ -478,7 +433,7 @@ impl MooncakeTransfer {
                 i.wake();
             }
         });
-        lock(&self.inner.pools).insert(pool.id(), PoolEntry { authority, region, exposed: HashMap::new() });
+        lock(&self.inner.pools).insert(pool.id(), PoolEntry { authority, region });
         Ok(pool)
     }
 
@@ -512,14 +467,15 @@ impl MooncakeTransfer {
                 }))
             }
         };
-        let mut pools = lock(&self.inner.pools);
-        let Some(entry) = pools.get_mut(&lease.pool().id()) else {
+        let pools = lock(&self.inner.pools);
+        let Some(entry) = pools.get(&lease.pool().id()) else {
             return Err(Box::new(PostError { lease, kind: PostErrorKind::ForeignPool }));
         };
-        for t in lease.tenancies() {
-            entry.exposed.insert(*t, peer);
-        }
-        let (exposed, remote) = lease.expose(peer, 0, self.inner.segment_name.clone());
+        // The trust is fixed now: a v1 peer's exposure is never upgraded by a
+        // later refresh of the peer (it settles only by a proof its word is not).
+        let trust = if v1 { Trust::Unproving } else { Trust::Proving };
+        let token = lock(&self.inner.exposures).expose(lease.pool().id(), lease.tenancies(), peer, trust);
+        let (exposed, remote) = entry.authority.expose(lease, peer, 0, self.inner.segment_name.clone(), token);
         drop(pools);
         if v1 {
             bump(&self.inner.counters.v1_exposures, 1);
@@ -585,8 +541,24 @@ impl Inner {
         }
     }
 
-    fn send(&self, seg: SegmentId, msg: &Message) -> bool {
-        match self.engine.send_notify(seg, &msg.encode()) {
+    /// Sends a control message as a notification (text form, in chunks).
+    fn send(&self, seg: SegmentId, msg: &ControlMessage) -> bool {
+        let mut ok = true;
+        for m in msg.clone().chunks() {
+            ok &= self.send_one(seg, &m);
+        }
+        ok
+    }
+
+    fn send_one(&self, seg: SegmentId, msg: &ControlMessage) -> bool {
+        let text = match msg.encode_text() {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::error!(error = %e, "control message cannot be encoded");
+                return false;
+            }
+        };
+        match self.engine.send_notify(seg, &text) {
             Ok(()) => true,
             Err(e) => {
                 bump(&self.counters.notify_failed, 1);
@@ -651,28 +623,17 @@ impl Transfer for MooncakeTransfer {
         // for it) or this post sees the abort (and refuses).
         let id = {
             let mut fl = lock(&inner.inflight);
-            if fl.aborted.any(&remote.endpoint, remote.pool, &remote_ts) {
+            fl.next += 1;
+            let id = fl.next;
+            if let Err(refusal) = fl.tracker.admit(id, &remote.endpoint, remote, false) {
                 drop(fl);
                 bump(&inner.counters.posts_to_aborted, 1);
                 let _ = inner.engine.free_batch_id(batch);
-                return Err(PostError {
-                    lease: local,
-                    kind: PostErrorKind::Descriptor("the target aborted these tenancies".into()),
-                });
+                return Err(PostError { lease: local, kind: PostErrorKind::Descriptor(refusal.to_string()) });
             }
-            fl.next += 1;
-            let id = fl.next;
-            fl.ops.insert(
-                id,
-                InflightOp {
-                    endpoint: remote.endpoint.clone(),
-                    remote_pool: remote.pool,
-                    tenancies: remote_ts.clone(),
-                },
-            );
             id
         };
-        let exposed = local.expose_local(peer);
+        let exposed = authority.expose_local(local, peer);
         let mut submitted = inner.engine.submit_transfer(batch, &reqs);
         if let Err(EngineError::TargetOutOfRange { .. }) = submitted {
             // The target may have registered memory since we fetched its
@@ -687,7 +648,7 @@ impl Transfer for MooncakeTransfer {
             Err(e) => {
                 // Nothing was queued (submit is all or nothing): no operation
                 // touches the slots, so `Completed` is vacuously true.
-                lock(&inner.inflight).ops.remove(&id);
+                lock(&inner.inflight).tracker.finished(id, OpEnd::Proven);
                 let _ = inner.engine.free_batch_id(batch);
                 inner.wake();
                 let proof = authority.completed_lease(&exposed);
@@ -708,8 +669,10 @@ impl Transfer for MooncakeTransfer {
         };
         bump(&inner.counters.posts, 1);
         let (handle, completer) = TransferHandle::pair(exposed);
-        let notify =
-            opts.notify.then_some((seg, Message { kind: Kind::Done, pool: remote.pool, tenancies: remote_ts }));
+        let notify = opts.notify.then(|| {
+            let done = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote_ts);
+            (seg, remote.endpoint.clone(), done, opts.digest && op == Op::Write)
+        });
         let job = Job { id, batch, tasks, completer, notify };
         let n = inner.jobs.len().max(1);
         let k = inner.next_driver.fetch_add(1, Ordering::Relaxed) % n;
@@ -845,31 +808,30 @@ fn run_job(inner: &Arc<Inner>, job: Job) {
         }
     };
     if result.is_ok() {
-        if let Some((seg, msg)) = notify {
+        if let Some((seg, endpoint, mut msg, digests)) = notify {
             if v1 {
                 tracing::warn!(batch, "operation ran under protocol v1: no completion notification sent");
-            } else if inner.send(seg, &msg) {
-                bump(&inner.counters.done_sent, 1);
             } else {
-                result = Err(TransferError::Transport("data completed, but the completion notify failed".into()));
-            }
-        }
-    }
-    // Every task is finished: our engine no longer touches the local slots.
-    let authority = lock(&inner.pools).get(&completer.lease().pool().id()).map(|e| e.authority.clone());
-    {
-        let mut fl = lock(&inner.inflight);
-        if let Some(op) = fl.ops.remove(&id) {
-            if v1 || uncertain {
-                fl.tainted.insert(inner.cfg.max_aborted, &op.endpoint, op.remote_pool, &op.tenancies);
-                for p in fl.pending.iter_mut() {
-                    if p.waiting.contains(&id) {
-                        p.tainted = true;
-                    }
+                if digests {
+                    msg.digests = drain::lease_digests(completer.lease()).unwrap_or_default();
+                }
+                if inner.send(seg, &msg) {
+                    bump(&inner.counters.done_sent, 1);
+                    // Handed back: no later post of ours may name them.
+                    lock(&inner.inflight).tracker.tombstone(&endpoint, msg.pool, msg.token, &msg.tenancies);
+                } else {
+                    result = Err(TransferError::Transport("data completed, but the completion notify failed".into()));
                 }
             }
         }
     }
+    // Every task is finished: our engine no longer touches the local slots.
+    // Its end proves nothing about the target's memory if a task ran under
+    // v1 or failed mid-connection: then no ABORT_ACK ever names them.
+    let authority = lock(&inner.pools).get(&completer.lease().pool().id()).map(|e| e.authority.clone());
+    let end = if v1 || uncertain { OpEnd::Unproven } else { OpEnd::Proven };
+    let acks = lock(&inner.inflight).tracker.finished(id, end);
+    queue_acks(inner, acks);
     match authority {
         Some(a) => {
             let proof = a.completed_lease(completer.lease());
@@ -889,22 +851,21 @@ fn control_loop(inner: &Arc<Inner>) {
         for n in inner.engine.get_notifies() {
             handle_notify(inner, &n.name, &n.notify_msg);
         }
-        service_pending_aborts(inner);
-        let now = Instant::now();
-        let mut next: Option<Instant> = None;
+        flush_outbox(inner);
+        let mut next: Option<Duration> = None;
         let pools: Vec<(PoolId, SettlementAuthority)> =
             lock(&inner.pools).iter().map(|(id, e)| (*id, e.authority.clone())).collect();
         for (pool, a) in pools {
-            for action in a.poll_escalations(now) {
+            for action in a.poll_escalations() {
                 escalate(inner, pool, &a, action);
             }
-            if let Some(t) = a.next_escalation_at() {
-                next = Some(next.map_or(t, |n: Instant| n.min(t)));
+            if let Some(d) = a.next_escalation_in() {
+                next = Some(next.map_or(d, |n: Duration| n.min(d)));
             }
         }
         let mut wait = inner.cfg.poll_interval;
-        if let Some(t) = next {
-            wait = wait.min(t.saturating_duration_since(Instant::now()));
+        if let Some(d) = next {
+            wait = wait.min(d);
         }
         let (m, cv) = &inner.wake;
         let mut woken = lock(m);
@@ -916,192 +877,120 @@ fn control_loop(inner: &Arc<Inner>) {
 }
 
 fn handle_notify(inner: &Arc<Inner>, from: &str, text: &str) {
-    let msg = match Message::parse(text) {
+    let msg = match ControlMessage::decode_text(text.as_bytes()) {
         Ok(m) => m,
-        Err(ParseError::NotOurs) => {
+        Err(DecodeError::Foreign) => {
             bump(&inner.counters.notifies_foreign, 1);
             tracing::debug!(from, "notification not for the adapter; dropped");
             return;
         }
-        Err(ParseError::Malformed) => {
+        Err(e) => {
             bump(&inner.counters.notifies_malformed, 1);
-            tracing::warn!(from, "malformed adapter notification; dropped");
+            tracing::warn!(from, error = %e, "malformed adapter notification; dropped");
             return;
         }
     };
     bump(&inner.counters.notifies_received, 1);
     match msg.kind {
-        Kind::Done | Kind::AbortAck => settle_from_peer(inner, from, &msg),
-        Kind::Abort => on_abort(inner, from, msg),
+        ControlKind::Done | ControlKind::AbortAck => settle_from_peer(inner, from, &msg),
+        ControlKind::Abort => on_abort(inner, from, msg),
     }
 }
 
-/// Target side: a `W` or `K` from `from`.
-fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &Message) {
+/// Target side: a DONE or ABORT_ACK whose notification says it is from
+/// `from`. The name is only where to look: the exposure table settles a
+/// tenancy only for the peer it was exposed to *and* with its token.
+fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
     let n = msg.tenancies.len() as u64;
-    let Some((peer, _, proto)) = inner.peer_by_name(from) else {
+    let Some((peer, _, _)) = inner.peer_by_name(from) else {
         bump(&inner.counters.wrong_peer, n);
         tracing::warn!(from, "completion from an unknown peer; dropped");
         return;
     };
-    if proto == ProtoVersion::V1 || inner.self_proto == ProtoVersion::V1 {
-        bump(&inner.counters.v1_completions_ignored, n);
-        tracing::debug!(from, "completion from a v1 peer proves nothing; dropped");
-        return;
-    }
-    let mut pools = lock(&inner.pools);
-    let Some(entry) = pools.get_mut(&msg.pool) else {
-        drop(pools);
+    let Some(authority) = lock(&inner.pools).get(&msg.pool).map(|e| e.authority.clone()) else {
         bump(&inner.counters.wrong_peer, n);
         return;
     };
-    let mut ok = Vec::with_capacity(msg.tenancies.len());
-    for t in &msg.tenancies {
-        match entry.exposed.get(t) {
-            Some(p) if *p == peer => {
-                if entry.authority.accept(*t) {
-                    ok.push(*t);
-                }
-                entry.exposed.remove(t);
-            }
-            Some(_) => bump(&inner.counters.wrong_peer, 1),
-            // Not (or no longer) exposed by us: stale; `accept` counts it.
-            None => {
-                let _ = entry.authority.accept(*t);
-            }
-        }
-    }
-    let authority = entry.authority.clone();
-    drop(pools);
-    if !ok.is_empty() {
-        // Counted before delivery, so a waiter woken by it sees the count.
-        bump(&inner.counters.settled_by_peer, ok.len() as u64);
-        authority.deliver(authority.completed(&ok));
-    }
+    let v = lock(&inner.exposures).accept(peer, msg);
+    bump(&inner.counters.wrong_peer, v.forged as u64);
+    bump(&inner.counters.v1_completions_ignored, v.untrusted as u64);
+    // Counted before delivery, so a waiter woken by it sees the count.
+    bump(&inner.counters.settled_by_peer, v.settled.len() as u64);
+    v.deliver(&authority);
 }
 
-/// Initiator side: an ABORT from `from`.
-fn on_abort(inner: &Arc<Inner>, from: &str, msg: Message) {
+/// Initiator side: an ABORT from `from` (a segment name we answer to; an
+/// ABORT_ACK only ever names tenancies of our own operations' ends).
+fn on_abort(inner: &Arc<Inner>, from: &str, msg: ControlMessage) {
     bump(&inner.counters.aborts_received, 1);
-    let reply_to = match inner.peer_for(from) {
-        Ok((_, s)) => s,
-        Err(e) => {
-            tracing::warn!(from, error = %e, "ABORT from an unreachable peer; cannot ack");
-            // Still refuse further posts to these tenancies.
-            lock(&inner.inflight).aborted.insert(inner.cfg.max_aborted, from, msg.pool, &msg.tenancies);
-            return;
-        }
-    };
-    let mut fl = lock(&inner.inflight);
-    fl.aborted.insert(inner.cfg.max_aborted, from, msg.pool, &msg.tenancies);
-    let tainted = fl.tainted.any(from, msg.pool, &msg.tenancies);
-    let wanted: HashSet<Tenancy> = msg.tenancies.iter().copied().collect();
-    let waiting: HashSet<u64> = fl
-        .ops
-        .iter()
-        .filter(|(_, op)| {
-            op.endpoint == from && op.remote_pool == msg.pool && op.tenancies.iter().any(|t| wanted.contains(t))
-        })
-        .map(|(id, _)| *id)
-        .collect();
-    fl.pending.push(PendingAbort { reply_to, pool: msg.pool, tenancies: msg.tenancies, waiting, tainted, attempts: 0 });
+    let ack = lock(&inner.inflight).tracker.on_abort(&from.to_string(), msg);
+    queue_acks(inner, ack.into_iter().collect());
 }
 
-fn service_pending_aborts(inner: &Arc<Inner>) {
-    let ready: Vec<PendingAbort> = {
-        let mut fl = lock(&inner.inflight);
-        if fl.pending.is_empty() {
-            return;
-        }
-        let live: HashSet<u64> = fl.ops.keys().copied().collect();
-        for p in fl.pending.iter_mut() {
-            p.waiting.retain(|id| live.contains(id));
-        }
-        let (ready, wait): (Vec<_>, Vec<_>) = fl.pending.drain(..).partition(|p| p.waiting.is_empty());
-        fl.pending = wait;
-        ready
-    };
-    for mut p in ready {
-        // Every task we ran towards this target used the framing it
-        // advertises; under v1 a finished task proves nothing remotely.
-        let target_v1 = inner.engine.segment_info(p.reply_to).map(|i| i.proto == ProtoVersion::V1).unwrap_or(true);
-        if p.tainted || target_v1 {
-            bump(&inner.counters.abort_acks_withheld, 1);
-            tracing::warn!(
-                pool = p.pool.0,
-                v1 = target_v1,
-                "ABORT_ACK withheld: a task on these tenancies ran under protocol v1 or failed mid-connection, \
-                 so its end proves nothing about the target's memory"
-            );
-            continue;
-        }
-        let ack = Message { kind: Kind::AbortAck, pool: p.pool, tenancies: std::mem::take(&mut p.tenancies) };
-        if inner.send(p.reply_to, &ack) {
+fn queue_acks(inner: &Inner, acks: Vec<Outgoing<String>>) {
+    if acks.is_empty() {
+        return;
+    }
+    let mut fl = lock(&inner.inflight);
+    for a in acks {
+        fl.outbox.push(a);
+    }
+}
+
+/// Sends the queued ABORT_ACKs (core's one retry policy).
+fn flush_outbox(inner: &Arc<Inner>) {
+    let due = lock(&inner.inflight).outbox.take_all();
+    for (o, attempts) in due {
+        let sent = match inner.peer_for(&o.to) {
+            Ok((_, seg)) => inner.send(seg, &o.msg),
+            Err(e) => {
+                tracing::warn!(to = %o.to, error = %e, "ABORT_ACK to an unreachable peer");
+                false
+            }
+        };
+        if sent {
             bump(&inner.counters.abort_acks_sent, 1);
-        } else if p.attempts < 5 {
-            p.attempts += 1;
-            p.tenancies = ack.tenancies;
-            lock(&inner.inflight).pending.push(p);
+        } else {
+            lock(&inner.inflight).outbox.retry(o, attempts);
         }
     }
 }
 
+/// Executes core's plan for one escalation action.
 fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: EscalationAction) {
-    match action.step {
-        EscalationStep::RequestDrain => {
-            if inner.cfg.release_policy == ReleasePolicy::NaivePositiveControl {
-                tracing::error!(
-                    slots = action.tenancies.len(),
-                    "NAIVE POSITIVE CONTROL: releasing aborted slots without a proof"
-                );
-                bump(&inner.counters.naive_releases, action.tenancies.len() as u64);
-                a.deliver(a.completed(&action.tenancies));
-                return;
-            }
-            // Only tenancies handed to a peer are drained by asking it; a
-            // local operation's lease reaches quarantine only if its driver
-            // lost it (engine failure) and no peer can help.
-            let handed: Vec<Tenancy> = match lock(&inner.pools).get(&pool) {
-                Some(e) => {
-                    action.tenancies.iter().copied().filter(|t| e.exposed.get(t) == Some(&action.peer)).collect()
-                }
-                None => Vec::new(),
-            };
-            if handed.is_empty() {
-                tracing::warn!(slots = action.tenancies.len(), "abandoned local operation: slots stay quarantined");
-                return;
-            }
-            let seg = lock(&inner.peers).by_id.get(&action.peer).map(|p| (p.segment, p.name.clone()));
+    let plan = lock(&inner.exposures).plan(pool, &action, CAPABILITIES, inner.cfg.release_policy);
+    if let Some(ts) = plan.release_without_proof() {
+        tracing::error!(slots = ts.len(), "NAIVE POSITIVE CONTROL: releasing aborted slots without a proof");
+        bump(&inner.counters.naive_releases, ts.len() as u64);
+        a.deliver(a.completed(ts));
+        return;
+    }
+    #[allow(unreachable_patterns)]
+    match plan {
+        Plan::SendAbort { peer, messages } => {
+            let seg = lock(&inner.peers).by_id.get(&peer).map(|p| (p.segment, p.name.clone()));
             match seg {
                 Some((seg, name)) => {
-                    let msg = Message { kind: Kind::Abort, pool, tenancies: handed };
-                    if inner.send(seg, &msg) {
-                        bump(&inner.counters.aborts_sent, 1);
-                        tracing::debug!(peer = %name, "ABORT sent");
+                    for m in &messages {
+                        if inner.send(seg, m) {
+                            bump(&inner.counters.aborts_sent, 1);
+                            tracing::debug!(peer = %name, "ABORT sent");
+                        }
                     }
                 }
-                // A local operation's lease (PeerId of a post) or an unknown
-                // peer: nothing to ask; its own driver settles it.
-                None => tracing::debug!(peer = action.peer.0, "no peer to ask to drain"),
+                None => tracing::debug!(peer = peer.0, "no peer to ask to drain"),
             }
         }
-        EscalationStep::Revoke => {
-            bump(&inner.counters.revoke_unavailable, 1);
-            tracing::info!(
-                peer = action.peer.0,
-                slots = action.tenancies.len(),
-                "revoke unavailable on Mooncake TCP (no per-tenancy access key); slots stay quarantined"
-            );
-        }
-        EscalationStep::Fence => {
-            bump(&inner.counters.fence_unavailable, 1);
+        Plan::Stuck { peer, tenancies } => {
+            bump(&inner.counters.exhausted, 1);
             tracing::warn!(
-                peer = action.peer.0,
-                slots = action.tenancies.len(),
-                "fence unavailable on Mooncake TCP (data connections carry no peer identity); slots stay quarantined"
+                peer = peer.0,
+                slots = tenancies.len(),
+                "Mooncake TCP can neither revoke nor fence: slots stay quarantined until the peer acknowledges"
             );
         }
-        EscalationStep::Exhausted => bump(&inner.counters.exhausted, 1),
+        // Revoke and Fence are not in this backend's ladder (CAPABILITIES).
+        _ => {}
     }
 }
 

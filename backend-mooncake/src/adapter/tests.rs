@@ -6,6 +6,7 @@ use crate::proto::SegmentDesc;
 use crate::TaskStatus;
 use kv_transfer_core::{HostRegion, TransferOutcome};
 use std::sync::atomic::AtomicU32;
+use std::time::Instant;
 
 const SLOT: usize = 4096;
 
@@ -85,6 +86,7 @@ fn remote(n: usize) -> RemoteSlots {
         pool: PoolId(77),
         key: 0,
         slot_size: SLOT as u64,
+        token: Default::default(),
         slots: (0..n)
             .map(|i| kv_transfer_core::RemoteSlot {
                 slot: kv_transfer_core::SlotId(i as u32),
@@ -134,7 +136,7 @@ fn timeout_is_not_terminal_and_dropped_handle_is_parked() {
     }
     assert_eq!(pool.metrics().free, 8, "returned after the terminal status");
     assert_eq!(frees.load(Ordering::SeqCst), 1);
-    assert_eq!(notes.lock().unwrap().as_slice(), ["kvt1 W 77 0:3,1:3"]);
+    assert_eq!(decoded(&notes), [(ControlKind::Done, vec![t(0, 3), t(1, 3)])]);
     pool.check_invariants().unwrap();
 }
 
@@ -193,8 +195,27 @@ fn submit_refused_returns_the_lease() {
     pool.check_invariants().unwrap();
 }
 
+fn t(slot: u32, generation: u64) -> kv_transfer_core::Tenancy {
+    kv_transfer_core::Tenancy::new(kv_transfer_core::SlotId(slot), kv_transfer_core::Generation(generation))
+}
+
+/// The adapter's notifications, decoded (core's codec, text form).
+fn decoded(notes: &Mutex<Vec<String>>) -> Vec<(ControlKind, Vec<kv_transfer_core::Tenancy>)> {
+    notes
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            let m = ControlMessage::decode_text(n.as_bytes()).expect("a control message");
+            assert_eq!((m.pool, m.token), (PoolId(77), remote(1).token), "names the exposure it was given");
+            (m.kind, m.tenancies)
+        })
+        .collect()
+}
+
 fn abort_note() -> crate::proto::NotifyDesc {
-    crate::proto::NotifyDesc { name: "127.0.0.1:1".into(), notify_msg: "kvt1 A 77 0:3".into() }
+    let m = ControlMessage::new(ControlKind::Abort, PoolId(77), remote(1).token, vec![t(0, 3)]);
+    crate::proto::NotifyDesc { name: "127.0.0.1:1".into(), notify_msg: m.encode_text().unwrap() }
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
@@ -227,7 +248,7 @@ fn abort_acked_only_after_every_task_finished() {
     let out = block_on(h).unwrap();
     out.result.unwrap();
     wait_for("ack", || a.metrics().abort_acks_sent == 1);
-    assert_eq!(notes.lock().unwrap().as_slice(), ["kvt1 W 77 0:3", "kvt1 K 77 0:3"]);
+    assert_eq!(decoded(&notes), [(ControlKind::Done, vec![t(0, 3)]), (ControlKind::AbortAck, vec![t(0, 3)])]);
 }
 
 /// A task that FAILED for a reason that does not prove the target untouched
@@ -248,8 +269,8 @@ fn uncertain_failure_withholds_the_ack() {
         inbox.lock().unwrap().push(abort_note());
         wait_for("abort handled", || a.metrics().abort_acks_sent + a.metrics().abort_acks_withheld == 1);
         assert_eq!(a.metrics().abort_acks_sent == 1, acked, "state {st}: {:?}", a.metrics());
-        let sent = notes.lock().unwrap().clone();
-        assert_eq!(sent.iter().any(|n| n.starts_with("kvt1 K")), acked);
-        assert!(!sent.iter().any(|n| n.starts_with("kvt1 W")), "never a completion after a failure");
+        let sent = decoded(&notes);
+        assert_eq!(sent.iter().any(|(k, _)| *k == ControlKind::AbortAck), acked);
+        assert!(!sent.iter().any(|(k, _)| *k == ControlKind::Done), "never a completion after a failure");
     }
 }

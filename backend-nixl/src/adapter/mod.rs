@@ -97,17 +97,19 @@
 //! then block the next post); what that poll fetches is handled by the driver,
 //! in order, and the driver polls by itself again once posting stops.
 
-pub mod wire;
-
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kv_transfer_core::drain::{
+    AbortTracker, Capabilities, ControlKind, ControlMessage, DecodeError, ExposureTable, ExposureToken, OpEnd, Outbox,
+    Outgoing, Plan, ReleasePolicy, Trust,
+};
 use kv_transfer_core::{
-    check_shapes, Completed, Completer, Exposed, Generation, MemoryKind, Op, PeerId, PoolConfig, PoolError, PoolId,
-    PostError, PostErrorKind, PostNow, Region, RemoteSlot, RemoteSlots, Reserved, SettlementAuthority, SlotId,
-    SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions,
+    check_shapes, Completed, Completer, Exposed, MemoryKind, Op, PeerId, PoolConfig, PoolError, PoolId, PostError,
+    PostErrorKind, PostNow, Region, RemoteSlot, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool,
+    Tenancy, TransferError, TransferHandle, TransferOptions,
 };
 // Named in the docs; the impl comes from `impl_transfer_via_post_now!`.
 #[cfg(doc)]
@@ -117,7 +119,14 @@ use crate::engine::{
     AgentConfig, EngineConfig, EngineError, IdMap, MemRegion, NixlEngine, Notification, RealNixlEngine, RegId, ReqId,
     XferOp, XferSpec, XferState,
 };
-use wire::{MsgKind, ParseError};
+
+/// What NIXL lets this adapter prove: drain and ack only. NIXL can neither
+/// revoke one tenancy's access nor tear one peer's connection down and
+/// confirm it flushed.
+pub const CAPABILITIES: Capabilities = Capabilities::DRAIN_ONLY;
+
+/// Tombstones and unproven tenancies remembered (oldest forgotten first).
+const REMEMBERED: usize = 1 << 16;
 
 /// The backend name reported by [`Transfer::backend`] and in [`TransferError::Engine`].
 pub const BACKEND: &str = "nixl";
@@ -297,8 +306,6 @@ pub struct AdapterMetrics {
     pub deferred_notifs_sent: u64,
     /// Posts refused because the remote tenancy was handed back or aborted.
     pub refused_tombstoned: u64,
-    /// `Revoke`/`Fence` escalations that NIXL cannot perform (no proof made).
-    pub unsupported_escalations: u64,
     /// `get_notifs`/`gen_notif` failures.
     pub notif_errors: u64,
     /// Target-side events dropped because the queue was full.
@@ -316,9 +323,9 @@ pub struct NixlEvent {
     pub pool: PoolId,
     /// The tenancies settled (stale ones removed).
     pub tenancies: Vec<Tenancy>,
-    /// What the peer said: `Written`/`Read` (its operation succeeded) or
-    /// `AbortAck` (it stopped; the bytes may be incomplete).
-    pub kind: MsgKind,
+    /// What the peer said: `Done` (its operation succeeded) or `AbortAck`
+    /// (it stopped; the bytes may be incomplete).
+    pub kind: ControlKind,
 }
 
 /// What [`NixlTransfer::shutdown`] achieved.
@@ -358,10 +365,13 @@ struct CacheKey {
 /// kept for re-posting). Small: posts that finish in their own thread only
 /// insert and remove it.
 struct InFlight {
+    /// The op's id (in `ops` and in the abort tracker).
+    id: u64,
     agent: Arc<str>,
     remote_pool: PoolId,
+    /// The remote exposure's token (every message about it carries it).
+    token: ExposureToken,
     remote: Vec<Tenancy>,
-    op: Op,
     notify: bool,
     notif_attached: bool,
     local_pool: PoolId,
@@ -396,15 +406,6 @@ struct End {
     post_error: Option<TransferError>,
 }
 
-struct Outgoing {
-    agent: Arc<str>,
-    pool: PoolId,
-    tenancies: Vec<Tenancy>,
-    kind: MsgKind,
-    attempts: u32,
-}
-
-#[derive(Default)]
 struct State {
     closing: bool,
     stop: bool,
@@ -418,14 +419,14 @@ struct State {
     /// Cleared when that peer is removed.
     last_peer: Option<(Arc<str>, PeerId)>,
     next_peer: u32,
-    /// Target side: (our pool, slot) -> (generation, peer) of live exposures.
-    exposures: HashMap<(PoolId, SlotId), (Generation, PeerId)>,
-    /// Initiator side: highest generation per remote slot that was handed back.
-    tombstones: HashMap<(Arc<str>, PoolId), HashMap<SlotId, Generation>>,
-    /// Initiator side: remote tenancies an operation failed on with an engine
-    /// error (no proof it stopped): never acknowledged.
-    unproven: HashSet<(Arc<str>, PoolId, Tenancy)>,
-    outgoing: Vec<Outgoing>,
+    /// Target side of core's drain protocol: live exposures, their tokens.
+    exposures: ExposureTable,
+    /// Initiator side of core's drain protocol: tombstones, tenancies an
+    /// unproven failure touched, ABORTs waiting for ops.
+    aborts: AbortTracker<Arc<str>>,
+    /// Messages for peers (DONE deferred until no request of ours touches
+    /// the slots, ABORT_ACK), with core's one retry policy.
+    outgoing: Outbox<Arc<str>>,
     /// Completed requests (terminal, unreleased) for re-posting, oldest first.
     cache: Vec<CacheKey>,
     /// Emptied tenancy lists of finished ops, reused by posts (no allocation per post).
@@ -439,6 +440,32 @@ struct State {
     events: VecDeque<NixlEvent>,
     next_escalation: Option<Instant>,
     m: AdapterMetrics,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self {
+            closing: false,
+            stop: false,
+            next_op: 0,
+            ops: IdMap::default(),
+            pools: IdMap::default(),
+            peers: HashMap::new(),
+            names: IdMap::default(),
+            last_peer: None,
+            next_peer: 0,
+            exposures: ExposureTable::new(),
+            aborts: AbortTracker::new(REMEMBERED),
+            outgoing: Outbox::default(),
+            cache: Vec::new(),
+            spare: Vec::new(),
+            fast_posts: 0,
+            inbox: Vec::new(),
+            events: VecDeque::new(),
+            next_escalation: None,
+            m: AdapterMetrics::default(),
+        }
+    }
 }
 
 struct Wake {
@@ -534,21 +561,6 @@ fn deadline_after(timeout: Duration) -> Instant {
 
 fn slots_overlap(a: &[Tenancy], b: &[Tenancy]) -> bool {
     a.iter().any(|x| b.iter().any(|y| x.slot == y.slot))
-}
-
-/// Records that `ts` (remote tenancies of `agent`'s pool) were handed back or
-/// aborted: a later post naming them, or older generations of their slots, is refused.
-fn tombstone(
-    tombstones: &mut HashMap<(Arc<str>, PoolId), HashMap<SlotId, Generation>>,
-    agent: &Arc<str>,
-    pool: PoolId,
-    ts: &[Tenancy],
-) {
-    let dead = tombstones.entry((agent.clone(), pool)).or_default();
-    for t in ts {
-        let g = dead.entry(t.slot).or_insert(t.generation);
-        *g = (*g).max(t.generation);
-    }
 }
 
 /// Local and remote slot addresses paired into descriptors, merging runs that
@@ -649,7 +661,7 @@ impl NixlTransfer {
         if self.inner.state().closing {
             return Err(AdapterError::ShuttingDown);
         }
-        let (pool, authority) = SlotPool::new(Arc::clone(&region), config)?;
+        let (pool, authority) = SlotPool::new(Arc::clone(&region), config.with_capabilities(CAPABILITIES))?;
         let mr = MemRegion::new(region.addr() as usize, region.len());
         // SAFETY: the region is host memory of this process (checked above). The
         // adapter keeps an `Arc` to it until it deregisters it, which it does only
@@ -708,13 +720,11 @@ impl NixlTransfer {
         if !st.peers.contains_key(&peer) {
             return Err(PostError { lease, kind: PostErrorKind::Peer(format!("{peer:?} was never added")) });
         }
-        let key = entry.reg.0;
-        for t in lease.tenancies() {
-            st.exposures.insert((pool, t.slot), (t.generation, peer));
-        }
+        let (key, authority) = (entry.reg.0, entry.authority.clone());
+        let token = st.exposures.expose(pool, lease.tenancies(), peer, Trust::Proving);
         st.m.exposed_slots = st.exposures.len();
         // Under the lock: a message for these tenancies waits until they are recorded.
-        let (exposed, remote) = lease.expose(peer, key, self.inner.name.to_string());
+        let (exposed, remote) = authority.expose(lease, peer, key, self.inner.name.to_string(), token);
         drop(st);
         self.inner.wake.wake();
         Ok((exposed, remote))
@@ -734,6 +744,7 @@ impl NixlTransfer {
         m.exposed_slots = st.exposures.len();
         m.pending_messages = st.outgoing.len();
         m.cached_requests = st.cache.len();
+        m.acks_withheld = st.aborts.stats().acks_withheld;
         m
     }
 
@@ -746,8 +757,8 @@ impl NixlTransfer {
         let name = st.peers.get(&peer).cloned().ok_or(AdapterError::UnknownPeer(peer))?;
         loop {
             let in_flight = st.ops.values().filter(|o| o.agent == name).count();
-            let exposed = st.exposures.values().filter(|(_, p)| *p == peer).count();
-            let msgs = st.outgoing.iter().filter(|o| o.agent == name).count();
+            let exposed = st.exposures.exposed_to(peer);
+            let msgs = st.outgoing.iter().filter(|o| o.to == name).count();
             if in_flight == 0 && exposed == 0 && msgs == 0 {
                 break;
             }
@@ -774,7 +785,7 @@ impl NixlTransfer {
         st.peers.remove(&peer);
         st.names.remove(&name);
         st.last_peer = None;
-        st.tombstones.retain(|(a, _), _| *a != name);
+        st.aborts.forget_peer(&name);
         Ok(())
     }
 
@@ -816,7 +827,7 @@ impl NixlTransfer {
         let pools: Vec<(PoolId, PoolEntry)> = st.pools.drain().collect();
         let mut leak_engine = ops_left;
         for (id, entry) in pools {
-            let exposed = st.exposures.keys().any(|(p, _)| *p == id);
+            let exposed = st.exposures.exposed_in(id) > 0;
             let safe = !ops_left && !exposed && self.inner.engine.deregister(entry.reg).is_ok();
             if safe {
                 report.deregistered += 1;
@@ -921,7 +932,9 @@ impl Inner {
             Ok(a) => a,
             Err(kind) => return Err(PostError { lease: local, kind }),
         };
-        let attach = opts.notify && !overlap;
+        // A notification attached to the request carries one DONE of at most
+        // the codec's tenancies; a larger one goes deferred, in chunks.
+        let attach = opts.notify && !overlap && remote.slots.len() <= kv_transfer_core::drain::MAX_TENANCIES;
         // A completed request with the very same descriptors, peer and no
         // notification: re-post it instead of creating one.
         let hit = match first {
@@ -946,7 +959,10 @@ impl Inner {
             // ever saw it, so nothing else has to be told.
             let req = st.cache[i].req;
             let alone = st.ops.is_empty();
-            let exposed = local.expose_local(peer);
+            let exposed = match st.pools.get(&local.pool().id()) {
+                Some(p) => p.authority.expose_local(local, peer),
+                None => return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool }),
+            };
             let (mut first, status) = self.engine.post_xfer_polled(req, alone && !self.cfg.inline_poll.is_zero());
             st.fast_posts += 1;
             let fetched = self.take_notif_poll(st);
@@ -975,7 +991,7 @@ impl Inner {
             let (handle, completer) = TransferHandle::pair(exposed);
             let key = st.cache.remove(i);
             let agent = key.agent.clone();
-            let op_id = Self::register(st, agent, remote, op, &opts, false, completer.lease().pool().id());
+            let op_id = Self::register(st, agent, remote, &opts, false, completer.lease().pool().id());
             drop(guard);
             if fetched {
                 self.wake.wake();
@@ -986,11 +1002,14 @@ impl Inner {
         let Some(agent) = st.peers.get(&peer).cloned() else {
             return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{peer:?} was removed")) });
         };
+        let Some(authority) = st.pools.get(&local.pool().id()).map(|p| p.authority.clone()) else {
+            return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
+        };
         // Taking it out of the cache makes it this post's alone.
         let cached = hit.map(|i| st.cache.remove(i));
         // A placeholder that aborts, teardown and other posts see.
         let alone = st.ops.is_empty();
-        let op_id = Self::register(st, agent.clone(), remote, op, &opts, attach, local.pool().id());
+        let op_id = Self::register(st, agent.clone(), remote, &opts, attach, local.pool().id());
         drop(guard);
         let reposted = cached.is_some();
         // Nothing is exposed by creating a request: a failure hands the lease back.
@@ -1006,7 +1025,7 @@ impl Inner {
                 }
             },
         };
-        let (handle, completer) = TransferHandle::pair(local.expose_local(peer));
+        let (handle, completer) = TransferHandle::pair(authority.expose_local(local, peer));
         // From here the request may run: it is finished only at a terminal status.
         let first = self.engine.post_xfer(req);
         self.after_post(op_id, req, key, completer, (first, None), (reposted, alone));
@@ -1018,22 +1037,25 @@ impl Inner {
         st: &mut State,
         agent: Arc<str>,
         remote: &RemoteSlots,
-        op: Op,
         opts: &TransferOptions,
         attach: bool,
         local_pool: PoolId,
     ) -> u64 {
         let id = st.next_op;
         st.next_op += 1;
+        // Admitted under this lock already (`admit`'s tombstone check): an
+        // ABORT from now on waits for this op.
+        let _ = st.aborts.admit(id, &agent, remote, false);
         let mut ts = st.spare.pop().unwrap_or_default();
         ts.extend(remote.slots.iter().map(RemoteSlot::tenancy));
         st.ops.insert(
             id,
             InFlight {
+                id,
                 agent,
                 remote_pool: remote.pool,
+                token: remote.token,
                 remote: ts,
-                op,
                 notify: opts.notify,
                 notif_attached: attach,
                 local_pool,
@@ -1188,16 +1210,9 @@ impl Inner {
             return Err(PostErrorKind::Peer(format!("agent {:?} was never added", remote.endpoint)));
         };
         let (agent_id, peer) = (Arc::as_ptr(agent).cast::<u8>(), *peer);
-        if !st.tombstones.is_empty() {
-            if let Some(dead) = st.tombstones.get(&(agent.clone(), remote.pool)) {
-                if let Some(s) = remote.slots.iter().find(|s| dead.get(&s.slot).is_some_and(|g| *g >= s.generation)) {
-                    st.m.refused_tombstoned += 1;
-                    return Err(PostErrorKind::Descriptor(format!(
-                        "remote {} was handed back or aborted",
-                        s.tenancy()
-                    )));
-                }
-            }
+        if let Err(refusal) = st.aborts.check(agent, remote) {
+            st.m.refused_tombstoned += 1;
+            return Err(PostErrorKind::Descriptor(refusal.to_string()));
         }
         let mut overlap = false;
         for o in st.ops.values() {
@@ -1227,14 +1242,16 @@ impl Inner {
         agent: Arc<str>,
         attach: bool,
     ) -> Result<(ReqId, Option<CacheKey>), EngineError> {
-        let kind = if xop == XferOp::Write { MsgKind::Written } else { MsgKind::Read };
         let (l, r): (Vec<MemRegion>, Vec<MemRegion>) = descriptors(local, remote).unzip();
+        // The DONE NIXL sends once the data is flushed (a notification
+        // attached to the request): core's codec, text form.
+        let done = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies());
         let spec = XferSpec {
             op: xop,
             local: l,
             remote: r,
             remote_agent: agent.to_string(),
-            notif: attach.then(|| wire::encode(kind, remote.pool, &remote.tenancies())),
+            notif: if attach { done.encode_text().ok().map(String::into_bytes) } else { None },
         };
         let req = self.engine.create_xfer(&spec)?;
         let mut descs = spec.local.iter().copied().zip(spec.remote.iter().copied());
@@ -1257,7 +1274,8 @@ impl Inner {
             match st.ops.get_mut(&op_id) {
                 Some(o) => {
                     if o.notify {
-                        tombstone(&mut st.tombstones, &o.agent, o.remote_pool, &o.remote);
+                        // Being handed back: no later post may name them.
+                        st.aborts.tombstone(&o.agent, o.remote_pool, o.token, &o.remote);
                     }
                     o.driven = Some(Box::new(driven));
                 }
@@ -1333,7 +1351,7 @@ impl Inner {
             return Ok(false);
         };
         if o.notify {
-            tombstone(&mut st.tombstones, &o.agent, o.remote_pool, &o.remote);
+            st.aborts.tombstone(&o.agent, o.remote_pool, o.token, &o.remote);
         }
         Ok(self.conclude(guard, o, End { completer: Some(completer), key, terminal: Some(Ok(())), post_error: None }))
     }
@@ -1424,32 +1442,36 @@ impl Inner {
         } else {
             st.m.completed_err += 1;
         }
-        // What the target must hear, once no other request of ours touches the slots.
+        // What the target must hear, once no other request of ours touches
+        // the slots. An unproven end is never acknowledged (core's tracker
+        // remembers it and tombstones its tenancies).
+        let acks = st.aborts.finished(o.id, if unproven { OpEnd::Unproven } else { OpEnd::Proven });
+        for a in acks {
+            st.outgoing.push(a);
+        }
         let message = match (&result, o.notify, o.notif_attached, canceled) {
             _ if unproven => {
                 st.m.failed_unproven += 1;
-                tombstone(&mut st.tombstones, &o.agent, o.remote_pool, &o.remote);
-                for t in &o.remote {
-                    st.unproven.insert((o.agent.clone(), o.remote_pool, *t));
-                }
                 None
             }
             (Ok(()), true, true, _) => None,
-            (Ok(()), true, false, _) => Some(if o.op == Op::Write { MsgKind::Written } else { MsgKind::Read }),
-            (Err(_), true, _, _) | (_, _, _, true) => Some(MsgKind::AbortAck),
+            (Ok(()), true, false, _) => Some(ControlKind::Done),
+            (Err(_), true, _, _) | (_, _, _, true) => Some(ControlKind::AbortAck),
             (_, false, _, false) => None,
         };
-        if let Some(kind) = message {
-            if kind == MsgKind::AbortAck {
-                tombstone(&mut st.tombstones, &o.agent, o.remote_pool, &o.remote);
+        match message {
+            Some(ControlKind::Done) => {
+                let tenancies = std::mem::take(&mut o.remote);
+                let msg = ControlMessage::new(ControlKind::Done, o.remote_pool, o.token, tenancies);
+                st.outgoing.push(Outgoing { to: o.agent.clone(), msg });
             }
-            st.outgoing.push(Outgoing {
-                agent: o.agent.clone(),
-                pool: o.remote_pool,
-                tenancies: std::mem::take(&mut o.remote),
-                kind,
-                attempts: 0,
-            });
+            Some(_) => {
+                let tenancies = std::mem::take(&mut o.remote);
+                if let Some(ack) = st.aborts.hand_back(&o.agent, o.remote_pool, o.token, tenancies) {
+                    st.outgoing.push(ack);
+                }
+            }
+            None => {}
         }
         if o.remote.capacity() > 0 && st.spare.len() < SPARE_TENANCY_LISTS {
             o.remote.clear();
@@ -1563,7 +1585,7 @@ impl Inner {
             }
             if escalate_now || next_esc.is_some_and(|t| t <= now) {
                 escalate_now = false;
-                self.escalate(now);
+                self.escalate();
             }
             if outgoing {
                 progressed |= self.flush_outgoing();
@@ -1619,15 +1641,18 @@ impl Inner {
         progressed
     }
 
+    /// A notification from `agent` (NIXL names the sending agent: one we
+    /// loaded the metadata of, so the name is the transport's, not the
+    /// message's; the exposure's token is checked on top of it).
     fn on_message(&self, agent: &str, msg: &[u8]) {
         let mut st = self.state();
-        let Some(peer) = st.names.get(agent).copied() else {
+        let Some((agent, peer)) = st.names.get_key_value(agent).map(|(a, p)| (Arc::clone(a), *p)) else {
             st.m.foreign += 1;
             return;
         };
-        let m = match wire::decode(msg) {
+        let m = match ControlMessage::decode_text(msg) {
             Ok(m) => m,
-            Err(ParseError::Foreign) => {
+            Err(DecodeError::Foreign) => {
                 st.m.foreign += 1;
                 return;
             }
@@ -1639,56 +1664,34 @@ impl Inner {
         };
         st.m.messages_received += 1;
         match m.kind {
-            MsgKind::Abort => {
-                // The target gave these up: never post to them again, and answer
-                // once every request of ours on them is terminal.
+            ControlKind::Abort => {
+                // The target gave these up: never post to them again, and
+                // answer once every request of ours on them is terminal.
                 st.m.aborts_received += 1;
-                let agent: Arc<str> = match st.names.get_key_value(agent) {
-                    Some((a, _)) => a.clone(),
-                    None => return,
-                };
-                let dead = st.tombstones.entry((agent.clone(), m.pool)).or_default();
-                for t in &m.tenancies {
-                    let g = dead.entry(t.slot).or_insert(t.generation);
-                    *g = (*g).max(t.generation);
+                if let Some(ack) = st.aborts.on_abort(&agent, m) {
+                    st.outgoing.push(ack);
                 }
-                st.outgoing.push(Outgoing {
-                    agent,
-                    pool: m.pool,
-                    tenancies: m.tenancies,
-                    kind: MsgKind::AbortAck,
-                    attempts: 0,
-                });
             }
-            MsgKind::Written | MsgKind::Read | MsgKind::AbortAck => {
+            ControlKind::Done | ControlKind::AbortAck => {
                 let Some(authority) = st.pools.get(&m.pool).map(|p| p.authority.clone()) else {
                     st.m.stale += m.tenancies.len() as u64;
                     return;
                 };
-                let mut ok = Vec::with_capacity(m.tenancies.len());
-                for t in &m.tenancies {
-                    let mine = st.exposures.get(&(m.pool, t.slot)) == Some(&(t.generation, peer));
-                    if mine && authority.accept(*t) {
-                        st.exposures.remove(&(m.pool, t.slot));
-                        ok.push(*t);
-                    } else {
-                        if !mine {
-                            authority.record_stale(1);
-                        }
-                        st.m.stale += 1;
-                    }
-                }
-                if ok.is_empty() {
+                let v = st.exposures.accept(peer, &m);
+                st.m.stale += (v.stale + v.forged) as u64;
+                if v.settled.is_empty() {
+                    drop(st);
+                    v.deliver(&authority);
                     return;
                 }
-                st.m.settled_by_message += ok.len() as u64;
+                st.m.settled_by_message += v.settled.len() as u64;
                 if st.events.len() >= self.cfg.event_capacity {
                     st.events.pop_front();
                     st.m.events_dropped += 1;
                 }
-                st.events.push_back(NixlEvent { peer, pool: m.pool, tenancies: ok.clone(), kind: m.kind });
+                st.events.push_back(NixlEvent { peer, pool: m.pool, tenancies: v.settled.clone(), kind: m.kind });
                 drop(st);
-                authority.deliver(authority.completed(&ok));
+                v.deliver(&authority);
                 self.notify_changed();
             }
         }
@@ -1706,58 +1709,52 @@ impl Inner {
         }
     }
 
-    /// Sends the messages whose slots no request of ours touches any more.
+    /// Sends the messages whose slots no request of ours touches any more
+    /// (core's outbox: one retry policy).
     fn flush_outgoing(&self) -> bool {
-        let ready: Vec<Outgoing> = {
+        let ready: Vec<(Outgoing<Arc<str>>, u32)> = {
             let mut st = self.state();
-            let pending = std::mem::take(&mut st.outgoing);
-            let (ready, wait): (Vec<_>, Vec<_>) = pending.into_iter().partition(|m| {
-                !st.ops
-                    .values()
-                    .any(|o| o.agent == m.agent && o.remote_pool == m.pool && slots_overlap(&o.remote, &m.tenancies))
-            });
-            st.outgoing = wait;
+            let st = &mut *st;
+            let mut ready = Vec::new();
+            for (o, attempts) in st.outgoing.take_all() {
+                let busy = st.ops.values().any(|op| {
+                    op.agent == o.to && op.remote_pool == o.msg.pool && slots_overlap(&op.remote, &o.msg.tenancies)
+                });
+                if busy {
+                    st.outgoing.defer(o, attempts);
+                } else {
+                    ready.push((o, attempts));
+                }
+            }
             ready
         };
         let mut sent = false;
-        for mut m in ready {
-            if m.kind == MsgKind::AbortAck {
-                let mut st = self.state();
-                let before = m.tenancies.len();
-                m.tenancies.retain(|t| !st.unproven.contains(&(m.agent.clone(), m.pool, *t)));
-                let withheld = before - m.tenancies.len();
-                if withheld > 0 {
-                    st.m.acks_withheld += withheld as u64;
-                    tracing::warn!(
-                        agent = %m.agent,
-                        withheld,
-                        "ABORT_ACK withheld: an operation on these slots failed without proof that it stopped"
-                    );
-                }
-                if m.tenancies.is_empty() {
-                    continue;
+        for (o, attempts) in ready {
+            let mut ok = true;
+            for m in o.msg.clone().chunks() {
+                let text = match m.encode_text() {
+                    Ok(t) => t,
+                    Err(e) => {
+                        tracing::error!(error = %e, "control message cannot be encoded");
+                        continue;
+                    }
+                };
+                if let Err(e) = self.engine.gen_notif(&o.to, text.as_bytes()) {
+                    tracing::debug!(agent = %o.to, error = %e, "gen_notif failed; retrying");
+                    ok = false;
+                    break;
                 }
             }
-            let msg = wire::encode(m.kind, m.pool, &m.tenancies);
-            match self.engine.gen_notif(&m.agent, &msg) {
-                Ok(()) => {
-                    sent = true;
-                    let mut st = self.state();
-                    match m.kind {
-                        MsgKind::AbortAck => st.m.acks_sent += 1,
-                        _ => st.m.deferred_notifs_sent += 1,
-                    }
+            let mut st = self.state();
+            if ok {
+                sent = true;
+                match o.msg.kind {
+                    ControlKind::AbortAck => st.m.acks_sent += 1,
+                    _ => st.m.deferred_notifs_sent += 1,
                 }
-                Err(e) => {
-                    m.attempts += 1;
-                    let mut st = self.state();
-                    st.m.notif_errors += 1;
-                    if m.attempts < 100 {
-                        st.outgoing.push(m);
-                    } else {
-                        tracing::warn!(agent = %m.agent, error = %e, "gen_notif keeps failing; message dropped");
-                    }
-                }
+            } else {
+                st.m.notif_errors += 1;
+                st.outgoing.retry(o, attempts);
             }
         }
         if sent {
@@ -1766,57 +1763,50 @@ impl Inner {
         sent
     }
 
-    /// Runs due escalation steps of every pool: ABORT to the peer; NIXL can do
-    /// nothing for Revoke or Fence but ask again.
-    fn escalate(&self, now: Instant) {
+    /// Runs due escalation steps of every pool (core's plans; NIXL's ladder
+    /// is drain and ack only, so the rest is core's `quarantine_stuck`).
+    fn escalate(&self) {
         let authorities: Vec<(PoolId, SettlementAuthority)> =
             self.state().pools.iter().map(|(id, p)| (*id, p.authority.clone())).collect();
         let mut next: Option<Instant> = None;
         for (pool, a) in authorities {
-            for action in a.poll_escalations(now) {
-                use kv_transfer_core::EscalationStep as S;
-                let (agent, ts) = {
-                    let mut st = self.state();
-                    if matches!(action.step, S::Revoke | S::Fence) {
-                        st.m.unsupported_escalations += 1;
-                    }
-                    let ts: Vec<Tenancy> = action
-                        .tenancies
-                        .iter()
-                        .filter(|t| st.exposures.get(&(pool, t.slot)) == Some(&(t.generation, action.peer)))
-                        .copied()
-                        .collect();
-                    (st.peers.get(&action.peer).cloned(), ts)
+            for action in a.poll_escalations() {
+                let (plan, agent) = {
+                    let st = self.state();
+                    let plan = st.exposures.plan(pool, &action, CAPABILITIES, ReleasePolicy::Safe);
+                    (plan, st.peers.get(&action.peer).cloned())
                 };
-                match action.step {
-                    S::RequestDrain | S::Revoke | S::Fence => {
-                        if matches!(action.step, S::Revoke | S::Fence) {
-                            tracing::warn!(
-                                pool = pool.0,
-                                peer = action.peer.0,
-                                step = ?action.step,
-                                "NIXL cannot revoke or fence with a confirmation: re-sending ABORT, slots stay quarantined"
-                            );
-                        }
-                        let (Some(agent), false) = (agent, ts.is_empty()) else { continue };
-                        let msg = wire::encode(MsgKind::Abort, pool, &ts);
-                        match self.engine.gen_notif(&agent, &msg) {
-                            Ok(()) => self.state().m.aborts_sent += 1,
-                            Err(e) => {
-                                tracing::warn!(%agent, error = %e, "sending ABORT failed");
-                                self.state().m.notif_errors += 1;
+                match plan {
+                    Plan::SendAbort { messages, .. } => {
+                        let Some(agent) = agent else { continue };
+                        for m in messages {
+                            let sent = m
+                                .encode_text()
+                                .map_err(|e| e.to_string())
+                                .and_then(|t| self.engine.gen_notif(&agent, t.as_bytes()).map_err(|e| e.to_string()));
+                            match sent {
+                                Ok(()) => self.state().m.aborts_sent += 1,
+                                Err(e) => {
+                                    tracing::warn!(%agent, error = %e, "sending ABORT failed");
+                                    self.state().m.notif_errors += 1;
+                                }
                             }
                         }
                     }
-                    S::Exhausted => tracing::warn!(
+                    Plan::Stuck { peer, tenancies } => tracing::warn!(
                         pool = pool.0,
-                        peer = action.peer.0,
-                        slots = action.tenancies.len(),
-                        "escalation exhausted: slots stay quarantined until the peer acknowledges"
+                        peer = peer.0,
+                        slots = tenancies.len(),
+                        "NIXL can neither revoke nor fence with a confirmation: slots stay quarantined until the \
+                         peer acknowledges"
                     ),
+                    _ => {}
                 }
             }
-            if let Some(t) = a.next_escalation_at() {
+            if let Some(d) = a.next_escalation_in() {
+                // Looked at again within 100 ms even if the pool's clock is a
+                // test's manual one that moves while the driver sleeps.
+                let t = Instant::now() + d.min(Duration::from_millis(100));
                 next = Some(next.map_or(t, |n| n.min(t)));
             }
         }

@@ -30,9 +30,7 @@ use std::time::{Duration, Instant};
 
 use backend_nixl::adapter::{AdapterConfig, NixlTransfer};
 use backend_nixl::engine::{Agent, AgentConfig, HostBuffer, MemRegion, NixlLibrary, XferOp, XferState};
-use kv_transfer_core::{
-    Generation, HostRegion, PoolConfig, PoolId, Region, RemoteSlot, RemoteSlots, SlotId, Transfer, TransferOptions,
-};
+use kv_transfer_core::{HostRegion, PoolConfig, Region, RemoteSlots, Transfer, TransferOptions};
 
 const OLD: u8 = 0xA5;
 const NEW: u8 = 0x5A;
@@ -64,32 +62,14 @@ fn get(dir: &Path, name: &str) -> Res<Vec<u8>> {
     }
 }
 
+/// The descriptor as it travels between the two processes: JSON, the
+/// exposure's token included (a DONE without it settles nothing).
 fn encode_remote(r: &RemoteSlots) -> String {
-    let slots: Vec<String> = r.slots.iter().map(|s| format!("{}:{}:{}", s.slot.0, s.generation.0, s.addr)).collect();
-    format!("{} {} {} {} {}", r.endpoint, r.pool.0, r.key, r.slot_size, slots.join(","))
+    serde_json::to_string(r).unwrap_or_default()
 }
 
 fn decode_remote(s: &[u8]) -> Res<RemoteSlots> {
-    let s = std::str::from_utf8(s)?;
-    let f: Vec<&str> = s.split(' ').collect();
-    let [endpoint, pool, key, slot_size, slots] = f.as_slice() else {
-        return Err(format!("bad descriptor {s:?}").into());
-    };
-    let mut out = Vec::new();
-    for item in slots.split(',') {
-        let p: Vec<&str> = item.split(':').collect();
-        let [slot, gen, addr] = p.as_slice() else {
-            return Err(format!("bad slot {item:?}").into());
-        };
-        out.push(RemoteSlot { slot: SlotId(slot.parse()?), generation: Generation(gen.parse()?), addr: addr.parse()? });
-    }
-    Ok(RemoteSlots {
-        endpoint: (*endpoint).to_string(),
-        pool: PoolId(pool.parse()?),
-        key: key.parse()?,
-        slot_size: slot_size.parse()?,
-        slots: out,
-    })
+    Ok(serde_json::from_slice(s)?)
 }
 
 /// Counts `byte` at 65,536 evenly spread offsets (cheap, for watching).

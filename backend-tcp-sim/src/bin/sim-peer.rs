@@ -2,31 +2,18 @@
 //! SIGKILL mid-transfer.
 //!
 //! Usage: `sim-peer <target-endpoint> <name>`. It connects, prints
-//! `connected`, then reads one descriptor per stdin line,
-//! `<key> <slot_size> <slot>:<generation>:<addr> ...`, fills that many slots
+//! `connected`, then reads one descriptor per stdin line (a `RemoteSlots`
+//! as JSON, token included), fills that many slots
 //! with 0xAB, posts a WRITE (with NOTIFY), prints `posted`, and prints `done
 //! <result>` when it completes. It exits when stdin closes.
 
 use backend_tcp_sim::{block_on, NicConfig, SimNic};
-use kv_transfer_core::{
-    Generation, HostRegion, PoolConfig, RemoteSlot, RemoteSlots, SlotId, Transfer, TransferOptions,
-};
+use kv_transfer_core::{HostRegion, PoolConfig, RemoteSlots, Transfer, TransferOptions};
 use std::io::{BufRead, Write};
 use std::sync::Arc;
 
-fn parse(line: &str, endpoint: &str) -> Option<RemoteSlots> {
-    let mut it = line.split_whitespace();
-    let key = it.next()?.parse().ok()?;
-    let slot_size = it.next()?.parse().ok()?;
-    let mut slots = Vec::new();
-    for s in it {
-        let mut p = s.split(':');
-        let slot = SlotId(p.next()?.parse().ok()?);
-        let generation = Generation(p.next()?.parse().ok()?);
-        let addr = p.next()?.parse().ok()?;
-        slots.push(RemoteSlot { slot, generation, addr });
-    }
-    Some(RemoteSlots { endpoint: endpoint.to_string(), pool: kv_transfer_core::PoolId(0), key, slot_size, slots })
+fn parse(line: &str) -> Option<RemoteSlots> {
+    serde_json::from_str(line).ok()
 }
 
 fn main() {
@@ -51,7 +38,7 @@ fn main() {
     let _ = out.flush();
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
-        let Some(remote) = parse(&line, endpoint) else {
+        let Some(remote) = parse(&line) else {
             eprintln!("bad descriptor: {line}");
             continue;
         };

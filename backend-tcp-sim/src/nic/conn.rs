@@ -5,10 +5,11 @@
 //! a burst on a receiving thread).
 
 use super::registration::Reg;
-use super::{lock, HashMap, HashSet, RawCallback, RawCompletions};
-use crate::wire::{self, Body, TenancyList};
+use super::{lock, HashMap, RawCallback, RawCompletions};
+use crate::wire::{self, Body};
 use bytes::Bytes;
-use kv_transfer_core::{Completer, PeerId, Tenancy, TransferError};
+use kv_transfer_core::drain::{AbortTracker, ControlMessage};
+use kv_transfer_core::{Completer, PeerId, PoolId, Tenancy, TransferError};
 use std::collections::VecDeque;
 use std::io::BufReader;
 use std::net::TcpStream;
@@ -48,7 +49,9 @@ pub(super) enum Dest {
 
 pub(super) struct WrEntry {
     pub(super) op: u64,
-    pub(super) key: u64,
+    /// The remote pool of a lease operation's WR (an ABORT names it);
+    /// `None` for a raw access.
+    pub(super) pool: Option<PoolId>,
     pub(super) tenancy: Tenancy,
     pub(super) sent: bool,
     pub(super) aborted: bool,
@@ -67,7 +70,9 @@ pub(super) struct OpEntry {
     pub(super) remaining: usize,
     pub(super) err: Option<TransferError>,
     pub(super) data: Option<Bytes>,
-    pub(super) notify: Option<TenancyList>,
+    /// The DONE to send once every WR succeeded (with digests of the local
+    /// bytes filled in then, if asked for).
+    pub(super) notify: Option<Notify>,
     pub(super) sent_any: bool,
 }
 
@@ -80,17 +85,29 @@ impl OpEntry {
     }
 }
 
-pub(super) struct PendingAbort {
-    pub(super) list: TenancyList,
-    pub(super) waiting: HashSet<u64>,
+/// A lease operation's DONE, sent after its last WR succeeded.
+pub(super) struct Notify {
+    pub(super) msg: ControlMessage,
+    /// Digest each slot of the local lease into the DONE (a WRITE asked for it).
+    pub(super) digests: bool,
 }
 
-#[derive(Default)]
+/// Tombstones and unproven tenancies remembered per connection.
+const REMEMBERED: usize = 1 << 16;
+
 pub(super) struct ConnState {
     pub(super) closed: bool,
     pub(super) wrs: HashMap<u64, WrEntry>,
     pub(super) ops: HashMap<u64, OpEntry>,
-    pub(super) aborts: Vec<PendingAbort>,
+    /// Core's initiator side of the drain protocol, for lease operations
+    /// posted on this connection (the peer is the connection itself).
+    pub(super) aborts: AbortTracker<()>,
+}
+
+impl Default for ConnState {
+    fn default() -> Self {
+        Self { closed: false, wrs: HashMap::default(), ops: HashMap::default(), aborts: AbortTracker::new(REMEMBERED) }
+    }
 }
 
 #[derive(Default)]

@@ -1,16 +1,17 @@
-//! Settlement, abort and escalation, kept together: NOTIFY and ABORT_ACK
-//! from the peer settle exposures here (`Completed`), an ABORT from the
-//! target is answered once the work requests it names are terminal, the
-//! escalation driver walks the ladder (ABORT, revocation, fence), and a
-//! teardown fences a connection (`Fenced`) as connection loss and
+//! The simulator's side of core's drain protocol (`kv_transfer_core::drain`):
+//! CONTROL frames in (DONE and ABORT_ACK settle exposures through the NIC's
+//! [`ExposureTable`], an ABORT goes to the connection's `AbortTracker`), the
+//! escalation driver executing core's [`Plan`]s (ABORT, revocation, fence),
+//! and teardown, which fences a connection (`Fenced`) as connection loss and
 //! shutdown do.
 
-use super::conn::{Conn, OpEntry, PendingAbort};
+use super::conn::{Conn, OpEntry};
 use super::registration::{Reg, RevokeOutcome};
-use super::{lock, HashSet, InboundEvent, NicInner, ReleasePolicy};
+use super::{lock, InboundEvent, NicInner};
 use crate::stats::{add, inc};
-use crate::wire::{self, Body, TenancyList};
-use kv_transfer_core::{EscalationAction, EscalationStep, PeerId, Tenancy, TransferError};
+use crate::wire::Body;
+use kv_transfer_core::drain::{ControlKind, ControlMessage, Plan};
+use kv_transfer_core::{EscalationAction, PeerId, Tenancy, TransferError};
 use std::net::Shutdown;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,57 +21,83 @@ use std::time::Duration;
 const DRIVER_TICK: Duration = Duration::from_millis(100);
 
 impl NicInner {
-    /// NOTIFY (`notify`) or ABORT_ACK from the peer: settle the tenancies it
-    /// names that are bound to it here, after clearing their bindings.
-    pub(super) fn settle_from_peer(&self, conn: &Conn, l: TenancyList, notify: bool) {
-        let Some(reg) = self.reg_for_key(l.key) else {
-            add(&self.counters.notifications_stale, l.tenancies.len() as u64);
-            return;
-        };
-        let mut ok = Vec::with_capacity(l.tenancies.len());
-        for t in &l.tenancies {
-            let valid = match self.cfg.policy {
-                ReleasePolicy::Naive => true,
-                ReleasePolicy::Safe => {
-                    reg.is_bound(*t, conn.peer) && reg.revoke(*t, self.cfg.revoke_wait) == RevokeOutcome::Revoked
-                }
-            };
-            if valid {
-                ok.push(*t);
-            } else {
-                inc(&self.counters.notifications_stale);
-                reg.authority.record_stale(1);
-            }
-        }
-        if !ok.is_empty() {
-            reg.authority.deliver(reg.authority.completed(&ok));
-        }
-        if notify {
-            self.event(InboundEvent::Notified { peer: conn.peer, key: l.key, tenancies: ok });
+    /// Sends a control message (split into frames of at most
+    /// [`MAX_TENANCIES`](kv_transfer_core::drain::MAX_TENANCIES) tenancies).
+    pub(super) fn send_control(&self, conn: &Conn, msg: ControlMessage) {
+        for m in msg.chunks() {
+            conn.send_frame(&Body::Control(m));
         }
     }
 
-    /// ABORT from the target: cancel what has not left yet, ack once every
-    /// WR aimed at these tenancies is terminal.
-    pub(super) fn on_abort(&self, conn: &Conn, l: TenancyList) {
-        inc(&self.counters.aborts_received);
-        let set: HashSet<Tenancy> = l.tenancies.iter().copied().collect();
-        let mut st = lock(&conn.st);
-        let mut waiting = HashSet::default();
-        for (id, w) in st.wrs.iter_mut() {
-            if w.key == l.key && set.contains(&w.tenancy) {
-                if !w.sent {
-                    w.aborted = true;
-                }
-                waiting.insert(*id);
+    /// A CONTROL frame from the peer of `conn` (the connection is the
+    /// peer's identity: a name it declared proves nothing).
+    pub(super) fn on_control(&self, conn: &Conn, msg: ControlMessage) {
+        match msg.kind {
+            ControlKind::Done => {
+                inc(&self.counters.notifications_received);
+                self.settle_from_peer(conn, msg, true);
+            }
+            ControlKind::AbortAck => {
+                inc(&self.counters.abort_acks_received);
+                self.settle_from_peer(conn, msg, false);
+            }
+            ControlKind::Abort => self.on_abort(conn, msg),
+        }
+    }
+
+    /// DONE (`notify`) or ABORT_ACK: core's exposure table says which named
+    /// tenancies the peer may settle (exposed to this connection, under the
+    /// message's token); each one's binding is cleared (in-flight applies
+    /// drained) before its `Completed` proof.
+    fn settle_from_peer(&self, conn: &Conn, msg: ControlMessage, notify: bool) {
+        let Some(reg) = self.reg_for_pool(msg.pool) else {
+            add(&self.counters.notifications_stale, msg.tenancies.len() as u64);
+            return;
+        };
+        if self.cfg.policy.is_naive() {
+            // The positive control checks nothing.
+            reg.authority.deliver(reg.authority.completed(&msg.tenancies));
+            if notify {
+                self.event(InboundEvent::Notified { peer: conn.peer, key: reg.key, tenancies: msg.tenancies });
+            }
+            return;
+        }
+        let mut v = lock(&self.exposures).accept(conn.peer, &msg);
+        let mut cleared = Vec::with_capacity(v.settled.len());
+        for t in std::mem::take(&mut v.settled) {
+            match reg.revoke(t, self.cfg.revoke_wait) {
+                RevokeOutcome::Revoked => cleared.push(t),
+                // A stalled apply keeps the binding: no proof; the ladder fences.
+                RevokeOutcome::TimedOut => inc(&self.counters.revocations_timed_out),
+                RevokeOutcome::NotBound => v.stale += 1,
             }
         }
-        if waiting.is_empty() {
-            drop(st);
+        v.digests.retain(|(t, _)| cleared.contains(t));
+        v.settled = cleared;
+        add(&self.counters.notifications_stale, (v.stale + v.forged + v.untrusted) as u64);
+        add(&self.counters.forged, v.forged as u64);
+        v.deliver(&reg.authority);
+        if notify {
+            self.event(InboundEvent::Notified { peer: conn.peer, key: reg.key, tenancies: v.settled });
+        }
+    }
+
+    /// ABORT from the target: core's abort tracker answers at once, or once
+    /// every operation of ours on those tenancies is terminal; meanwhile
+    /// their WRs that have not left yet are canceled.
+    fn on_abort(&self, conn: &Conn, msg: ControlMessage) {
+        inc(&self.counters.aborts_received);
+        let mut st = lock(&conn.st);
+        for w in st.wrs.values_mut() {
+            if !w.sent && w.pool == Some(msg.pool) && msg.tenancies.contains(&w.tenancy) {
+                w.aborted = true;
+            }
+        }
+        let ack = st.aborts.on_abort(&(), msg);
+        drop(st);
+        if let Some(a) = ack {
             inc(&self.counters.abort_acks_sent);
-            conn.send_frame(&Body::AbortAck(l));
-        } else {
-            st.aborts.push(PendingAbort { list: l, waiting });
+            self.send_control(conn, a.msg);
         }
     }
 
@@ -80,8 +107,8 @@ impl NicInner {
                 let regs = self.all_regs();
                 let mut timeout = DRIVER_TICK;
                 for r in &regs {
-                    if let Some(at) = r.authority.next_escalation_at() {
-                        timeout = timeout.min(at.saturating_duration_since(r.clock.now()));
+                    if let Some(d) = r.authority.next_escalation_in() {
+                        timeout = timeout.min(d);
                     }
                 }
                 let mut s = lock(&self.signal.m);
@@ -101,53 +128,54 @@ impl NicInner {
                 self.teardown(peer, "connection lost");
             }
             for reg in self.all_regs() {
-                for a in reg.authority.poll_escalations(reg.clock.now()) {
+                for a in reg.authority.poll_escalations() {
                     self.escalate(&reg, a);
                 }
             }
         }
     }
 
+    /// Executes core's plan for one escalation action.
     fn escalate(&self, reg: &Reg, a: EscalationAction) {
         tracing::debug!(peer = a.peer.0, step = ?a.step, slots = a.tenancies.len(), "escalation");
-        if self.cfg.policy == ReleasePolicy::Naive {
-            if a.step == EscalationStep::RequestDrain {
-                // THE BUG, on purpose: a proof without evidence.
-                add(&self.counters.naive_releases, a.tenancies.len() as u64);
-                reg.authority.deliver(reg.authority.completed(&a.tenancies));
-            }
+        let plan = lock(&self.exposures).plan(reg.pool.id(), &a, reg.authority.capabilities(), self.cfg.policy);
+        if let Some(ts) = plan.release_without_proof() {
+            // THE BUG, on purpose (the positive control): a proof without evidence.
+            add(&self.counters.naive_releases, ts.len() as u64);
+            reg.authority.deliver(reg.authority.completed(ts));
             return;
         }
-        match a.step {
-            EscalationStep::RequestDrain => {
-                let ts: Vec<Tenancy> = a.tenancies.iter().copied().filter(|t| reg.is_bound(*t, a.peer)).collect();
-                if ts.is_empty() {
-                    return;
-                }
-                if let Some(conn) = self.conn(a.peer) {
-                    for chunk in ts.chunks(wire::MAX_TENANCIES) {
+        #[allow(unreachable_patterns)]
+        match plan {
+            Plan::Nothing => {}
+            Plan::SendAbort { peer, messages } => {
+                if let Some(conn) = self.conn(peer) {
+                    for m in messages {
                         inc(&self.counters.aborts_sent);
-                        conn.send_frame(&Body::Abort(TenancyList { key: reg.key, tenancies: chunk.to_vec() }));
+                        self.send_control(&conn, m);
                     }
                 }
             }
-            EscalationStep::Revoke => {
-                self.revoke_tenancies(reg, &a.tenancies);
+            Plan::Revoke { peer, tenancies } => {
+                self.revoke_tenancies(reg, peer, &tenancies);
             }
-            EscalationStep::Fence => {
-                self.teardown(a.peer, "escalation: fence");
+            Plan::Fence { peer } => {
+                self.teardown(peer, "escalation: fence");
             }
-            EscalationStep::Exhausted => {
+            Plan::Stuck { peer, tenancies } => {
                 tracing::error!(
-                    peer = a.peer.0,
-                    slots = a.tenancies.len(),
+                    peer = peer.0,
+                    slots = tenancies.len(),
                     "escalation exhausted: slots stay quarantined (a leak, not a reuse)"
                 );
             }
+            _ => {}
         }
     }
 
-    pub(super) fn revoke_tenancies(&self, reg: &Reg, ts: &[Tenancy]) -> usize {
+    /// Revokes `ts` (exposed to `peer`) at the NIC; only confirmed ones
+    /// leave the exposure table and get a `Revoked` proof.
+    pub(super) fn revoke_tenancies(&self, reg: &Reg, peer: PeerId, ts: &[Tenancy]) -> usize {
         let mut done = Vec::new();
         for t in ts {
             match reg.revoke(*t, self.cfg.revoke_wait) {
@@ -156,6 +184,7 @@ impl NicInner {
                 RevokeOutcome::NotBound => {}
             }
         }
+        lock(&self.exposures).revoked(reg.pool.id(), peer, &done);
         if !done.is_empty() {
             add(&self.counters.revocations, done.len() as u64);
             reg.authority.deliver(reg.authority.revoked(&done));
@@ -191,13 +220,14 @@ impl NicInner {
             let mut st = lock(&conn.st);
             st.closed = true;
             st.wrs.clear();
-            st.aborts.clear();
+            st.aborts.forget_peer(&());
             st.ops.drain().map(|(_, o)| o).collect()
         };
         lock(&conn.tx.q).q.clear();
         for op in ops {
             self.finish_op(peer, op, Err(TransferError::Transport(reason.to_string())), true);
         }
+        lock(&self.exposures).fenced(peer);
         for reg in self.all_regs() {
             reg.authority.deliver(reg.authority.fenced(peer));
         }

@@ -52,9 +52,15 @@ use kv_transfer_core::{
     TransferHandle, TransferOptions,
 };
 // Named in the docs; the impl comes from `impl_transfer_via_post_now!`.
+use kv_transfer_core::drain::{Capabilities, ExposureTable, Trust};
 #[cfg(doc)]
 use kv_transfer_core::Transfer;
 use registration::{Binding, Reg};
+
+/// What the simulator proves: drain and ack (ABORT / ABORT_ACK), revoke (the
+/// generation unbound at the NIC, in-flight applies waited for), fence
+/// (socket shut, both threads joined).
+pub const CAPABILITIES: Capabilities = Capabilities::ALL;
 use std::collections::VecDeque;
 use std::net::{Shutdown, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -119,6 +125,9 @@ struct NicInner {
     threads: Mutex<Vec<JoinHandle<()>>>,
     fault_log: Mutex<Vec<FaultRecord>>,
     last_decode_error: Mutex<Option<DecodeError>>,
+    /// Target side of core's drain protocol: every tenancy exposed to a
+    /// connection, under its token.
+    exposures: Mutex<ExposureTable>,
 }
 
 struct Owner {
@@ -207,6 +216,7 @@ impl SimNic {
             threads: Mutex::new(Vec::new()),
             fault_log: Mutex::new(Vec::new()),
             last_decode_error: Mutex::new(None),
+            exposures: Mutex::new(ExposureTable::new()),
         });
         let a = inner.clone();
         let acceptor = std::thread::Builder::new()
@@ -251,9 +261,8 @@ impl SimNic {
         if self.inner.shutdown.load(Ordering::SeqCst) {
             return Err(NicError::ShuttingDown);
         }
-        let clock = config.clock.clone();
         let slot_size = config.slot_size;
-        let (pool, authority) = SlotPool::new(region.clone(), config)?;
+        let (pool, authority) = SlotPool::new(region.clone(), config.with_capabilities(CAPABILITIES))?;
         let signal = self.inner.signal.clone();
         authority.on_quarantine(move || signal.kick());
         let key = self.inner.key_salt | self.inner.next_key.fetch_add(1, Ordering::Relaxed);
@@ -265,7 +274,6 @@ impl SimNic {
             key,
             pool: pool.clone(),
             authority,
-            clock,
             addr: region.addr(),
             len: region.len(),
             region,
@@ -354,7 +362,8 @@ impl SimNic {
                 b.gen.store(t.generation.0, Ordering::SeqCst);
             }
         }
-        let out = lease.expose(peer, reg.key, self.inner.endpoint.clone());
+        let token = lock(&self.inner.exposures).expose(reg.pool.id(), lease.tenancies(), peer, Trust::Proving);
+        let out = reg.authority.expose(lease, peer, reg.key, self.inner.endpoint.clone(), token);
         drop(conns);
         tracing::trace!(peer = peer.0, slots = out.0.len(), "exposed at NIC");
         Ok(out)
@@ -366,7 +375,8 @@ impl SimNic {
     /// then be settled with `try_settled()` if all were.
     pub fn revoke(&self, lease: &SlotLease<Exposed>) -> usize {
         let Some(reg) = self.inner.reg_for_pool(lease.pool().id()) else { return 0 };
-        self.inner.revoke_tenancies(&reg, lease.tenancies())
+        let Some(peer) = lease.peer() else { return 0 };
+        self.inner.revoke_tenancies(&reg, peer, lease.tenancies())
     }
 
     /// Fences the connection to `peer`: shuts it down, joins its threads,

@@ -3,10 +3,12 @@
 //! (`submit`, which raw accesses use too), and application messages are
 //! queued on the data connection.
 
+use super::conn::Notify;
 use super::conn::{Conn, Dest, OpDone, OpEntry, Outgoing, Src, WrEntry};
 use super::{lock, NicError, NicInner};
 use crate::stats::{add, inc};
-use crate::wire::{self, AccessHeader, Body, TenancyList};
+use crate::wire::{self, AccessHeader, Body};
+use kv_transfer_core::drain::{ControlKind, ControlMessage, OpEnd};
 use kv_transfer_core::{
     check_shapes, Op, PeerId, PostError, PostErrorKind, RemoteSlots, Reserved, SlotLease, Tenancy, TransferError,
     TransferHandle, TransferOptions,
@@ -43,13 +45,21 @@ impl NicInner {
         };
         let span = tracing::trace_span!("post", ?op, peer = conn.peer.0, slots = local.len());
         let _e = span.enter();
-        let exposed = local.expose_local(conn.peer);
+        let op_id = self.next_op.fetch_add(1, Ordering::Relaxed);
+        // The drain protocol's admission, before anything is exposed: remote
+        // tenancies the target aborted, or that were handed back, are refused.
+        if let Err(refusal) = lock(&conn.st).aborts.admit(op_id, &(), remote, false) {
+            return Err(PostError { lease: local, kind: PostErrorKind::Descriptor(refusal.to_string()) });
+        }
+        let exposed = reg.authority.expose_local(local, conn.peer);
         let (handle, completer) = TransferHandle::pair(exposed);
         let ts: Vec<Tenancy> = completer.lease().tenancies().to_vec();
-        let notify = opts.notify.then(|| TenancyList { key: remote.key, tenancies: remote.tenancies() });
+        let notify = opts.notify.then(|| Notify {
+            msg: ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies()),
+            digests: opts.digest && op == Op::Write,
+        });
         let mut items = Vec::with_capacity(ts.len());
         let mut wrs = Vec::with_capacity(ts.len());
-        let op_id = self.next_op.fetch_add(1, Ordering::Relaxed);
         let len = reg.slot_size;
         for (t, rs) in ts.iter().zip(&remote.slots) {
             let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
@@ -70,6 +80,7 @@ impl NicInner {
                 Ok(h) => h,
                 Err(e) => {
                     // Unreachable by the size check above; fail honestly anyway.
+                    lock(&conn.st).aborts.finished(op_id, OpEnd::Proven);
                     let proof = reg.authority.completed_lease(completer.lease());
                     let _ = completer.complete(proof, Err(TransferError::Transport(e.to_string())));
                     return Ok(handle);
@@ -78,7 +89,14 @@ impl NicInner {
             items.push(Outgoing::Wr { wr_id, op: op_id, head, src });
             wrs.push((
                 wr_id,
-                WrEntry { op: op_id, key: remote.key, tenancy: rs.tenancy(), sent: false, aborted: false, dest },
+                WrEntry {
+                    op: op_id,
+                    pool: Some(remote.pool),
+                    tenancy: rs.tenancy(),
+                    sent: false,
+                    aborted: false,
+                    dest,
+                },
             ));
         }
         add(&self.counters.wrs_posted, wrs.len() as u64);

@@ -144,7 +144,7 @@ impl NicInner {
         let entry = OpEntry { done, reg: None, remaining: 1, err: None, data: None, notify: None, sent_any: false };
         let wr = WrEntry {
             op: op_id,
-            key: a.key,
+            pool: None,
             tenancy: Tenancy::new(a.slot, a.generation),
             sent: false,
             aborted: false,

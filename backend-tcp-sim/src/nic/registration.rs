@@ -6,12 +6,10 @@
 //! for the accesses that already passed to drain.
 
 use super::conn::Conn;
-use super::{lock, NicInner, ReleasePolicy};
+use super::{lock, NicInner};
 use crate::stats::inc;
 use crate::wire::AccessHeader;
-use kv_transfer_core::{
-    Clock, PeerId, Region, RejectReason, SettlementAuthority, SlotId, SlotPool, Tenancy, TransferError,
-};
+use kv_transfer_core::{Region, RejectReason, SettlementAuthority, SlotId, SlotPool, Tenancy, TransferError};
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -34,7 +32,6 @@ pub(super) struct Reg {
     pub(super) key: u64,
     pub(super) pool: SlotPool,
     pub(super) authority: SettlementAuthority,
-    pub(super) clock: Arc<dyn Clock>,
     pub(super) region: Arc<dyn Region>,
     /// Host address of the region's first byte, 0 if not host memory.
     pub(super) base: usize,
@@ -61,13 +58,6 @@ impl Reg {
                 self.drain.1.notify_all();
             }
         }
-    }
-
-    /// Whether `t` is bound here for remote access by `peer` (revoking or not).
-    pub(super) fn is_bound(&self, t: Tenancy, peer: PeerId) -> bool {
-        self.bindings.get(t.slot.0 as usize).is_some_and(|b| {
-            b.gen.load(Ordering::SeqCst) & !REVOKING == t.generation.0 && b.peer.load(Ordering::SeqCst) == peer.0
-        })
     }
 
     /// Invalidates the binding of `t` and waits (bounded) until no access
@@ -202,7 +192,7 @@ impl NicInner {
             Some(e) if e <= reg.len => {}
             _ => return Err(oob),
         }
-        if self.cfg.policy == ReleasePolicy::Naive {
+        if self.cfg.policy.is_naive() {
             return Ok((reg, off));
         }
         let start = (h.slot.0 as usize).checked_mul(reg.slot_size).ok_or(oob)?;
@@ -223,7 +213,7 @@ impl NicInner {
     }
 
     pub(super) fn end_access(&self, reg: &Reg, slot: SlotId) {
-        if self.cfg.policy == ReleasePolicy::Safe {
+        if !self.cfg.policy.is_naive() {
             reg.end_access(slot);
         }
     }

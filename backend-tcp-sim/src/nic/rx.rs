@@ -8,8 +8,9 @@
 use super::conn::{ring_before_read, ring_deferred, Conn, Dest, OpDone, OpEntry, Outgoing, DOORBELLS};
 use super::{lock, InboundEvent, MessageHook, NicInner};
 use crate::stats::{add, inc};
-use crate::wire::{self, AccessHeader, Body, DecodeError, TenancyList, WireStatus, PREFIX_LEN};
+use crate::wire::{self, AccessHeader, Body, DecodeError, WireStatus, PREFIX_LEN};
 use bytes::Bytes;
+use kv_transfer_core::drain::OpEnd;
 use kv_transfer_core::{PeerId, TransferError};
 use std::io::{self, BufReader, Read};
 use std::net::{Shutdown, TcpStream};
@@ -54,15 +55,7 @@ impl NicInner {
                     };
                     self.wr_terminal(&conn, wr_id, res);
                 }
-                Body::Notify(l) => {
-                    inc(&self.counters.notifications_received);
-                    self.settle_from_peer(&conn, l, true);
-                }
-                Body::Abort(l) => self.on_abort(&conn, l),
-                Body::AbortAck(l) => {
-                    inc(&self.counters.abort_acks_received);
-                    self.settle_from_peer(&conn, l, false);
-                }
+                Body::Control(m) => self.on_control(&conn, m),
                 Body::Message => self.on_message(&conn, &mut r, p.payload_len(), &mut fields)?,
                 Body::Hello { .. } => {}
             }
@@ -231,16 +224,6 @@ impl NicInner {
             tracing::debug!(peer = conn.peer.0, wr_id, "completion for an unknown work request dropped");
             return;
         };
-        let mut acks = Vec::new();
-        st.aborts.retain_mut(|a| {
-            a.waiting.remove(&wr_id);
-            if a.waiting.is_empty() {
-                acks.push(std::mem::replace(&mut a.list, TenancyList { key: 0, tenancies: Vec::new() }));
-                false
-            } else {
-                true
-            }
-        });
         match &res {
             Ok(_) => inc(&self.counters.wrs_ok),
             Err(_) => inc(&self.counters.wrs_failed),
@@ -259,23 +242,45 @@ impl NicInner {
                 finished = st.ops.remove(&wr.op);
             }
         }
+        // Every WR of the op is terminal at the target (it answers only after
+        // applying or refusing), so its end is proven either way.
+        let acks = if finished.is_some() { st.aborts.finished(wr.op, OpEnd::Proven) } else { Vec::new() };
+        let done = match &mut finished {
+            Some(op) if op.err.is_none() => op.notify.take(),
+            _ => None,
+        };
+        if let Some(n) = &done {
+            // Handed back: no later post of ours may name these tenancies.
+            st.aborts.tombstone(&(), n.msg.pool, n.msg.token, &n.msg.tenancies);
+        }
         drop(st);
-        for l in acks {
+        for a in acks {
             inc(&self.counters.abort_acks_sent);
-            conn.send_frame(&Body::AbortAck(l));
+            self.send_control(conn, a.msg);
         }
         if let Some(mut op) = finished {
             let result = match op.err.take() {
                 Some(e) => Err(e),
                 None => Ok(()),
             };
-            if result.is_ok() {
-                if let Some(l) = op.notify.take() {
-                    inc(&self.counters.notifications_sent);
-                    conn.send_frame(&Body::Notify(l));
+            if let Some(mut n) = done {
+                if n.digests {
+                    n.msg.digests = Self::digests_of(&op);
                 }
+                inc(&self.counters.notifications_sent);
+                self.send_control(conn, n.msg);
             }
             self.finish_op(conn.peer, op, result, false);
+        }
+    }
+
+    /// The digests of a lease operation's local slots, in lease order
+    /// (core's; the slots are still exposed to this operation, so nothing
+    /// changed them since they were sent).
+    fn digests_of(op: &OpEntry) -> Vec<u32> {
+        match &op.done {
+            OpDone::Lease(c) => kv_transfer_core::drain::lease_digests(c.lease()).unwrap_or_default(),
+            _ => Vec::new(),
         }
     }
 

@@ -15,23 +15,13 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How the NIC releases quarantined slots.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum ReleasePolicy {
-    /// The contract: generation checks at the NIC, and slots leave quarantine
-    /// only with a real proof (ABORT_ACK, revocation, fence).
-    #[default]
-    Safe,
-    /// **POSITIVE CONTROL FOR RACE TESTS ONLY. NEVER USE IT TO MOVE DATA.**
-    ///
-    /// Behaves like SGLang before its fix: the NIC checks only key and bounds
-    /// (one rkey per region, no generations), and the moment an exposed lease
-    /// is aborted the backend mints a `Completed` proof it has no evidence
-    /// for, so the slots go straight back to the free list while a peer's
-    /// write may still land in them. Race tests run it to show that they can
-    /// observe the corruption the safe policy prevents.
-    Naive,
-}
+/// How the NIC releases quarantined slots: core's one policy type. With
+/// [`ReleasePolicy::Safe`] the NIC checks generations and slots leave
+/// quarantine only with a real proof; the positive control
+/// (`ReleasePolicy::Naive`, feature `naive-positive-control`) also skips
+/// the NIC's generation check (one rkey per region), as SGLang did before
+/// its fix.
+pub use kv_transfer_core::drain::ReleasePolicy;
 
 /// Configuration of a [`SimNic`].
 #[derive(Clone, Debug)]
@@ -122,23 +112,8 @@ pub enum NicError {
     },
 }
 
-/// Why [`SimNic::expose`] refused. The lease comes back unexposed.
-pub type ExposeError = kv_transfer_core::ExposeError<ExposeErrorKind>;
-
-/// Reasons of an [`ExposeError`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ExposeErrorKind {
-    /// The lease's pool was not registered with this NIC.
-    #[error("pool not registered with this NIC")]
-    ForeignPool,
-    /// No live connection to this peer.
-    #[error("unknown or disconnected peer {0:?}")]
-    UnknownPeer(PeerId),
-    /// The NIC is shut down.
-    #[error("NIC is shut down")]
-    ShuttingDown,
-}
+/// Why [`SimNic::expose`] refused (core's one type; the lease comes back unexposed).
+pub use kv_transfer_core::{ExposeError, ExposeErrorKind};
 
 /// Something that happened at this NIC that the application may care about.
 #[derive(Clone, Debug, PartialEq, Eq)]
