@@ -70,9 +70,9 @@ use kv_transfer_core::drain::{
     self, AbortTracker, Capabilities, ControlKind, ControlMessage, ExposureTable, OpEnd, ReleasePolicy, Trust,
 };
 use kv_transfer_core::{
-    check_shapes, Completer, EscalationAction, Exposed, Generation, Op, PeerId, PoolConfig, PoolError, PoolId,
-    PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority, SlotId,
-    SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions,
+    check_shapes, BackendError, Completer, EscalationAction, Exposed, Generation, Op, PeerId, PoolConfig, PoolError,
+    PoolId, PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority,
+    SlotId, SlotLease, SlotPool, Target, Tenancy, TransferError, TransferHandle, TransferOptions,
 };
 // Named in the docs; the impl comes from `impl_transfer_via_post_now!`.
 #[cfg(doc)]
@@ -1170,6 +1170,44 @@ impl PostNow for MoriTransfer {
 }
 
 kv_transfer_core::impl_transfer_via_post_now!(MoriTransfer, BACKEND);
+
+/// The target side every backend shares. A peer's descriptor is its
+/// engine's [`EngineDesc`] (JSON: [`MoriTransfer::local_descriptor`]).
+impl Target for MoriTransfer {
+    fn capabilities(&self) -> Capabilities {
+        self.inner.caps
+    }
+    fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, BackendError> {
+        MoriTransfer::register_pool(self, region, config).map_err(|e| match e {
+            AdapterError::Pool(p) => BackendError::Pool(p),
+            AdapterError::Region(m) => BackendError::Unsupported(m),
+            e => BackendError::Engine { backend: BACKEND, message: e.to_string() },
+        })
+    }
+    fn local_descriptor(&self) -> Result<Vec<u8>, BackendError> {
+        serde_json::to_vec(&self.inner.engine.engine_desc())
+            .map_err(|e| BackendError::Engine { backend: BACKEND, message: e.to_string() })
+    }
+    fn add_peer(&self, descriptor: &[u8]) -> Result<PeerId, BackendError> {
+        let desc: EngineDesc = serde_json::from_slice(descriptor)
+            .map_err(|e| BackendError::Peer(format!("not an engine descriptor: {e}")))?;
+        MoriTransfer::add_peer(self, &desc).map_err(|e| BackendError::Peer(e.to_string()))
+    }
+    fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
+        MoriTransfer::expose(self, lease, peer)
+    }
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let m = self.stats();
+        kv_transfer_core::named_counters!(m; posts, transfers, transfers_succeeded, transfers_failed,
+            transfers_unknown, ops_completed, ops_draining, inbound_settled, inbound_stale, inbound_unknown,
+            inbound_failed, inbound_no_settle, aborts_sent, abort_acks_received, aborts_received, abort_acks_sent,
+            revoked, fences, peers_lost, posts_refused_tombstone)
+    }
+}
 
 #[cfg(test)]
 pub(crate) mod tests_support {

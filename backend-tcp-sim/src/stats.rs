@@ -22,6 +22,13 @@ macro_rules! stats {
                 NicStats { $($name: self.$name.load(Ordering::Relaxed),)* }
             }
         }
+
+        impl NicStats {
+            /// Every counter with its name.
+            pub fn fields(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name),)*]
+            }
+        }
     };
 }
 

@@ -66,6 +66,11 @@ pub struct RaceConfig {
     pub drain_us: u64,
     /// Bound on every single wait, ms.
     pub timeout_ms: u64,
+    /// Every WRITE's DONE carries digests of its bytes and every READ keeps
+    /// digests of what it received: a consumer's read of a settled lease
+    /// whose bytes changed after that is refused (integrity on consume).
+    #[serde(default)]
+    pub digest: bool,
 }
 
 impl Default for RaceConfig {
@@ -84,6 +89,7 @@ impl Default for RaceConfig {
             delay_max_us: 20,
             drain_us: 300,
             timeout_ms: 5_000,
+            digest: false,
         }
     }
 }
@@ -127,6 +133,11 @@ pub struct RaceReport {
     pub naive_releases: u64,
     /// Bounded waits that gave up (a stuck proof or operation).
     pub timeouts: u64,
+    /// Consumers whose read was refused because the settled slot's bytes did
+    /// not match their digest (`digest` on): corruption caught at consume
+    /// time, nothing handed over.
+    #[serde(default)]
+    pub integrity_caught: u64,
     /// Connections the decode NIC fenced (the ladder's last step, or a lost peer).
     pub fences: u64,
     /// Times prefill 0 reconnected after a fence.
@@ -306,17 +317,19 @@ fn fill_lease(lease: &mut SlotLease<kv_transfer_core::Reserved>, tags: &[Tag], s
     Ok(())
 }
 
-fn check_lease(lease: &SlotLease<Settled>, tags: &[Tag], size: usize) -> SlotCheck {
+/// What a consumer found in its settled lease; `None`: the read was
+/// refused for integrity (the bytes changed after their digest was taken).
+fn check_lease(lease: &SlotLease<Settled>, tags: &[Tag], size: usize) -> Option<SlotCheck> {
     let mut c = SlotCheck::default();
     let mut buf = vec![0u8; size];
     for (i, t) in tags.iter().enumerate() {
-        if lease.read_at(i, 0, &mut buf).is_err() {
-            c.garbage_bytes += size;
-            continue;
+        match lease.read_at(i, 0, &mut buf) {
+            Ok(()) => c.merge(verify(&buf, *t)),
+            Err(kv_transfer_core::AccessError::Integrity { .. }) => return None,
+            Err(_) => c.garbage_bytes += size,
         }
-        c.merge(verify(&buf, *t));
     }
-    c
+    Some(c)
 }
 
 struct Run<'a> {
@@ -334,8 +347,12 @@ impl Run<'_> {
         self.next_id
     }
 
-    fn consumed(&mut self, c: SlotCheck) {
+    fn consumed(&mut self, c: Option<SlotCheck>) {
         self.rep.requests += 1;
+        let Some(c) = c else {
+            self.rep.integrity_caught += 1;
+            return;
+        };
         if c.foreign_bytes > 0 {
             self.rep.foreign_requests += 1;
             self.rep.foreign_bytes += c.foreign_bytes as u64;
@@ -384,7 +401,8 @@ impl Run<'_> {
             let mut src = self.rig.p0pool.reserve(k).map_err(step_err)?;
             fill_lease(&mut src, &tags_of(id, &remote), size)?;
             let handle =
-                block_on(self.rig.p0.write(src, &remote, TransferOptions::default())).map_err(|e| step_err(e.kind))?;
+                block_on(self.rig.p0.write(src, &remote, TransferOptions::default().with_digest(self.cfg.digest)))
+                    .map_err(|e| step_err(e.kind))?;
             let aborted = self.rng.chance(cfg.abort_rate);
             firsts.push(First {
                 id,
@@ -513,8 +531,12 @@ impl Run<'_> {
         if pull {
             // Pull: decode READs prefill 1's slots; lands before the gate opens.
             let (source, sremote) = self.rig.p1.expose(src, self.rig.decode_at_p1).map_err(|e| step_err(e.kind))?;
-            let mut h = block_on(self.rig.decode.read(lease, &sremote, TransferOptions::default()))
-                .map_err(|e| step_err(e.kind))?;
+            let mut h = block_on(self.rig.decode.read(
+                lease,
+                &sremote,
+                TransferOptions::default().with_digest(self.cfg.digest),
+            ))
+            .map_err(|e| step_err(e.kind))?;
             let lease = match poll_until(std::pin::Pin::new(&mut h), self.wait) {
                 Some(Ok(out)) if out.result.is_ok() => Some(out.lease),
                 Some(Ok(out)) => {
@@ -531,7 +553,8 @@ impl Run<'_> {
             // Push: prefill 1 WRITEs; races the held writes at the gate.
             let (exposed, remote) = self.rig.decode.expose(lease, self.rig.p1_peer).map_err(|e| step_err(e.kind))?;
             let handle =
-                block_on(self.rig.p1.write(src, &remote, TransferOptions::default())).map_err(|e| step_err(e.kind))?;
+                block_on(self.rig.p1.write(src, &remote, TransferOptions::default().with_digest(self.cfg.digest)))
+                    .map_err(|e| step_err(e.kind))?;
             Ok(Next { tags, data: NextData::Pushed { exposed, handle } })
         }
     }

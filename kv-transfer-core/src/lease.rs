@@ -334,44 +334,58 @@ impl SlotLease<Settled> {
         drop(self)
     }
     /// Reads bytes of the lease's `index`-th slot. If the slot's DONE
-    /// carried a digest, the whole slot is checked against it first and a
-    /// mismatch is refused ([`AccessError::Integrity`]): no byte handed over.
+    /// carried a digest, the whole slot is read once, checked against it,
+    /// and the range is handed over from that same copy (so a write landing
+    /// meanwhile cannot slip between check and read); a mismatch is refused
+    /// ([`AccessError::Integrity`]): no byte handed over.
     pub fn read_at(&self, index: usize, offset: usize, dst: &mut [u8]) -> Result<(), AccessError> {
-        if let Some(t) = self.tenancies().get(index) {
-            self.verify(std::slice::from_ref(t), index)?;
+        let Some((t, d)) = self.tenancies().get(index).and_then(|t| Some((*t, self.pool().digest_of(*t)?))) else {
+            return self.read_local(index, offset, dst);
+        };
+        self.region_offset(index, offset, dst.len())?;
+        let mut whole = vec![0u8; self.pool().slot_size()];
+        self.read_local(index, 0, &mut whole)?;
+        if !self.pool().check_digest(t, d, &whole) {
+            return Err(AccessError::Integrity { index });
         }
-        self.read_local(index, offset, dst)
+        dst.copy_from_slice(&whole[offset..offset + dst.len()]);
+        Ok(())
     }
 
     /// Checks every slot against the digest its DONE carried, if any: a
     /// write that landed after the DONE (the positive control's bug) shows
     /// here as [`AccessError::Integrity`], counted in `integrity_failures`.
     pub fn verify_integrity(&self) -> Result<(), AccessError> {
-        self.verify(self.tenancies(), 0)
+        self.bytes().map(drop)
     }
 
-    fn verify(&self, ts: &[crate::ids::Tenancy], first: usize) -> Result<(), AccessError> {
-        self.pool()
-            .verify_digests(ts, |i, buf| self.read_local(first + i, 0, buf).is_ok())
-            .map_err(|i| AccessError::Integrity { index: first + i })
-    }
-    /// Writes bytes into the lease's `index`-th slot.
+    /// Writes bytes into the lease's `index`-th slot (the slot's digest,
+    /// if a DONE carried one, no longer applies and is dropped).
     pub fn write_at(&mut self, index: usize, offset: usize, src: &[u8]) -> Result<(), AccessError> {
+        if let Some(t) = self.tenancies().get(index) {
+            self.pool().drop_digests(std::slice::from_ref(t));
+        }
         self.write_local(index, offset, src)
     }
-    /// All slots' bytes, concatenated in lease order, after the integrity
-    /// check of [`verify_integrity`](Self::verify_integrity).
+    /// All slots' bytes, concatenated in lease order, each slot checked
+    /// against its digest (if a DONE carried one) on the copy handed over.
     pub fn bytes(&self) -> Result<Vec<u8>, AccessError> {
-        self.verify_integrity()?;
         let slot_size = self.pool().slot_size();
         let mut out = vec![0u8; slot_size * self.len()];
         for (i, chunk) in out.chunks_mut(slot_size).enumerate() {
             self.read_local(i, 0, chunk)?;
+            let t = self.tenancies()[i];
+            if let Some(d) = self.pool().digest_of(t) {
+                if !self.pool().check_digest(t, d, chunk) {
+                    return Err(AccessError::Integrity { index: i });
+                }
+            }
         }
         Ok(out)
     }
     /// Keeps the slots (same tenancy) for another operation.
     pub fn into_reserved(self) -> SlotLease<Reserved> {
+        self.pool().drop_digests(self.tenancies());
         self.morph(None)
     }
 }

@@ -440,6 +440,10 @@ impl SlotPool {
 
     pub(crate) fn mark_exposed(&self, tenancies: &[Tenancy], peer: PeerId) {
         let mut st = lock(&self.inner.state);
+        if !st.digests.is_empty() {
+            // A new exposure: whatever an earlier DONE said of these bytes is over.
+            Self::forget_digests(&mut st, tenancies);
+        }
         for t in tenancies {
             let meta = &mut st.slots[t.slot.0 as usize];
             debug_assert_eq!(meta.state, HELD);
@@ -564,7 +568,7 @@ impl SlotPool {
     pub(crate) fn apply_and_settle(&self, proof: &Settlement, lease: &[Tenancy]) -> bool {
         if let ProofScope::Tenancies(ts) = &proof.scope {
             if ts.as_slice() == lease {
-                if let Some(settled) = self.settle_exact(proof.kind, lease) {
+                if let Some(settled) = self.settle_exact(proof, lease) {
                     return settled;
                 }
             }
@@ -576,7 +580,8 @@ impl SlotPool {
     /// tenancies. Same outcome as applying the proof and settling, minus the
     /// general bookkeeping. `None` when some slot is not plainly exposed or
     /// proven under that tenancy (then the general path decides).
-    fn settle_exact(&self, kind: SettlementKind, lease: &[Tenancy]) -> Option<bool> {
+    fn settle_exact(&self, proof: &Settlement, lease: &[Tenancy]) -> Option<bool> {
+        let kind = proof.kind;
         let mut st = lock(&self.inner.state);
         let mut newly = 0u64;
         for t in lease {
@@ -592,6 +597,15 @@ impl SlotPool {
         }
         for t in lease {
             st.slots[t.slot.0 as usize].state = HELD;
+        }
+        if let Some(ds) = &proof.digests {
+            // The operation's own digests of its local slots (a READ that
+            // asked for them): checked when the settled lease is read.
+            for (t, d) in ds.iter() {
+                if lease.contains(t) {
+                    st.digests.insert(t.slot.0, (t.generation.0, *d));
+                }
+            }
         }
         if !st.waiters.is_empty() {
             for t in lease {
@@ -816,45 +830,44 @@ impl SlotPool {
         report_counter!("kvt_forged_rejected_total", self.inner.id, n);
     }
 
-    /// Checks the bytes of settled tenancies against the digests their DONE
-    /// carried (`read` fills `buf` with one slot's bytes). `Err(index)`: the
-    /// lease's `index`-th slot does not match (counted).
-    pub(crate) fn verify_digests(
-        &self,
-        tenancies: &[Tenancy],
-        mut read: impl FnMut(usize, &mut [u8]) -> bool,
-    ) -> Result<(), usize> {
-        let wanted: SmallVec<[(usize, u32); 4]> = {
-            let st = lock(&self.inner.state);
-            if st.digests.is_empty() {
-                return Ok(());
-            }
-            tenancies
-                .iter()
-                .enumerate()
-                .filter_map(|(i, t)| match st.digests.get(&t.slot.0) {
-                    Some(&(g, d)) if g == t.generation.0 => Some((i, d)),
-                    _ => None,
-                })
-                .collect()
-        };
-        if wanted.is_empty() {
-            return Ok(());
+    fn forget_digests(st: &mut PoolState, tenancies: &[Tenancy]) {
+        for t in tenancies {
+            st.digests.remove(&t.slot.0);
         }
-        let mut buf = vec![0u8; self.inner.slot_size];
-        for (i, d) in wanted {
-            if !read(i, &mut buf) || crate::drain::digest(&buf) != d {
-                lock(&self.inner.state).counters.integrity_failures += 1;
-                report_counter!("kvt_integrity_failures_total", self.inner.id, 1);
-                tracing::warn!(
-                    pool = self.inner.id.0,
-                    slot = tenancies[i].slot.0,
-                    "settled slot does not match the digest its DONE carried: bytes withheld"
-                );
-                return Err(i);
-            }
+    }
+
+    /// The lease's own bytes changed (a write through a settled lease, or it
+    /// went back to `Reserved`): the digests said nothing about them any more.
+    pub(crate) fn drop_digests(&self, tenancies: &[Tenancy]) {
+        let mut st = lock(&self.inner.state);
+        if !st.digests.is_empty() {
+            Self::forget_digests(&mut st, tenancies);
         }
-        Ok(())
+    }
+
+    /// The digest a DONE (or a READ's own completion) recorded for `t`, if any.
+    pub(crate) fn digest_of(&self, t: Tenancy) -> Option<u32> {
+        let st = lock(&self.inner.state);
+        if st.digests.is_empty() {
+            return None;
+        }
+        st.digests.get(&t.slot.0).filter(|(g, _)| *g == t.generation.0).map(|(_, d)| *d)
+    }
+
+    /// Checks `bytes` (the whole slot of `t`, as they will be handed over)
+    /// against `t`'s digest; a mismatch is counted and refused.
+    pub(crate) fn check_digest(&self, t: Tenancy, expected: u32, bytes: &[u8]) -> bool {
+        if crate::drain::digest(bytes) == expected {
+            return true;
+        }
+        lock(&self.inner.state).counters.integrity_failures += 1;
+        report_counter!("kvt_integrity_failures_total", self.inner.id, 1);
+        tracing::warn!(
+            pool = self.inner.id.0,
+            slot = t.slot.0,
+            "settled slot does not match the digest its DONE carried: bytes withheld"
+        );
+        false
     }
 
     pub(crate) fn next_escalation_at(&self) -> Option<Instant> {

@@ -11,6 +11,16 @@ use crate::remote::RemoteSlots;
 use std::fmt;
 use std::sync::Arc;
 
+/// `(name, value)` pairs of a counters struct's fields, for
+/// [`Target::counters`]: `named_counters!(snapshot; posts, failures)`.
+#[macro_export]
+macro_rules! named_counters {
+    ($s:expr; $($f:ident),* $(,)?) => {{
+        let s = &$s;
+        vec![$((stringify!($f), s.$f as u64)),*]
+    }};
+}
+
 /// Why an exposure was refused. One type for every backend.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

@@ -55,3 +55,30 @@ fn s2_safe_policy_zero_foreign_bytes() {
     assert!(r.pool_whole(), "the pool leaked: {r:#?}");
     assert_eq!(r.timeouts, 0, "a bounded wait gave up: {r:#?}");
 }
+
+/// Integrity on consume, as a second line: under the naive policy alone
+/// (slots freed without a proof), DONE digests (and READs' own digests) still
+/// catch every corruption when the consumer reads: the hazard happens, no
+/// foreign byte is handed over.
+#[test]
+fn s2_naive_policy_with_digests_is_caught_at_consume() {
+    let cfg = RaceConfig { digest: true, ..config(ReleasePolicy::Naive) };
+    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
+    eprintln!(
+        "naive + digests: {} requests, {} stale writes landed, {} reads refused for integrity, {} consumed foreign bytes",
+        r.requests, r.stale_writes_landed, r.integrity_caught, r.foreign_requests
+    );
+    assert!(r.stale_writes_landed > 0, "the hazard must still happen (positive control): {r:#?}");
+    assert!(r.integrity_caught > 0, "digests caught nothing: {r:#?}");
+    assert_eq!(r.foreign_requests, 0, "a corrupted slot was handed over despite its digest: {r:#?}");
+    assert_eq!(r.foreign_bytes, 0);
+}
+
+/// The same schedule without digests is the positive control of the one
+/// above: the corruption is consumed.
+#[test]
+fn s2_naive_policy_without_digests_consumes_the_corruption() {
+    let r = run_race(&config(ReleasePolicy::Naive), &mut |_, _| {}).expect("race runs");
+    assert_eq!(r.integrity_caught, 0);
+    assert!(r.foreign_requests > 0, "{r:#?}");
+}

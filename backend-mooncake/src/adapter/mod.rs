@@ -99,9 +99,9 @@ use kv_transfer_core::drain::{
     Plan, Trust,
 };
 use kv_transfer_core::{
-    check_shapes, Completer, EscalationAction, Exposed, Op, PeerId, PoolConfig, PoolId, PostError, PostErrorKind,
-    Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool, Transfer, TransferError,
-    TransferHandle, TransferOptions,
+    check_shapes, BackendError, Completer, EscalationAction, ExposeError, ExposeErrorKind, Exposed, Op, PeerId,
+    PoolConfig, PoolId, PostError, PostErrorKind, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority,
+    SlotLease, SlotPool, Target, Transfer, TransferError, TransferHandle, TransferOptions,
 };
 
 use crate::engine::{BatchId, SegmentId, TransferEngine, TransferRequest};
@@ -173,6 +173,13 @@ macro_rules! counters {
         impl Counters {
             fn snapshot(&self) -> AdapterMetrics {
                 AdapterMetrics { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
+        }
+
+        impl AdapterMetrics {
+            /// Every counter with its name.
+            pub fn fields(&self) -> Vec<(&'static str, u64)> {
+                vec![$((stringify!($name), self.$name),)*]
             }
         }
     };
@@ -457,19 +464,14 @@ impl MooncakeTransfer {
         &self,
         lease: SlotLease<Reserved>,
         peer: PeerId,
-    ) -> Result<(SlotLease<Exposed>, RemoteSlots), Box<PostError>> {
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
         let v1 = match lock(&self.inner.peers).by_id.get(&peer) {
             Some(p) => p.proto == ProtoVersion::V1 || self.inner.self_proto == ProtoVersion::V1,
-            None => {
-                return Err(Box::new(PostError {
-                    lease,
-                    kind: PostErrorKind::Peer(format!("unknown peer {}", peer.0)),
-                }))
-            }
+            None => return Err(ExposeError { lease, kind: ExposeErrorKind::UnknownPeer(peer) }),
         };
         let pools = lock(&self.inner.pools);
         let Some(entry) = pools.get(&lease.pool().id()) else {
-            return Err(Box::new(PostError { lease, kind: PostErrorKind::ForeignPool }));
+            return Err(ExposeError { lease, kind: ExposeErrorKind::ForeignPool });
         };
         // The trust is fixed now: a v1 peer's exposure is never upgraded by a
         // later refresh of the peer (it settles only by a proof its word is not).
@@ -487,6 +489,39 @@ impl MooncakeTransfer {
             );
         }
         Ok((exposed, remote))
+    }
+}
+
+/// The target side every backend shares. A peer's descriptor is its
+/// segment name (`ip:port` of its handshake listener).
+impl Target for MooncakeTransfer {
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+    fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, BackendError> {
+        MooncakeTransfer::register_pool(self, region, config).map_err(|e| match e {
+            AdapterError::Pool(p) => BackendError::Pool(p),
+            AdapterError::NotHostMemory => BackendError::Unsupported(e.to_string()),
+            e => BackendError::Engine { backend: "mooncake", message: e.to_string() },
+        })
+    }
+    fn local_descriptor(&self) -> Result<Vec<u8>, BackendError> {
+        Ok(self.segment_name().as_bytes().to_vec())
+    }
+    fn add_peer(&self, descriptor: &[u8]) -> Result<PeerId, BackendError> {
+        let name =
+            std::str::from_utf8(descriptor).map_err(|_| BackendError::Peer("segment name is not UTF-8".into()))?;
+        MooncakeTransfer::add_peer(self, name).map_err(|e| BackendError::Peer(format!("{name}: {e}")))
+    }
+    fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
+        MooncakeTransfer::expose(self, lease, peer)
+    }
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        self.metrics().fields()
     }
 }
 

@@ -107,9 +107,9 @@ use kv_transfer_core::drain::{
     Outgoing, Plan, ReleasePolicy, Trust,
 };
 use kv_transfer_core::{
-    check_shapes, Completed, Completer, Exposed, MemoryKind, Op, PeerId, PoolConfig, PoolError, PoolId, PostError,
-    PostErrorKind, PostNow, Region, RemoteSlot, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool,
-    Tenancy, TransferError, TransferHandle, TransferOptions,
+    check_shapes, BackendError, Completed, Completer, ExposeError, ExposeErrorKind, Exposed, MemoryKind, Op, PeerId,
+    PoolConfig, PoolError, PoolId, PostError, PostErrorKind, PostNow, Region, RemoteSlot, RemoteSlots, Reserved,
+    SettlementAuthority, SlotLease, SlotPool, Target, Tenancy, TransferError, TransferHandle, TransferOptions,
 };
 // Named in the docs; the impl comes from `impl_transfer_via_post_now!`.
 #[cfg(doc)]
@@ -703,22 +703,21 @@ impl NixlTransfer {
     /// Target side: exposes `lease`'s slots to `peer` and describes them. The
     /// exposure settles when the peer's `W`/`R`/`K` message for these tenancies
     /// arrives; aborting it sends the peer an ABORT.
-    #[allow(clippy::result_large_err)]
     pub fn expose(
         &self,
         lease: SlotLease<Reserved>,
         peer: PeerId,
-    ) -> Result<(SlotLease<Exposed>, RemoteSlots), PostError> {
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
         let mut st = self.inner.state();
         if st.closing {
-            return Err(PostError { lease, kind: PostErrorKind::ShuttingDown });
+            return Err(ExposeError { lease, kind: ExposeErrorKind::ShuttingDown });
         }
         let pool = lease.pool().id();
         let Some(entry) = st.pools.get(&pool) else {
-            return Err(PostError { lease, kind: PostErrorKind::ForeignPool });
+            return Err(ExposeError { lease, kind: ExposeErrorKind::ForeignPool });
         };
         if !st.peers.contains_key(&peer) {
-            return Err(PostError { lease, kind: PostErrorKind::Peer(format!("{peer:?} was never added")) });
+            return Err(ExposeError { lease, kind: ExposeErrorKind::UnknownPeer(peer) });
         }
         let (key, authority) = (entry.reg.0, entry.authority.clone());
         let token = st.exposures.expose(pool, lease.tenancies(), peer, Trust::Proving);
@@ -878,6 +877,42 @@ impl PostNow for NixlTransfer {
 }
 
 kv_transfer_core::impl_transfer_via_post_now!(NixlTransfer, BACKEND);
+
+/// The target side every backend shares. A peer's descriptor is its
+/// agent's metadata ([`NixlTransfer::local_metadata`]).
+impl Target for NixlTransfer {
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+    fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, BackendError> {
+        NixlTransfer::register_pool(self, region, config).map_err(|e| match e {
+            AdapterError::Pool(p) => BackendError::Pool(p),
+            AdapterError::NotHostMemory => BackendError::Unsupported(e.to_string()),
+            AdapterError::ShuttingDown => BackendError::ShuttingDown,
+            e => BackendError::Engine { backend: BACKEND, message: e.to_string() },
+        })
+    }
+    fn local_descriptor(&self) -> Result<Vec<u8>, BackendError> {
+        self.local_metadata().map_err(|e| BackendError::Engine { backend: BACKEND, message: e.to_string() })
+    }
+    fn add_peer(&self, descriptor: &[u8]) -> Result<PeerId, BackendError> {
+        NixlTransfer::add_peer(self, descriptor).map_err(|e| BackendError::Peer(e.to_string()))
+    }
+    fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
+        NixlTransfer::expose(self, lease, peer)
+    }
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let m = self.metrics();
+        kv_transfer_core::named_counters!(m; in_flight, exposed_slots, pending_messages, posted, reposted,
+            cached_requests, completed_ok, completed_err, release_failures, messages_received, malformed, foreign,
+            stale, settled_by_message, aborts_sent, aborts_received, acks_sent, failed_unproven, acks_withheld,
+            deferred_notifs_sent, refused_tombstoned, notif_errors, events_dropped, leaked_registrations)
+    }
+}
 
 impl Inner {
     fn state(&self) -> MutexGuard<'_, State> {

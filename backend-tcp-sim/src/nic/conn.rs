@@ -73,6 +73,14 @@ pub(super) struct OpEntry {
     /// The DONE to send once every WR succeeded (with digests of the local
     /// bytes filled in then, if asked for).
     pub(super) notify: Option<Notify>,
+    /// A READ that asked for digests: the local slots' digests go with its
+    /// `Completed` proof, so a write that lands in them later is caught when
+    /// the settled lease is read.
+    pub(super) digest_local: bool,
+    /// With `digest_local`: each READ response's crc32c as it came off the
+    /// wire, by local region offset (taken before the bytes are placed, so
+    /// a write that lands in the slot meanwhile does not enter it).
+    pub(super) read_digests: Vec<(usize, u32)>,
     pub(super) sent_any: bool,
 }
 

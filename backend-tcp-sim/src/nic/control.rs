@@ -55,8 +55,10 @@ impl NicInner {
             return;
         };
         if self.cfg.policy.is_naive() {
-            // The positive control checks nothing.
-            reg.authority.deliver(reg.authority.completed(&msg.tenancies));
+            // The positive control checks nothing (the digests still travel:
+            // integrity on consume is the second line it is tested against).
+            let pairs: Vec<_> = msg.tenancies.iter().copied().zip(msg.digests.iter().copied()).collect();
+            reg.authority.deliver(reg.authority.completed_with_digests(&msg.tenancies, &pairs));
             if notify {
                 self.event(InboundEvent::Notified { peer: conn.peer, key: reg.key, tenancies: msg.tenancies });
             }

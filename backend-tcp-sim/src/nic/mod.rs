@@ -55,6 +55,7 @@ use kv_transfer_core::{
 use kv_transfer_core::drain::{Capabilities, ExposureTable, Trust};
 #[cfg(doc)]
 use kv_transfer_core::Transfer;
+use kv_transfer_core::{BackendError, Target};
 use registration::{Binding, Reg};
 
 /// What the simulator proves: drain and ack (ABORT / ABORT_ACK), revoke (the
@@ -550,6 +551,40 @@ impl PostNow for SimNic {
 }
 
 kv_transfer_core::impl_transfer_via_post_now!(SimNic, "tcp-sim");
+
+/// The target side every backend shares. A peer's descriptor is its
+/// listening endpoint (`127.0.0.1:port`); adding it connects to it (or finds
+/// the connection it opened to us).
+impl Target for SimNic {
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+    fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, BackendError> {
+        SimNic::register_pool(self, region, config).map_err(|e| match e {
+            NicError::Pool(p) => BackendError::Pool(p),
+            NicError::ShuttingDown => BackendError::ShuttingDown,
+            e => BackendError::Engine { backend: "tcp-sim", message: e.to_string() },
+        })
+    }
+    fn local_descriptor(&self) -> Result<Vec<u8>, BackendError> {
+        Ok(self.endpoint().as_bytes().to_vec())
+    }
+    fn add_peer(&self, descriptor: &[u8]) -> Result<PeerId, BackendError> {
+        let endpoint =
+            std::str::from_utf8(descriptor).map_err(|_| BackendError::Peer("endpoint is not UTF-8".into()))?;
+        self.connect(endpoint).map_err(|e| BackendError::Peer(format!("{endpoint}: {e}")))
+    }
+    fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
+        SimNic::expose(self, lease, peer)
+    }
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        self.stats().fields()
+    }
+}
 
 impl NicInner {
     fn reg_for_pool(&self, id: PoolId) -> Option<Arc<Reg>> {

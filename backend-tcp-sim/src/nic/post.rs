@@ -107,6 +107,8 @@ impl NicInner {
             err: None,
             data: None,
             notify,
+            digest_local: opts.digest && op == Op::Read,
+            read_digests: Vec::new(),
             sent_any: false,
         };
         self.submit(&conn, op_id, entry, wrs, items);

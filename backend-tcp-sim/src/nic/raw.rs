@@ -141,7 +141,17 @@ impl NicInner {
             (None, _) => (Body::Read(h), 0, Some(Dest::Buf(len))),
         };
         let head = wire::encode_head(&body, pl).map_err(|e| NicError::Handshake(e.to_string()))?;
-        let entry = OpEntry { done, reg: None, remaining: 1, err: None, data: None, notify: None, sent_any: false };
+        let entry = OpEntry {
+            done,
+            reg: None,
+            remaining: 1,
+            err: None,
+            data: None,
+            notify: None,
+            digest_local: false,
+            read_digests: Vec::new(),
+            sent_any: false,
+        };
         let wr = WrEntry {
             op: op_id,
             pool: None,

@@ -194,7 +194,26 @@ impl NicInner {
         let dest = lock(&conn.st).wrs.get(&wr_id).and_then(|w| w.dest.clone());
         let res = match (status, dest) {
             (WireStatus::Ok, Some(Dest::Local { reg, off, len })) if len == payload_len => {
-                if reg.fill_from(r, off, len)? {
+                let digest = {
+                    let st = lock(&conn.st);
+                    st.wrs.get(&wr_id).and_then(|w| st.ops.get(&w.op)).is_some_and(|o| o.digest_local)
+                };
+                let placed = if digest {
+                    // Digest the bytes as they arrived, then place them.
+                    let mut v = vec![0u8; len];
+                    r.read_exact(&mut v)?;
+                    let crc = kv_transfer_core::drain::digest(&v);
+                    let placed = reg.fill_from(&mut v.as_slice(), off, len)?;
+                    let mut st = lock(&conn.st);
+                    let op = st.wrs.get(&wr_id).map(|w| w.op);
+                    if let Some(o) = op.and_then(|op| st.ops.get_mut(&op)) {
+                        o.read_digests.push((off, crc));
+                    }
+                    placed
+                } else {
+                    reg.fill_from(r, off, len)?
+                };
+                if placed {
                     Ok(None)
                 } else {
                     Err(TransferError::Engine { engine: "tcp-sim", code: 2, message: "local region refused".into() })
@@ -293,6 +312,17 @@ impl NicInner {
                 let Some(reg) = op.reg else { return };
                 let res = if fenced {
                     c.complete(reg.authority.fenced(peer), result)
+                } else if op.digest_local && result.is_ok() {
+                    let ts = c.lease().tenancies();
+                    let pairs: Vec<_> = ts
+                        .iter()
+                        .filter_map(|t| {
+                            let off = t.slot.0 as usize * reg.slot_size;
+                            op.read_digests.iter().find(|(o, _)| *o == off).map(|(_, d)| (*t, *d))
+                        })
+                        .collect();
+                    let proof = reg.authority.completed_with_digests(ts, &pairs);
+                    c.complete(proof, result)
                 } else {
                     let proof = reg.authority.completed_lease(c.lease());
                     c.complete(proof, result)
