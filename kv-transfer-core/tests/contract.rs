@@ -1,4 +1,5 @@
-//! The contract's rules, one test each where a test can state them.
+//! The contract's rules, one test each where a test can state them. Each
+//! test is named `ruleN_...` after the rule of `docs/DESIGN.md` it proves.
 
 use futures::executor::block_on;
 use futures::FutureExt;
@@ -23,7 +24,7 @@ fn pool(capacity: usize) -> (SlotPool, SettlementAuthority) {
 }
 
 #[test]
-fn generations_grow_on_every_lease() {
+fn rule5_generations_grow_on_every_lease() {
     let (pool, _a) = pool(1);
     let mut last = 0;
     for _ in 0..5 {
@@ -36,7 +37,7 @@ fn generations_grow_on_every_lease() {
 }
 
 #[test]
-fn admission_is_all_or_nothing_and_typed() {
+fn rule6_admission_is_all_or_nothing_and_typed() {
     let (pool, _a) = pool(4);
     let held = pool.reserve(3).unwrap();
     assert_eq!(pool.reserve(2).unwrap_err(), AdmissionError::OverCapacity { requested: 2, available: 1 });
@@ -51,7 +52,7 @@ fn admission_is_all_or_nothing_and_typed() {
 }
 
 #[test]
-fn aborted_exposure_stays_quarantined_until_a_proof() {
+fn rule1_an_aborted_exposure_stays_quarantined_until_a_proof() {
     let (pool, authority) = pool(2);
     let (exposed, remote) = authority.expose(pool.reserve(2).unwrap(), PeerId(9), 1, "t", Default::default());
     exposed.abort();
@@ -71,7 +72,7 @@ fn aborted_exposure_stays_quarantined_until_a_proof() {
 }
 
 #[test]
-fn dropping_an_exposed_lease_is_an_abort_not_a_release() {
+fn rule4_dropping_an_exposed_lease_is_an_abort_not_a_release() {
     let (pool, authority) = pool(1);
     let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     drop(exposed);
@@ -82,7 +83,7 @@ fn dropping_an_exposed_lease_is_an_abort_not_a_release() {
 }
 
 #[test]
-fn forgetting_an_exposed_lease_leaks_but_never_frees() {
+fn rule4_forgetting_an_exposed_lease_leaks_but_never_frees() {
     let (pool, authority) = pool(1);
     let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     std::mem::forget(exposed);
@@ -95,7 +96,7 @@ fn forgetting_an_exposed_lease_leaks_but_never_frees() {
 }
 
 #[test]
-fn a_timer_never_frees_it_only_escalates() {
+fn rule2_a_timer_never_frees_it_only_escalates() {
     let clock = Arc::new(ManualClock::new());
     let (pool, authority) = pool_with(1, clock.clone());
     let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(3), 1, "t", Default::default());
@@ -127,7 +128,7 @@ fn a_timer_never_frees_it_only_escalates() {
 }
 
 #[test]
-fn escalation_hook_fires_on_quarantine() {
+fn rule2_the_escalation_hook_fires_on_quarantine() {
     let (pool, authority) = pool(1);
     let fired = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let f = fired.clone();
@@ -140,7 +141,7 @@ fn escalation_hook_fires_on_quarantine() {
 }
 
 #[test]
-fn stale_proofs_are_dropped_and_counted() {
+fn rule5_stale_proofs_are_dropped_and_counted() {
     let (pool, authority) = pool(1);
     let (exposed, old) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     authority.deliver(authority.completed(&old.tenancies()));
@@ -160,7 +161,7 @@ fn stale_proofs_are_dropped_and_counted() {
 }
 
 #[test]
-fn a_proof_from_another_pool_settles_nothing() {
+fn rule1_a_proof_from_another_pool_settles_nothing() {
     let (pool, _authority) = pool(1);
     let (_other_pool, other) = self::pool(1);
     let (exposed, remote) = other.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
@@ -174,7 +175,7 @@ fn a_proof_from_another_pool_settles_nothing() {
 }
 
 #[test]
-fn settle_needs_a_proof_covering_every_slot() {
+fn rule1_settling_needs_a_proof_covering_every_slot() {
     let (pool, authority) = pool(2);
     let (exposed, remote) = authority.expose(pool.reserve(2).unwrap(), PeerId(1), 1, "t", Default::default());
     let ts = remote.tenancies();
@@ -185,7 +186,7 @@ fn settle_needs_a_proof_covering_every_slot() {
 }
 
 #[test]
-fn fence_settles_every_exposure_to_that_peer_only() {
+fn rule1_a_fence_settles_every_exposure_to_that_peer_only() {
     let (pool, authority) = pool(4);
     let (a, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     let (b, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
@@ -203,7 +204,7 @@ fn fence_settles_every_exposure_to_that_peer_only() {
 }
 
 #[test]
-fn settled_future_waits_for_the_proof() {
+fn rule3_the_settled_future_waits_for_the_proof() {
     let (pool, authority) = pool(1);
     let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
     let mut fut = exposed.settled();
@@ -219,7 +220,7 @@ fn settled_future_waits_for_the_proof() {
 }
 
 #[test]
-fn local_reads_and_writes_are_bounded_to_the_lease() {
+fn rule3_local_reads_and_writes_are_bounded_to_the_lease() {
     let (pool, authority) = pool(2);
     let mut lease = pool.reserve(1).unwrap();
     lease.write_at(0, 0, b"hello").unwrap();
@@ -262,7 +263,7 @@ fn metadata_is_at_most_32_bytes_per_slot() {
 // ----- TransferHandle: the owned-lease pattern -----
 
 #[test]
-fn dropped_handle_returns_the_lease_only_after_completion() {
+fn rule4_a_dropped_handle_returns_the_lease_only_after_completion() {
     let (pool, authority) = pool(1);
     let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(1));
     let (handle, completer) = TransferHandle::pair(exposed);
@@ -278,7 +279,7 @@ fn dropped_handle_returns_the_lease_only_after_completion() {
 }
 
 #[test]
-fn completion_racing_the_handle_drop_never_loses_or_leaks_a_lease() {
+fn rule4_completion_racing_the_handle_drop_never_loses_or_leaks_a_lease() {
     // Completed first and never polled, dropped first, or both at once on two
     // threads: the lease comes back to the pool exactly once every time.
     let (pool, authority) = pool(1);
@@ -313,7 +314,7 @@ fn completion_racing_the_handle_drop_never_loses_or_leaks_a_lease() {
 }
 
 #[test]
-fn handle_resolves_only_at_terminal_status_and_returns_the_lease() {
+fn rule7_a_handle_resolves_only_at_terminal_status_and_returns_the_lease() {
     let (pool, authority) = pool(1);
     let mut lease = pool.reserve(1).unwrap();
     lease.write_at(0, 0, &[7; 4]).unwrap();
@@ -336,7 +337,7 @@ fn handle_resolves_only_at_terminal_status_and_returns_the_lease() {
 }
 
 #[test]
-fn a_completer_dropped_without_status_quarantines_and_reports_abandoned() {
+fn rule4_a_completer_dropped_without_status_quarantines_and_reports_abandoned() {
     let (pool, authority) = pool(1);
     let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(5));
     let (handle, completer) = TransferHandle::pair(exposed);
@@ -348,7 +349,7 @@ fn a_completer_dropped_without_status_quarantines_and_reports_abandoned() {
 }
 
 #[test]
-fn an_abandoned_operation_keeps_its_lease_quarantined_and_reports_the_error() {
+fn rule7_an_abandoned_operation_keeps_its_lease_quarantined_and_reports_the_error() {
     let (pool, authority) = pool(1);
     let exposed = authority.expose_local(pool.reserve(1).unwrap(), PeerId(5));
     let (handle, completer) = TransferHandle::pair(exposed);
@@ -361,7 +362,7 @@ fn an_abandoned_operation_keeps_its_lease_quarantined_and_reports_the_error() {
 }
 
 #[test]
-fn completing_with_a_wrong_proof_does_not_free() {
+fn rule1_completing_with_a_wrong_proof_does_not_free() {
     let (pool, _authority) = pool(1);
     let (_p2, other) = self::pool(1);
     let exposed = other.expose_local(pool.reserve(1).unwrap(), PeerId(5));
@@ -373,7 +374,7 @@ fn completing_with_a_wrong_proof_does_not_free() {
 }
 
 #[test]
-fn a_completed_handle_resolves_at_once_and_only_with_a_settling_proof() {
+fn rule1_a_completed_handle_resolves_at_once_and_only_with_a_settling_proof() {
     let (pool, authority) = pool(2);
     // Finished inside the post: settled now, resolves at the first poll,
     // once; the bytes and the result come back with the lease.
@@ -408,7 +409,7 @@ fn a_completed_handle_resolves_at_once_and_only_with_a_settling_proof() {
 }
 
 #[test]
-fn a_failed_post_hands_the_lease_back() {
+fn rule3_a_failed_post_hands_the_lease_back() {
     let (pool, _authority) = pool(2);
     let (pool2, _a2) = self::pool(2);
     let lease = pool.reserve(1).unwrap();
@@ -446,7 +447,7 @@ impl PostNow for SyncBackend {
 }
 
 #[test]
-fn a_deferred_post_posts_at_its_first_poll_and_an_unpolled_one_hands_the_lease_back() {
+fn rule3_a_deferred_post_posts_at_its_first_poll_and_an_unpolled_one_hands_the_lease_back() {
     let (pool, authority) = pool(2);
     let backend =
         SyncBackend { authority: authority.clone(), completers: Default::default(), posts: Default::default() };
@@ -479,4 +480,101 @@ fn a_deferred_post_posts_at_its_first_poll_and_an_unpolled_one_hands_the_lease_b
     completer.complete(proof, Ok(())).expect("the proof settles the lease");
     block_on(handle).expect("settled").lease.release();
     assert_eq!(pool.metrics().free, 2);
+}
+
+#[test]
+fn rule2_the_ladder_holds_only_the_steps_the_backend_can_take() {
+    use kv_transfer_core::drain::Capabilities;
+    let clock = Arc::new(ManualClock::new());
+    let ladder = EscalationLadder {
+        drain: Duration::from_millis(10),
+        revoke: Duration::from_millis(10),
+        fence: Duration::from_millis(10),
+    };
+    let cfg = PoolConfig::new(SLOT).with_ladder(ladder).with_clock(clock.clone());
+    let region = Arc::new(HostRegion::new(2 * SLOT).unwrap());
+    let (pool, authority) = SlotPool::new(region, cfg.with_capabilities(Capabilities::DRAIN_ONLY)).unwrap();
+    assert_eq!(authority.capabilities(), Capabilities::DRAIN_ONLY);
+    let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(3), 1, "t", Default::default());
+    exposed.abort();
+    let mut steps = Vec::new();
+    for _ in 0..6 {
+        steps.extend(authority.poll_escalations().into_iter().map(|a| a.step));
+        clock.advance(Duration::from_millis(4));
+    }
+    // Revoke and fence are skipped, never handed over; the drain's budget
+    // runs out and the slot is reported stuck.
+    assert_eq!(steps, [EscalationStep::RequestDrain, EscalationStep::Exhausted]);
+    let m = pool.metrics();
+    assert_eq!((m.free, m.quarantined, m.quarantine_stuck), (1, 1, 1));
+    // A late proof still frees it.
+    authority.deliver(authority.completed(&remote.tenancies()));
+    assert_eq!(pool.metrics().free, 2);
+
+    // A backend that can do none of the three: stuck at once.
+    let none = Capabilities { drain: false, revoke: false, fence: false };
+    let region = Arc::new(HostRegion::new(SLOT).unwrap());
+    let (pool, authority) = SlotPool::new(region, PoolConfig::new(SLOT).with_capabilities(none)).unwrap();
+    let (exposed, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
+    exposed.abort();
+    let steps: Vec<_> = authority.poll_escalations().into_iter().map(|a| a.step).collect();
+    assert_eq!(steps, [EscalationStep::Exhausted]);
+    assert_eq!(pool.metrics().quarantine_stuck, 1);
+}
+
+#[test]
+fn rule2_escalation_reads_the_pools_clock_not_the_wall_clock() {
+    let clock = Arc::new(ManualClock::new());
+    let (pool, authority) = pool_with(1, clock.clone());
+    let (exposed, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(3), 1, "t", Default::default());
+    exposed.abort();
+    assert_eq!(authority.poll_escalations().len(), 1, "the first step is due at the abort");
+    // Real time passes well beyond the 10 ms drain budget: nothing is due
+    // until the pool's own clock moves.
+    std::thread::sleep(Duration::from_millis(30));
+    assert!(authority.poll_escalations().is_empty());
+    assert_eq!(authority.next_escalation_in(), Some(Duration::from_millis(10)));
+    clock.advance(Duration::from_millis(10));
+    assert_eq!(authority.poll_escalations()[0].step, EscalationStep::Revoke);
+}
+
+#[test]
+fn integrity_a_settled_slot_whose_bytes_changed_after_its_done_is_refused() {
+    let (pool, authority) = pool(2);
+    let (exposed, remote) = authority.expose(pool.reserve(2).unwrap(), PeerId(1), 1, "t", Default::default());
+    let ts = remote.tenancies();
+    // The sender's bytes: zeroes (what the region holds), then a late write.
+    let zero = kv_transfer_core::drain::digest(&[0u8; SLOT]);
+    authority.deliver(authority.completed_with_digests(&ts, &[(ts[0], zero), (ts[1], zero)]));
+    let settled = exposed.try_settled().unwrap();
+    assert_eq!(settled.bytes().unwrap(), vec![0u8; 2 * SLOT]);
+    // A write lands in slot 1 after the DONE (what a stale NIC write does).
+    pool.region().write(ts[1].slot.0 as usize * SLOT, &[7u8; 8]).unwrap();
+    assert_eq!(settled.bytes().unwrap_err(), AccessError::Integrity { index: 1 });
+    let mut one = [0u8; 4];
+    assert_eq!(settled.read_at(1, 0, &mut one).unwrap_err(), AccessError::Integrity { index: 1 });
+    assert!(settled.read_at(0, 0, &mut one).is_ok(), "the intact slot is readable");
+    assert_eq!(pool.metrics().integrity_failures, 2);
+    // The lease's own write makes the bytes its own: the digest no longer applies.
+    let mut settled = settled;
+    settled.write_at(1, 0, &[1u8; 4]).unwrap();
+    assert!(settled.bytes().is_ok());
+    settled.release();
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn rule8_remote_sizes_use_checked_arithmetic() {
+    let r = RemoteSlots {
+        endpoint: "peer".into(),
+        pool: PoolId(1),
+        key: 0,
+        slot_size: u64::MAX,
+        token: Default::default(),
+        slots: vec![
+            RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0 },
+            RemoteSlot { slot: SlotId(1), generation: Generation(1), addr: 0 },
+        ],
+    };
+    assert_eq!(r.len_bytes(), None);
 }
