@@ -3,8 +3,8 @@
 //! [`crate::bench::run_loop`] can measure every backend the same way.
 
 use crate::Backend;
-use anyhow::bail;
-use kv_transfer_core::{RemoteSlots, SlotPool, Transfer};
+use anyhow::{anyhow, bail, Context};
+use kv_transfer_core::{Exposed, HostRegion, PoolConfig, RemoteSlots, SlotLease, SlotPool, Target, Transfer};
 use std::sync::Arc;
 
 #[cfg(feature = "mooncake")]
@@ -42,4 +42,36 @@ pub fn loopback_rig(backend: Backend, slots: usize, block: usize) -> anyhow::Res
         #[allow(unreachable_patterns)]
         other => bail!("backend `{}` is not compiled into this kvt", other.name()),
     }
+}
+
+/// An initiator and a target of one backend, connected through the target
+/// interface every backend implements ([`Target`]): a pool of `slots` slots
+/// of `block` bytes registered on each side, the descriptors exchanged both
+/// ways, and the target's exposure of all its slots to the initiator.
+pub struct Pair {
+    /// The initiator's pool.
+    pub pool: SlotPool,
+    /// The target's pool.
+    pub target_pool: SlotPool,
+    /// The target's exposure and its descriptor.
+    pub exposed: SlotLease<Exposed>,
+    /// What the initiator writes into.
+    pub remote: RemoteSlots,
+}
+
+/// Connects `init` and `target` the one way every backend is driven.
+pub fn connect(init: &dyn Target, target: &dyn Target, slots: usize, block: usize) -> anyhow::Result<Pair> {
+    let region = || -> anyhow::Result<Arc<HostRegion>> {
+        let len = slots.checked_mul(block).ok_or_else(|| anyhow!("{slots} slots of {block} B overflow"))?;
+        Ok(Arc::new(HostRegion::new(len).map_err(|e| anyhow!("cannot allocate {len} B: {e}"))?))
+    };
+    let pool = init.register_pool(region()?, PoolConfig::new(block)).context("registering the initiator's pool")?;
+    let target_pool =
+        target.register_pool(region()?, PoolConfig::new(block)).context("registering the target's pool")?;
+    // Descriptors after registration, so each side knows the other's memory.
+    init.add_peer(&target.local_descriptor()?).context("the initiator adding the target")?;
+    let peer = target.add_peer(&init.local_descriptor()?).context("the target adding the initiator")?;
+    let (exposed, remote) =
+        target.expose(target_pool.reserve(slots)?, peer).map_err(|e| anyhow!("expose: {}", e.kind))?;
+    Ok(Pair { pool, target_pool, exposed, remote })
 }

@@ -7,30 +7,25 @@
 //! adapter answers ABORT_ACK once every task it ran on those slots is
 //! finished, which is the `Completed` proof.
 
-use super::Rig;
-use anyhow::{anyhow, bail};
+use super::{connect, Pair, Rig};
+use anyhow::bail;
 use backend_mooncake::{
     AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, ProtoVersion, TcpTransportConfig,
 };
-use kv_transfer_core::{HostRegion, PoolConfig, SlotPool};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Longest wait at teardown for the initiator's ABORT_ACK.
 const SETTLE_WAIT: Duration = Duration::from_secs(10);
 
-fn side(workers: usize, drivers: usize, slots: usize, block: usize) -> anyhow::Result<(MooncakeTransfer, SlotPool)> {
+fn side(workers: usize, drivers: usize) -> anyhow::Result<MooncakeTransfer> {
     let cfg = EngineConfig {
         local_host: "127.0.0.1".into(),
         tcp: TcpTransportConfig { workers, ..TcpTransportConfig::default() },
         ..EngineConfig::default()
     };
     let engine = MooncakeEngine::new(cfg)?;
-    let adapter = MooncakeTransfer::new(Arc::new(engine), AdapterConfig { drivers, ..AdapterConfig::default() })?;
-    let len = slots.checked_mul(block).ok_or_else(|| anyhow!("{slots} slots of {block} B overflow"))?;
-    let region = HostRegion::new(len).map_err(|e| anyhow!("cannot allocate {len} B: {e}"))?;
-    let pool = adapter.register_pool(Arc::new(region), PoolConfig::new(block))?;
-    Ok((adapter, pool))
+    Ok(MooncakeTransfer::new(Arc::new(engine), AdapterConfig { drivers, ..AdapterConfig::default() })?)
 }
 
 pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
@@ -38,13 +33,12 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
         bail!("the mooncake rig needs at least one slot of at least one byte");
     }
     // The initiator's shape as the adapter's own bench runs it.
-    let (init, pool) = side(8, 4, slots, block)?;
-    let (target, tpool) = side(2, 1, slots, block)?;
-    let peer = target.add_peer(init.segment_name())?;
-    if target.peer_proto(peer) != Some(ProtoVersion::V2) {
+    let init = side(8, 4)?;
+    let target = side(2, 1)?;
+    let Pair { pool, target_pool: tpool, exposed, remote } = connect(&init, &target, slots, block)?;
+    if exposed.peer().and_then(|p| target.peer_proto(p)) != Some(ProtoVersion::V2) {
         bail!("the initiator does not speak Mooncake TCP protocol v2");
     }
-    let (exposed, remote) = target.expose(tpool.reserve(slots)?, peer).map_err(|e| anyhow!("expose: {}", e.kind))?;
     let transfer: Arc<MooncakeTransfer> = Arc::new(init);
     let keep = transfer.clone();
     let teardown = Box::new(move || {

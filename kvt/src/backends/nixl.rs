@@ -9,23 +9,16 @@
 //! the default completes writes inside the post, `UCX_TLS=tcp` makes them
 //! asynchronous over loopback TCP).
 
-use super::Rig;
-use anyhow::{anyhow, Context};
+use super::{connect, Pair, Rig};
+use anyhow::Context;
 use backend_nixl::{AdapterConfig, NixlTransfer};
-use kv_transfer_core::{HostRegion, PoolConfig, SlotPool, Transfer};
+use kv_transfer_core::Transfer;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long teardown waits for the exposure to settle and for each side to shut down.
 const TEARDOWN: Duration = Duration::from_secs(5);
-
-fn pool(t: &NixlTransfer, slots: usize, block: usize) -> anyhow::Result<SlotPool> {
-    let bytes = slots.checked_mul(block).ok_or_else(|| anyhow!("{slots} slots of {block} B overflow"))?;
-    let region = HostRegion::new(bytes).map_err(|e| anyhow!("cannot allocate {bytes} B: {e}"))?;
-    t.register_pool(Arc::new(region), PoolConfig::new(block))
-        .with_context(|| format!("registering {bytes} B with NIXL"))
-}
 
 /// Builds an initiator and a target agent in this process, connected, with the
 /// target's exposure of exactly `slots` slots of `block` bytes to the initiator.
@@ -42,12 +35,7 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
         NixlTransfer::new_real(&format!("kvt-initiator-{tag}"), init_cfg)
             .context("kvt bench --backend nixl: cannot start the initiator agent")?,
     );
-    let tpool = pool(&target, slots, block)?;
-    let ipool = pool(&init, slots, block)?;
-    // Metadata after registration, so each side knows the other's memory.
-    init.add_peer(&target.local_metadata()?).context("loading the target's metadata")?;
-    let peer = target.add_peer(&init.local_metadata()?).context("loading the initiator's metadata")?;
-    let (exposed, remote) = target.expose(tpool.reserve(slots)?, peer).map_err(|e| anyhow!("expose: {}", e.kind))?;
+    let Pair { pool: ipool, target_pool: tpool, exposed, remote } = connect(init.as_ref(), &target, slots, block)?;
     let transfer: Arc<dyn Transfer> = init.clone();
     let teardown = Box::new(move || {
         // The loop posts without notifications, so no WRITE settles the exposure:
