@@ -772,3 +772,39 @@ fn raw_write_from_a_registered_region_completes_to_its_queue() {
     p.target.revoke(&exposed);
     settle_within(exposed).release();
 }
+
+/// Rule 8, through the real wire: a DONE settles an exposure only from the
+/// connection it was exposed to, carrying its exposure's token. A third
+/// connection that says it is the peer (same HELLO name) and knows the
+/// tenancies, or the peer itself with a guessed token, settles nothing; both
+/// are counted as forged, and the exposure still settles honestly afterwards.
+#[test]
+fn hostile_done_without_the_exposures_token_or_from_another_connection_settles_nothing() {
+    use kv_transfer_core::drain::{ControlKind, ControlMessage, ExposureToken};
+    let p = pair();
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(2).unwrap(), p.peer).unwrap();
+    let send = |s: &mut TcpStream, token: ExposureToken| {
+        let m = ControlMessage::new(ControlKind::Done, remote.pool, token, remote.tenancies());
+        s.write_all(&wire::encode_head(&Body::Control(m), 0).unwrap()).unwrap();
+    };
+    // An impostor with the peer's name and the right token (say it leaked):
+    // its connection is not the one the slots were exposed to.
+    let mut impostor = raw_conn(&p.target);
+    send(&mut impostor, remote.token);
+    // Guessed tokens, from the impostor.
+    for guess in [ExposureToken::default(), ExposureToken::from_bytes([0xff; 16])] {
+        send(&mut impostor, guess);
+    }
+    wait_until("three forged DONEs counted", || p.target.stats().forged >= 6);
+    assert_eq!(p.tpool.metrics().forged_rejected, 6);
+    let exposed = exposed.try_settled().expect_err("a forged DONE settled the exposure");
+    // The real peer, through its own write with notify: settles.
+    let src = filled(&p.ipool, 2, 0x5a);
+    let out = block_on(async { p.init.write(src, &remote, TransferOptions::default()).await.unwrap().await }).unwrap();
+    assert_eq!(out.result, Ok(()));
+    out.lease.release();
+    let settled = settle_within(exposed);
+    let bytes = settled.bytes().unwrap();
+    assert!(bytes[..SLOT].iter().all(|&b| b == 0x5a) && bytes[SLOT..].iter().all(|&b| b == 0x5b));
+    settled.release();
+}
