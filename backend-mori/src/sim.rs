@@ -67,7 +67,7 @@ use crate::util::{lock, HashMap, HashSet};
 
 /// What MORI over the simulator can prove: drain and ack (its control
 /// messages), revoke (the simulated NIC's generation binding) and fence
-/// ([`MoriTransport::fence`](crate::transport::MoriTransport::fence)), as the
+/// ([`MoriTransport::fence`]), as the
 /// simulator itself does.
 pub const CAPABILITIES: kv_transfer_core::drain::Capabilities = backend_tcp_sim::CAPABILITIES;
 
