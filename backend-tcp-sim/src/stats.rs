@@ -93,6 +93,9 @@ stats! {
     connections_accepted,
     /// Naive policy only: Completed proofs minted without evidence on quarantine.
     naive_releases,
+    /// Connections torn down because a hook or callback panicked on their
+    /// receiving thread (the connection is fenced, never left half alive).
+    hook_panics,
     /// DONE / ABORT_ACK tenancies dropped as forged: from a connection they
     /// were not exposed to, or without the exposure's token.
     forged,

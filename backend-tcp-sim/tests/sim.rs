@@ -808,3 +808,27 @@ fn hostile_done_without_the_exposures_token_or_from_another_connection_settles_n
     assert!(bytes[..SLOT].iter().all(|&b| b == 0x5a) && bytes[SLOT..].iter().all(|&b| b == 0x5b));
     settled.release();
 }
+
+/// A panic in user code on a receiving thread (here a message hook) does not
+/// leave a zombie connection: the connection is marked dead and fenced, its
+/// exposures settle `Fenced`, and the peer's pending WRITE ends with an error
+/// instead of hanging.
+#[test]
+fn hostile_a_panicking_hook_fences_the_connection_instead_of_hanging_it() {
+    let p = pair();
+    let (exposed, remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    p.target.set_message_hook(Some(Arc::new(|_, _, _| panic!("a user hook panics"))));
+    p.init.send_message(p.init.peer_by_name("decode").unwrap(), b"boom").unwrap();
+    wait_until("the panic counted", || p.target.stats().hook_panics == 1);
+    let settled = settle_within(exposed);
+    assert_eq!(p.tpool.metrics().settled_fenced, 1);
+    settled.release();
+    assert!(!p.target.is_connected(p.peer), "the connection must be torn down, not left half alive");
+    // The initiator's next WRITE towards the dead connection ends, with an error.
+    let h = block_on(p.init.write(filled(&p.ipool, 1, 1), &remote, TransferOptions::default()));
+    if let Ok(h) = h {
+        let out = block_on(h).unwrap();
+        assert!(out.result.is_err(), "a WRITE over a fenced connection cannot succeed");
+        out.lease.release();
+    }
+}

@@ -23,44 +23,60 @@ impl NicInner {
         DOORBELLS.with(|d| *d.borrow_mut() = Some(Vec::new()));
         let mut r = BufReader::with_capacity(8 << 10, stream);
         let mut fields = Vec::with_capacity(wire::READ_FIELDS);
-        let res: Result<(), RxExit> = (|| loop {
-            if r.buffer().is_empty() {
-                // About to block on the socket: wake the senders owed.
-                ring_deferred();
-            }
-            let mut pre = [0u8; PREFIX_LEN];
-            r.read_exact(&mut pre)?;
-            let p = wire::decode_prefix(&pre)?;
-            fields.resize(p.fields_len(), 0);
-            r.read_exact(&mut fields)?;
-            let body = wire::decode_fields(&p, &fields)?;
-            match body {
-                Body::Write(h) => {
-                    self.on_write(&conn, &mut r, h)?;
+        // User code runs on this thread (message hooks, raw completion
+        // callbacks): a panic there must not leave a zombie connection, so
+        // the exit path below runs on unwind too (the connection is marked
+        // dead and fenced; its operations end with an error).
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(), RxExit> {
+            loop {
+                if r.buffer().is_empty() {
+                    // About to block on the socket: wake the senders owed.
+                    ring_deferred();
                 }
-                Body::WriteImm(h, imm) => {
-                    // The immediate reaches the application only once the data landed.
-                    if self.on_write(&conn, &mut r, h)? {
-                        inc(&self.counters.messages_received);
-                        let hook = self.message_hook.read().unwrap_or_else(|p| p.into_inner()).clone();
-                        self.deliver_message(&conn, hook.as_ref(), imm.as_bytes());
+                let mut pre = [0u8; PREFIX_LEN];
+                r.read_exact(&mut pre)?;
+                let p = wire::decode_prefix(&pre)?;
+                fields.resize(p.fields_len(), 0);
+                r.read_exact(&mut fields)?;
+                let body = wire::decode_fields(&p, &fields)?;
+                match body {
+                    Body::Write(h) => {
+                        self.on_write(&conn, &mut r, h)?;
                     }
+                    Body::WriteImm(h, imm) => {
+                        // The immediate reaches the application only once the data landed.
+                        if self.on_write(&conn, &mut r, h)? {
+                            inc(&self.counters.messages_received);
+                            let hook = self.message_hook.read().unwrap_or_else(|p| p.into_inner()).clone();
+                            self.deliver_message(&conn, hook.as_ref(), imm.as_bytes());
+                        }
+                    }
+                    Body::Read(h) => self.on_read(&conn, h),
+                    Body::ReadResp { wr_id, status } => {
+                        self.on_read_resp(&conn, &mut r, wr_id, status, p.payload_len())?
+                    }
+                    Body::Completion { wr_id, status } => {
+                        let res = match status {
+                            WireStatus::Ok => Ok(None),
+                            s => Err(status_error(s)),
+                        };
+                        self.wr_terminal(&conn, wr_id, res);
+                    }
+                    Body::Control(m) => self.on_control(&conn, m),
+                    Body::Message => self.on_message(&conn, &mut r, p.payload_len(), &mut fields)?,
+                    Body::Hello { .. } => {}
                 }
-                Body::Read(h) => self.on_read(&conn, h),
-                Body::ReadResp { wr_id, status } => self.on_read_resp(&conn, &mut r, wr_id, status, p.payload_len())?,
-                Body::Completion { wr_id, status } => {
-                    let res = match status {
-                        WireStatus::Ok => Ok(None),
-                        s => Err(status_error(s)),
-                    };
-                    self.wr_terminal(&conn, wr_id, res);
-                }
-                Body::Control(m) => self.on_control(&conn, m),
-                Body::Message => self.on_message(&conn, &mut r, p.payload_len(), &mut fields)?,
-                Body::Hello { .. } => {}
             }
-        })();
+        }))
+        .unwrap_or_else(|_| Err(RxExit::Panicked));
         match res {
+            Err(RxExit::Panicked) => {
+                inc(&self.counters.hook_panics);
+                tracing::error!(
+                    peer = conn.peer.0,
+                    "a hook or callback panicked on the receiving thread: fencing the connection"
+                );
+            }
             Err(RxExit::Decode(e)) => {
                 inc(&self.counters.malformed_frames);
                 tracing::debug!(peer = conn.peer.0, error = %e, "malformed frame: tearing the connection down");
@@ -351,6 +367,8 @@ enum RxExit {
     Io(io::Error),
     Decode(DecodeError),
     Closed,
+    /// User code (a hook, a callback) panicked on this thread.
+    Panicked,
 }
 
 impl From<io::Error> for RxExit {
