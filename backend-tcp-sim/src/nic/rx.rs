@@ -68,7 +68,7 @@ impl NicInner {
                 }
             }
         }))
-        .unwrap_or_else(|_| Err(RxExit::Panicked));
+        .unwrap_or(Err(RxExit::Panicked));
         match res {
             Err(RxExit::Panicked) => {
                 inc(&self.counters.hook_panics);
