@@ -285,6 +285,7 @@ impl SlotLease<Reserved> {
 
     /// Exposes the slots as the local side of an operation posted to `peer`
     /// (through [`SettlementAuthority::expose_local`](crate::SettlementAuthority::expose_local)).
+    #[inline]
     pub(crate) fn expose_local(self, peer: PeerId) -> SlotLease<Exposed> {
         self.exposed(peer)
     }

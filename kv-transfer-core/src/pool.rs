@@ -149,7 +149,11 @@ pub(crate) struct PoolState {
     pub(crate) next_quarantine_id: u64,
     pub(crate) waiters: HashMap<u32, Waker>,
     /// Digests a DONE carried for settled tenancies, by slot: `(generation,
-    /// crc32c)`, checked when the settled lease is read; dropped at release.
+    /// crc32c)`, checked when the settled lease is read. An entry of an older
+    /// generation is ignored (the slot was leased again), so release costs
+    /// nothing here; the lease's own writes and `into_reserved` drop its
+    /// entries (the same tenancy's bytes are its own again). One entry per
+    /// slot at most.
     pub(crate) digests: HashMap<u32, (u64, u32)>,
     pub(crate) counters: Counters,
     pub(crate) leased: u64,
@@ -427,11 +431,7 @@ impl SlotPool {
             st.free.push(t.slot.0);
             n += 1;
         }
-        if !st.digests.is_empty() {
-            for t in tenancies {
-                st.digests.remove(&t.slot.0);
-            }
-        }
+
         st.leased -= n;
         st.counters.released += n;
         drop(st);
@@ -440,10 +440,7 @@ impl SlotPool {
 
     pub(crate) fn mark_exposed(&self, tenancies: &[Tenancy], peer: PeerId) {
         let mut st = lock(&self.inner.state);
-        if !st.digests.is_empty() {
-            // A new exposure: whatever an earlier DONE said of these bytes is over.
-            Self::forget_digests(&mut st, tenancies);
-        }
+
         for t in tenancies {
             let meta = &mut st.slots[t.slot.0 as usize];
             debug_assert_eq!(meta.state, HELD);
@@ -499,7 +496,6 @@ impl SlotPool {
             if meta.state == PROVEN {
                 st.slots[t.slot.0 as usize].state = FREE;
                 st.free.push(t.slot.0);
-                st.digests.remove(&t.slot.0);
                 freed += 1;
             } else {
                 debug_assert_eq!(meta.state, EXPOSED);
@@ -598,15 +594,7 @@ impl SlotPool {
         for t in lease {
             st.slots[t.slot.0 as usize].state = HELD;
         }
-        if let Some(ds) = &proof.digests {
-            // The operation's own digests of its local slots (a READ that
-            // asked for them): checked when the settled lease is read.
-            for (t, d) in ds.iter() {
-                if lease.contains(t) {
-                    st.digests.insert(t.slot.0, (t.generation.0, *d));
-                }
-            }
-        }
+
         if !st.waiters.is_empty() {
             for t in lease {
                 st.waiters.remove(&t.slot.0);
@@ -637,7 +625,9 @@ impl SlotPool {
         let mut wake: SmallVec<[Waker; 2]> = SmallVec::new();
         let mut reclaimed: SmallVec<[std::time::Duration; 1]> = SmallVec::new();
         match &proof.scope {
-            ProofScope::Tenancies(ts) => {
+            ProofScope::Tenancies(_) | ProofScope::Digested(_) => {
+                let (ts, digests) = proof.scope.tenancies().unwrap_or_default();
+                let digests = (!digests.is_empty()).then_some(digests);
                 for t in ts {
                     let Some(meta) = st.slots.get(t.slot.0 as usize).copied() else {
                         report.stale += 1;
@@ -650,10 +640,8 @@ impl SlotPool {
                     match meta.state {
                         EXPOSED => {
                             st.slots[t.slot.0 as usize].state = PROVEN;
-                            if let Some(ds) = &proof.digests {
-                                if let Some((_, d)) = ds.iter().find(|(dt, _)| dt == t) {
-                                    st.digests.insert(t.slot.0, (t.generation.0, *d));
-                                }
+                            if let Some((_, d)) = digests.and_then(|ds| ds.iter().find(|(dt, _)| dt == t)) {
+                                st.digests.insert(t.slot.0, (t.generation.0, *d));
                             }
                             if !st.waiters.is_empty() {
                                 if let Some(w) = st.waiters.remove(&t.slot.0) {

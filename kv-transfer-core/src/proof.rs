@@ -16,7 +16,28 @@ use std::time::Instant;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum ProofScope {
     Tenancies(Tenancies),
+    /// Tenancies with a digest of each one's bytes (a DONE that carried
+    /// them): boxed, so the common proof stays as small as it was.
+    Digested(Box<Digested>),
     Peer(PeerId),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Digested {
+    pub(crate) tenancies: Tenancies,
+    pub(crate) digests: Vec<(Tenancy, u32)>,
+}
+
+impl ProofScope {
+    /// The tenancies a tenancy-scoped proof names, and their digests if any
+    /// (`None` for a peer-wide proof).
+    pub(crate) fn tenancies(&self) -> Option<(&[Tenancy], &[(Tenancy, u32)])> {
+        match self {
+            Self::Tenancies(ts) => Some((ts, &[])),
+            Self::Digested(d) => Some((&d.tenancies, &d.digests)),
+            Self::Peer(_) => None,
+        }
+    }
 }
 
 /// Which of the three proofs.
@@ -37,9 +58,6 @@ pub struct Settlement {
     pub(crate) pool: PoolId,
     pub(crate) kind: SettlementKind,
     pub(crate) scope: ProofScope,
-    /// With a `Completed` from a DONE that carried them: each tenancy's
-    /// digest, kept with the settled tenancy and checked when it is read.
-    pub(crate) digests: Option<Box<[(Tenancy, u32)]>>,
 }
 
 impl Settlement {
@@ -124,7 +142,7 @@ impl SettlementAuthority {
     }
 
     fn mint(&self, kind: SettlementKind, scope: ProofScope) -> Settlement {
-        Settlement { pool: self.pool.id(), kind, scope, digests: None }
+        Settlement { pool: self.pool.id(), kind, scope }
     }
 
     /// A `Completed` proof for these tenancies. Mint it only when every
@@ -136,9 +154,8 @@ impl SettlementAuthority {
     /// of each one's bytes: the pool keeps them with the settled tenancies,
     /// and reading a settled lease checks its bytes against them.
     pub fn completed_with_digests(&self, tenancies: &[Tenancy], digests: &[(Tenancy, u32)]) -> Completed {
-        let mut s = self.mint(SettlementKind::Completed, ProofScope::Tenancies(Tenancies::from_slice(tenancies)));
-        s.digests = Some(digests.into());
-        Completed(s)
+        let d = Digested { tenancies: Tenancies::from_slice(tenancies), digests: digests.to_vec() };
+        Completed(self.mint(SettlementKind::Completed, ProofScope::Digested(Box::new(d))))
     }
     /// A `Completed` proof covering an exposed lease's slots.
     pub fn completed_lease(&self, lease: &SlotLease<Exposed>) -> Completed {
@@ -164,10 +181,7 @@ impl SettlementAuthority {
     pub fn deliver(&self, proof: impl Into<Settlement>) -> DeliveryReport {
         let proof = proof.into();
         if proof.pool != self.pool.id() {
-            let stale = match &proof.scope {
-                ProofScope::Tenancies(t) => t.len(),
-                ProofScope::Peer(_) => 1,
-            };
+            let stale = proof.scope.tenancies().map_or(1, |(t, _)| t.len());
             self.pool.record_stale(stale as u64);
             return DeliveryReport { stale, ..DeliveryReport::default() };
         }
@@ -242,6 +256,7 @@ impl SettlementAuthority {
 
     /// Exposes a reserved lease as the local side of an operation posted to
     /// `peer` (a backend does this when the lease moves into a transfer).
+    #[inline]
     pub fn expose_local(&self, lease: SlotLease<Reserved>, peer: PeerId) -> SlotLease<Exposed> {
         lease.expose_local(peer)
     }
