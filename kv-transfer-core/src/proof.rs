@@ -28,10 +28,13 @@ pub(crate) struct Digested {
     pub(crate) digests: Vec<(Tenancy, u32)>,
 }
 
+/// A tenancy and the digest of its bytes.
+pub(crate) type TenancyDigest = (Tenancy, u32);
+
 impl ProofScope {
     /// The tenancies a tenancy-scoped proof names, and their digests if any
     /// (`None` for a peer-wide proof).
-    pub(crate) fn tenancies(&self) -> Option<(&[Tenancy], &[(Tenancy, u32)])> {
+    pub(crate) fn tenancies(&self) -> Option<(&[Tenancy], &[TenancyDigest])> {
         match self {
             Self::Tenancies(ts) => Some((ts, &[])),
             Self::Digested(d) => Some((&d.tenancies, &d.digests)),
