@@ -127,12 +127,17 @@ pub(crate) struct SlotMeta {
     pub(crate) generation: u64,
     /// The peer while `EXPOSED`/`PROVEN`; the quarantine entry while `QUARANTINED`.
     pub(crate) aux: u32,
+    /// The pool's fence epoch when the slot was exposed: a fence minted
+    /// before that does not cover it. (In the struct's padding: 16 bytes still.)
+    pub(crate) epoch: u16,
     pub(crate) state: u8,
 }
 
 pub(crate) struct QuarantineEntry {
     pub(crate) id: u64,
     pub(crate) peer: PeerId,
+    /// The fence epoch of its exposure.
+    pub(crate) epoch: u16,
     pub(crate) remaining: Tenancies,
     pub(crate) since: Instant,
     pub(crate) next_step: EscalationStep,
@@ -160,6 +165,9 @@ pub(crate) struct PoolState {
     pub(crate) quarantined: u64,
     pub(crate) stuck: u64,
     pub(crate) escalation_hook: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// Fenced proofs minted so far (wrapping): an exposure records it, a
+    /// fence covers the exposures recorded at or before its own.
+    pub(crate) fence_epoch: u16,
 }
 
 pub(crate) struct PoolInner {
@@ -241,7 +249,7 @@ impl SlotPool {
         }
         let capacity = u32::try_from(slots).map_err(|_| PoolError::TooManySlots { slots })?;
         let state = PoolState {
-            slots: vec![SlotMeta { generation: 0, aux: 0, state: FREE }; slots],
+            slots: vec![SlotMeta { generation: 0, aux: 0, epoch: 0, state: FREE }; slots],
             // Popped from the back: slot 0 is handed out first.
             free: (0..capacity).rev().collect(),
             quarantine: Vec::new(),
@@ -254,6 +262,7 @@ impl SlotPool {
             quarantined: 0,
             stuck: 0,
             escalation_hook: None,
+            fence_epoch: 0,
         };
         let inner = PoolInner {
             id: PoolId(NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed)),
@@ -440,12 +449,13 @@ impl SlotPool {
 
     pub(crate) fn mark_exposed(&self, tenancies: &[Tenancy], peer: PeerId) {
         let mut st = lock(&self.inner.state);
-
+        let epoch = st.fence_epoch;
         for t in tenancies {
             let meta = &mut st.slots[t.slot.0 as usize];
             debug_assert_eq!(meta.state, HELD);
             meta.state = EXPOSED;
             meta.aux = peer.0;
+            meta.epoch = epoch;
         }
         st.counters.exposures += 1;
         drop(st);
@@ -524,9 +534,11 @@ impl SlotPool {
         let n = remaining.len() as u64;
         st.quarantined += n;
         st.counters.quarantined_total += n;
+        let epoch = remaining.first().map_or(st.fence_epoch, |t| st.slots[t.slot.0 as usize].epoch);
         st.quarantine[index as usize] = Some(QuarantineEntry {
             id,
             peer,
+            epoch,
             remaining,
             since: now,
             next_step: EscalationStep::first(self.inner.capabilities),
@@ -659,10 +671,10 @@ impl SlotPool {
                     }
                 }
             }
-            ProofScope::Peer(peer) => {
+            ProofScope::Peer(peer, epoch) => {
                 for i in 0..st.slots.len() {
                     let meta = st.slots[i];
-                    if meta.state == EXPOSED && meta.aux == peer.0 {
+                    if meta.state == EXPOSED && meta.aux == peer.0 && covers(*epoch, meta.epoch) {
                         st.slots[i].state = PROVEN;
                         if let Some(w) = st.waiters.remove(&(i as u32)) {
                             wake.push(w);
@@ -672,7 +684,7 @@ impl SlotPool {
                 }
                 for index in 0..st.quarantine.len() {
                     let ts: Tenancies = match &st.quarantine[index] {
-                        Some(e) if e.peer == *peer => e.remaining.clone(),
+                        Some(e) if e.peer == *peer && covers(*epoch, e.epoch) => e.remaining.clone(),
                         _ => continue,
                     };
                     for t in ts {
@@ -833,6 +845,15 @@ impl SlotPool {
         }
     }
 
+    /// The epoch a fence minted now covers (exposures recorded at or before
+    /// it); exposures from now on record the next one.
+    pub(crate) fn next_fence_epoch(&self) -> u16 {
+        let mut st = lock(&self.inner.state);
+        let e = st.fence_epoch;
+        st.fence_epoch = e.wrapping_add(1);
+        e
+    }
+
     /// The digest a DONE (or a READ's own completion) recorded for `t`, if any.
     pub(crate) fn digest_of(&self, t: Tenancy) -> Option<u32> {
         let st = lock(&self.inner.state);
@@ -862,4 +883,12 @@ impl SlotPool {
         let st = lock(&self.inner.state);
         st.quarantine.iter().flatten().filter(|e| !e.stuck).map(|e| e.next_at).min()
     }
+}
+
+/// Whether a fence minted at `fence` covers an exposure recorded at
+/// `exposed`: it was made at or before the mint (serial arithmetic, so the
+/// 16-bit epoch wraps safely while fewer than 32,768 fences of a pool are
+/// minted between an exposure and its proof).
+fn covers(fence: u16, exposed: u16) -> bool {
+    (fence.wrapping_sub(exposed) as i16) >= 0
 }

@@ -19,7 +19,9 @@ pub(crate) enum ProofScope {
     /// Tenancies with a digest of each one's bytes (a DONE that carried
     /// them): boxed, so the common proof stays as small as it was.
     Digested(Box<Digested>),
-    Peer(PeerId),
+    /// Every exposure to a peer that existed when the proof was minted (the
+    /// pool's fence epoch then; see [`SlotPool::fence_epoch`]).
+    Peer(PeerId, u16),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,7 +40,7 @@ impl ProofScope {
         match self {
             Self::Tenancies(ts) => Some((ts, &[])),
             Self::Digested(d) => Some((&d.tenancies, &d.digests)),
-            Self::Peer(_) => None,
+            Self::Peer(..) => None,
         }
     }
 }
@@ -169,10 +171,14 @@ impl SettlementAuthority {
     pub fn revoked(&self, tenancies: &[Tenancy]) -> Revoked {
         Revoked(self.mint(SettlementKind::Revoked, ProofScope::Tenancies(Tenancies::from_slice(tenancies))))
     }
-    /// A `Fenced` proof for everything exposed to `peer`. Mint it only once
-    /// the connection is torn down and its receiving side joined or flushed.
+    /// A `Fenced` proof for everything exposed to `peer` *so far*. Deliver
+    /// it only once the connection is torn down and its receiving side joined
+    /// or flushed; mint it before the teardown starts. What it covers is
+    /// fixed now: an exposure to the same peer made after this call is not
+    /// settled by it, however late it is delivered (rule 8).
     pub fn fenced(&self, peer: PeerId) -> Fenced {
-        Fenced(self.mint(SettlementKind::Fenced, ProofScope::Peer(peer)))
+        let epoch = self.pool.next_fence_epoch();
+        Fenced(self.mint(SettlementKind::Fenced, ProofScope::Peer(peer, epoch)))
     }
 
     /// Applies a proof: live exposures it covers become settleable (their

@@ -578,3 +578,25 @@ fn rule8_remote_sizes_use_checked_arithmetic() {
     };
     assert_eq!(r.len_bytes(), None);
 }
+
+#[test]
+fn rule8_a_fence_covers_only_the_exposures_made_before_it_was_minted() {
+    let (pool, authority) = pool(3);
+    let (old, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(4), 1, "t", Default::default());
+    old.abort();
+    let (live_old, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(4), 1, "t", Default::default());
+    // The fence is minted (its teardown starts) ...
+    let fence = authority.fenced(PeerId(4));
+    // ... a new exposure to the same peer is made before it is delivered ...
+    let (new, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(4), 1, "t", Default::default());
+    let r = authority.deliver(fence);
+    // ... and only what existed at the mint is settled.
+    assert_eq!((r.settled, r.reclaimed), (2, 1));
+    live_old.try_settled().expect("covered").release();
+    let new = new.try_settled().expect_err("a fence minted before an exposure settled it");
+    // A fence minted after it covers it.
+    authority.deliver(authority.fenced(PeerId(4)));
+    new.try_settled().expect("covered by the later fence").release();
+    assert_eq!(pool.metrics().free, 3);
+    pool.check_invariants().unwrap();
+}

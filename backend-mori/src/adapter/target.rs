@@ -4,6 +4,7 @@
 //! plan. All of it runs on the driver thread.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use kv_transfer_core::drain::{self, ControlKind, ControlMessage, ReleasePolicy};
 use kv_transfer_core::{EscalationAction, PeerId, Tenancy};
@@ -141,20 +142,39 @@ impl Inner {
     /// The connection to `peer` is torn down (and the transport confirmed
     /// it): `Fenced` for every exposure to it, in every pool.
     pub(super) fn fenced(&self, peer: PeerId) {
+        let proofs = self.mint_fences(peer);
+        self.deliver_fences(peer, proofs);
+    }
+
+    /// `Fenced(peer)` for every pool, minted now: each covers the exposures
+    /// to `peer` made so far, and none made later (core's fence epoch).
+    fn mint_fences(&self, peer: PeerId) -> Vec<(Arc<PoolEntry>, kv_transfer_core::Fenced)> {
+        self.all_pools()
+            .into_iter()
+            .map(|e| {
+                let proof = e.authority.fenced(peer);
+                (e, proof)
+            })
+            .collect()
+    }
+
+    fn deliver_fences(&self, peer: PeerId, proofs: Vec<(Arc<PoolEntry>, kv_transfer_core::Fenced)>) {
         lock(&self.exposures).fenced(peer);
         lock(&self.hub.ops).aborts.forget_peer(&peer);
-        for e in self.all_pools() {
-            e.authority.deliver(e.authority.fenced(peer));
+        for (e, proof) in proofs {
+            e.authority.deliver(proof);
         }
     }
 
     /// Fences `peer`; on success delivers `Fenced` to every pool.
     pub(super) fn fence(&self, peer: PeerId) -> bool {
         let Some(key) = self.peer_key(peer) else { return false };
+        // Minted before the fence starts, delivered once it is confirmed.
+        let proofs = self.mint_fences(peer);
         match self.engine.fence_remote_engine(&key) {
             Ok(()) => {
                 inc(&self.hub.counters.fences);
-                self.fenced(peer);
+                self.deliver_fences(peer, proofs);
                 true
             }
             Err(e) => {

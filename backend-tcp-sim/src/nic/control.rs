@@ -207,6 +207,17 @@ impl NicInner {
             }
             return false;
         };
+        // Minted before the teardown starts, delivered once it is joined: each
+        // covers the exposures to this connection made so far (core's fence
+        // epoch), none made later.
+        let proofs: Vec<_> = self
+            .all_regs()
+            .into_iter()
+            .map(|r| {
+                let proof = r.authority.fenced(peer);
+                (r, proof)
+            })
+            .collect();
         conn.dead.store(true, Ordering::SeqCst);
         conn.close_tx();
         let _ = conn.stream.shutdown(Shutdown::Both);
@@ -230,8 +241,8 @@ impl NicInner {
             self.finish_op(peer, op, Err(TransferError::Transport(reason.to_string())), true);
         }
         lock(&self.exposures).fenced(peer);
-        for reg in self.all_regs() {
-            reg.authority.deliver(reg.authority.fenced(peer));
+        for (reg, proof) in proofs {
+            reg.authority.deliver(proof);
         }
         tracing::debug!(nic = %self.cfg.name, peer = peer.0, reason, "connection fenced");
         self.event(InboundEvent::PeerLost { peer });
