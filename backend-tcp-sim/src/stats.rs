@@ -93,6 +93,10 @@ stats! {
     connections_accepted,
     /// Naive policy only: Completed proofs minted without evidence on quarantine.
     naive_releases,
+    /// WRITE completions that arrived before the WR's bytes had all left
+    /// (parked until they had: a source slot settles only once our NIC is
+    /// done reading it).
+    early_completions,
     /// Connections torn down because a hook or callback panicked on their
     /// receiving thread (the connection is fenced, never left half alive).
     hook_panics,

@@ -832,3 +832,64 @@ fn hostile_a_panicking_hook_fences_the_connection_instead_of_hanging_it() {
         out.lease.release();
     }
 }
+
+/// Rule 8, the sending side: a hostile target that answers a large WRITE
+/// with a success completion before it read the payload does not settle the
+/// source slot while our NIC still sends from it. The completion is parked
+/// until every byte left; only then does the handle resolve.
+#[test]
+fn hostile_an_early_completion_does_not_settle_a_source_slot_still_being_sent() {
+    use kv_transfer_core::{Generation, PoolId, RemoteSlot, SlotId};
+    const BIG: usize = 16 << 20;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (read_gate_tx, read_gate_rx) = std::sync::mpsc::channel::<()>();
+    let hostile = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        let read_frame_head = |s: &mut TcpStream| {
+            let mut pre = [0u8; wire::PREFIX_LEN];
+            s.read_exact(&mut pre).unwrap();
+            let p = wire::decode_prefix(&pre).unwrap();
+            let mut f = vec![0u8; p.fields_len()];
+            s.read_exact(&mut f).unwrap();
+            (p, wire::decode_fields(&p, &f).unwrap())
+        };
+        let (_, hello) = read_frame_head(&mut s);
+        assert!(matches!(hello, Body::Hello { .. }));
+        let me = Body::Hello { name: "hostile".into(), endpoint: "127.0.0.1:1".into() };
+        s.write_all(&wire::encode_head(&me, 0).unwrap()).unwrap();
+        let (p, body) = read_frame_head(&mut s);
+        let Body::Write(h) = body else { panic!("expected a WRITE") };
+        // Success, before reading a byte of the payload.
+        s.write_all(&wire::encode_head(&Body::Completion { wr_id: h.wr_id, status: WireStatus::Ok }, 0).unwrap())
+            .unwrap();
+        // Hold the payload unread until the test has looked.
+        read_gate_rx.recv_timeout(WAIT).unwrap();
+        let mut sink = vec![0u8; p.payload_len()];
+        s.read_exact(&mut sink).unwrap();
+    });
+    let init = SimNic::start(NicConfig::new("prefill")).unwrap();
+    let ipool = init.register_pool(Arc::new(HostRegion::new(BIG).unwrap()), PoolConfig::new(BIG)).unwrap();
+    let remote = RemoteSlots {
+        endpoint: addr,
+        pool: PoolId(1),
+        key: 1,
+        slot_size: BIG as u64,
+        token: Default::default(),
+        slots: vec![RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0 }],
+    };
+    let mut h = block_on(init.write(ipool.reserve(1).unwrap(), &remote, TransferOptions::notify(false))).unwrap();
+    wait_until("the early completion parked", || init.stats().early_completions == 1);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        kv_transfer_core::poll_until(std::pin::Pin::new(&mut h), Duration::ZERO).is_none(),
+        "the source slot settled while 16 MiB were still being sent from it"
+    );
+    assert_eq!(ipool.metrics().free, 0);
+    read_gate_tx.send(()).unwrap();
+    let out = block_on(h).unwrap();
+    assert_eq!(out.result, Ok(()));
+    out.lease.release();
+    hostile.join().unwrap();
+}

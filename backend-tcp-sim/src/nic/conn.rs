@@ -54,6 +54,14 @@ pub(super) struct WrEntry {
     pub(super) pool: Option<PoolId>,
     pub(super) tenancy: Tenancy,
     pub(super) sent: bool,
+    /// Every byte of it is written to the socket: only from then on may its
+    /// completion settle anything (a source slot is ours until our NIC is
+    /// done reading it, whatever the target says).
+    pub(super) on_wire: bool,
+    /// A completion that arrived before `on_wire` (a hostile target, or the
+    /// sender not yet back from its write): parked, and delivered by the
+    /// sender once the WR is on the wire.
+    pub(super) early: Option<Result<Option<bytes::Bytes>, TransferError>>,
     pub(super) aborted: bool,
     pub(super) dest: Option<Dest>,
 }

@@ -94,6 +94,8 @@ impl NicInner {
                     pool: Some(remote.pool),
                     tenancy: rs.tenancy(),
                     sent: false,
+                    on_wire: false,
+                    early: None,
                     aborted: false,
                     dest,
                 },

@@ -157,6 +157,8 @@ impl NicInner {
             pool: None,
             tenancy: Tenancy::new(a.slot, a.generation),
             sent: false,
+            on_wire: false,
+            early: None,
             aborted: false,
             dest,
         };

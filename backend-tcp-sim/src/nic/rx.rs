@@ -60,7 +60,7 @@ impl NicInner {
                             WireStatus::Ok => Ok(None),
                             s => Err(status_error(s)),
                         };
-                        self.wr_terminal(&conn, wr_id, res);
+                        self.on_completion(&conn, wr_id, res);
                     }
                     Body::Control(m) => self.on_control(&conn, m),
                     Body::Message => self.on_message(&conn, &mut r, p.payload_len(), &mut fields)?,
@@ -250,6 +250,25 @@ impl NicInner {
         };
         self.wr_terminal(conn, wr_id, res);
         Ok(())
+    }
+
+    /// A WRITE's completion from the target. One that arrives before the
+    /// WR's bytes all left (a hostile target answering early, or the sender
+    /// not yet back from its write) is parked: the sender delivers it once
+    /// the WR is on the wire, so a source slot never settles while our NIC
+    /// still reads it.
+    fn on_completion(&self, conn: &Conn, wr_id: u64, res: Result<Option<Bytes>, TransferError>) {
+        {
+            let mut st = lock(&conn.st);
+            if let Some(w) = st.wrs.get_mut(&wr_id) {
+                if !w.on_wire {
+                    inc(&self.counters.early_completions);
+                    w.early = Some(res);
+                    return;
+                }
+            }
+        }
+        self.wr_terminal(conn, wr_id, res);
     }
 
     /// A WR reached its terminal status.

@@ -23,6 +23,7 @@ impl NicInner {
         let mut budget = faults.drop_connection.filter(|d| d.conn_index == conn.index).map(|d| d.after_bytes);
         let mut seq = 0u64;
         let mut batch: Vec<Outgoing> = Vec::with_capacity(MAX_BATCH);
+        let mut sent_ids: Vec<u64> = Vec::with_capacity(MAX_BATCH);
         'outer: loop {
             {
                 let mut q = lock(&conn.tx.q);
@@ -58,6 +59,7 @@ impl NicInner {
                     if let Some(w) = st.wrs.get_mut(wr_id) {
                         w.sent = true;
                     }
+                    sent_ids.push(*wr_id);
                     true
                 });
             }
@@ -127,6 +129,23 @@ impl NicInner {
             drop(slices);
             drop(sources);
             batch.clear();
+            // Every byte of this batch is in the socket now: the NIC is done
+            // reading its sources, so their completions may settle them.
+            let mut early = Vec::new();
+            {
+                let mut st = lock(&conn.st);
+                for id in sent_ids.drain(..) {
+                    if let Some(w) = st.wrs.get_mut(&id) {
+                        w.on_wire = true;
+                        if let Some(res) = w.early.take() {
+                            early.push((id, res));
+                        }
+                    }
+                }
+            }
+            for (wr_id, res) in early {
+                self.wr_terminal(&conn, wr_id, res);
+            }
             for (wr_id, aborted) in canceled {
                 let e = if aborted {
                     TransferError::Engine { engine: "tcp-sim", code: 1, message: "aborted by the target".into() }
