@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend_mooncake::adapter::block_on;
-use backend_mooncake::{AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, ProtoVersion};
+use backend_mooncake::{AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, ProtoVersion, TransferEngine};
 use kv_transfer_core::{
     AdmissionError, EscalationLadder, HostRegion, PoolConfig, PostErrorKind, Region, SlotPool, Transfer,
     TransferOptions,
@@ -249,4 +249,51 @@ fn bench_runs_and_reports() {
     assert!(r.bytes > 0 && r.gbps > 0.0 && r.latency.count > 0, "{r}");
     assert_eq!(r.bytes, r.latency.count * 4 * (64 << 10));
     assert_eq!(r.proto, ProtoVersion::V2);
+}
+
+/// Rule 8 on Mooncake (a notification's sender is only the name it
+/// declares): a third engine that sends DONE and ABORT_ACK under the exposed
+/// peer's segment name, for the right pool and tenancies but without the
+/// exposure's token, settles nothing and lifts no quarantine; the honest
+/// peer's own DONE still settles.
+#[test]
+fn hostile_a_done_or_ack_without_the_token_under_the_peers_name_settles_nothing() {
+    const SLOT: usize = 4096;
+    let prefill = side(2, SLOT);
+    let decode = side(2, SLOT);
+    let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
+    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    // A second peer that never answers (a bare engine): its aborted exposure
+    // stays quarantined unless something forged lifts it.
+    let silent = MooncakeEngine::new(EngineConfig::default()).unwrap();
+    let silent_peer = decode.a.add_peer(&silent.local_segment_name()).unwrap();
+    let (aborted, remote2) = decode.a.expose(decode.pool.reserve(1).unwrap(), silent_peer).unwrap();
+    aborted.abort();
+    // The forger: its own engine, sending as if it were the prefill peer
+    // (Mooncake's notify carries the name the sender writes into it).
+    let to = backend_mooncake::client::resolve_segment(decode.a.segment_name()).unwrap();
+    let guesses = [
+        kv_transfer_core::drain::ExposureToken::default(),
+        kv_transfer_core::drain::ExposureToken::from_bytes([7; 16]),
+    ];
+    for token in guesses {
+        let done = ControlMessage::new(ControlKind::Done, remote.pool, token, remote.tenancies());
+        let ack = ControlMessage::new(ControlKind::AbortAck, remote2.pool, token, remote2.tenancies());
+        for (m, name) in [(done, prefill.a.segment_name().to_string()), (ack, silent.local_segment_name())] {
+            let n = backend_mooncake::proto::NotifyDesc { name, notify_msg: m.encode_text().unwrap() };
+            backend_mooncake::client::send_notify(to, &n, Duration::from_secs(5)).unwrap();
+        }
+    }
+    wait_until("forgeries counted", Duration::from_secs(5), || decode.pool.metrics().forged_rejected >= 4);
+    let exposed = exposed.try_settled().expect_err("a forged DONE settled a live exposure");
+    assert_eq!(decode.pool.metrics().quarantined, 1, "a forged ABORT_ACK lifted a quarantine");
+    // The honest peer writes and its DONE settles.
+    let mut src = prefill.pool.reserve(1).unwrap();
+    src.write_at(0, 0, &pattern(SLOT, 3)).unwrap();
+    let out = block_on(block_on(prefill.a.write(src, &remote, TransferOptions::default())).unwrap()).unwrap();
+    out.result.unwrap();
+    out.lease.release();
+    let settled = block_on(exposed.settled());
+    assert_eq!(settled.bytes().unwrap(), pattern(SLOT, 3));
+    settled.release();
 }
