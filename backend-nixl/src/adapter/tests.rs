@@ -15,11 +15,14 @@ fn kind_of(m: &[u8]) -> Option<ControlKind> {
     ControlMessage::decode_text(m).ok().map(|m| m.kind)
 }
 use super::*;
-use crate::engine::{NixlError, NixlOp, Notification, Status};
+use crate::engine::{NixlError, NixlOp, Notification, RegId, Status, XferState};
 use crate::MockNixlEngine;
 use futures::FutureExt;
-use kv_transfer_core::{EscalationLadder, HostRegion, Transfer};
-use std::collections::HashSet;
+use kv_transfer_core::{
+    EscalationLadder, HostRegion, PostError, PostErrorKind, Transfer, TransferError, TransferHandle, TransferOptions,
+};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::MutexGuard;
 
 const SLOT: usize = 4096;
 
