@@ -100,7 +100,14 @@ impl Default for SimTransportConfig {
 /// The memory a shadow pool is carved from: the caller's memory by address
 /// (external host memory) or a [`HostBuffer`].
 enum Mem {
-    External { addr: u64, len: usize },
+    /// External memory by address, with what keeps it allocated (the
+    /// registration's owner): the simulated NIC binds this memory for good,
+    /// so it must outlive every adapter and pool.
+    External {
+        addr: u64,
+        len: usize,
+        _owner: Option<crate::types::Owner>,
+    },
     Host(HostBuffer),
 }
 
@@ -562,7 +569,7 @@ impl MoriTransport for SimTransport {
         let len = usize::try_from(region.len()).map_err(|_| TransportError::OutOfBounds)?;
         let mem = match region.host_buffer() {
             Some(b) => Mem::Host(b.clone()),
-            None => Mem::External { addr: region.addr(), len },
+            None => Mem::External { addr: region.addr(), len, _owner: region.owner().cloned() },
         };
         let mem = Arc::new(SimMem(mem));
         let slot_size = match region.slot_size() {

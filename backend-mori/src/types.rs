@@ -303,12 +303,23 @@ enum RegionKind {
 pub struct MemoryRegion {
     kind: RegionKind,
     slot_size: Option<u64>,
+    owner: Option<Owner>,
+}
+
+/// What keeps external memory allocated ([`MemoryRegion::with_owner`]).
+#[derive(Clone)]
+pub struct Owner(pub std::sync::Arc<dyn std::any::Any + Send + Sync>);
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Owner(..)")
+    }
 }
 
 impl MemoryRegion {
     /// Host memory owned by a [`HostBuffer`]. Every transport in this crate can use it.
     pub fn host(buffer: HostBuffer) -> Self {
-        Self { kind: RegionKind::Host(buffer), slot_size: None }
+        Self { kind: RegionKind::Host(buffer), slot_size: None, owner: None }
     }
 
     /// External memory by address: `len` bytes at `addr`, on the host or on GPU
@@ -325,7 +336,22 @@ impl MemoryRegion {
     /// caller must not access bytes an operation may touch while that
     /// operation's status is not terminal.
     pub unsafe fn external(addr: u64, len: u64, loc: MemoryLocation, device_id: i32) -> Self {
-        Self { kind: RegionKind::External { addr, len, loc, device_id }, slot_size: None }
+        Self { kind: RegionKind::External { addr, len, loc, device_id }, slot_size: None, owner: None }
+    }
+
+    /// Hands the registration something that keeps external memory
+    /// allocated (the `Arc` of the region it lies in): a transport that binds
+    /// the memory at its NIC keeps the owner for as long as the binding
+    /// lives, so no order of dropping adapter, pool, engine and transport
+    /// frees memory a NIC can still touch.
+    pub fn with_owner(mut self, owner: std::sync::Arc<dyn std::any::Any + Send + Sync>) -> Self {
+        self.owner = Some(Owner(owner));
+        self
+    }
+
+    /// The owner given with [`MemoryRegion::with_owner`].
+    pub fn owner(&self) -> Option<&Owner> {
+        self.owner.as_ref()
     }
 
     /// Declares that the region is carved into slots of `slot_size` bytes

@@ -557,3 +557,30 @@ fn handles_are_send_and_sync() {
     drop(h);
     rig.teardown();
 }
+
+/// Rule 8: registered memory outlives every binding that can touch it.
+/// Dropping the adapter and its pool while the engine and its transport live
+/// leaves the region bound at the simulated NIC by address; the binding
+/// keeps the region allocated (it holds the region's owner), so a peer's
+/// late write can never land in freed memory.
+#[test]
+fn hostile_memory_outlives_its_binding_whatever_is_dropped_first() {
+    use kv_transfer_core::{HostRegion, PoolConfig};
+    let region: Arc<dyn kv_transfer_core::Region> = Arc::new(HostRegion::new(4 * SLOT).unwrap());
+    let weak = Arc::downgrade(&region);
+    let side = MoriSide::on_sim(
+        "lifetime",
+        region,
+        PoolConfig::new(SLOT),
+        SimTransportConfig::default(),
+        EngineConfig::default(),
+    )
+    .expect("side");
+    let MoriSide { transfer, pool, engine, transport } = side;
+    drop(transfer);
+    drop(pool);
+    assert!(weak.upgrade().is_some(), "the region was freed while the NIC still binds it");
+    drop(engine);
+    assert!(weak.upgrade().is_some(), "the region was freed while the NIC still binds it");
+    drop(transport);
+}

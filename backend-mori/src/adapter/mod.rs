@@ -269,8 +269,12 @@ impl MoriTransfer {
         // keeps while the memory is registered (registrations are never
         // removed while the adapter lives), and the pool's leases keep the
         // application away from bytes an operation may touch.
+        // The registration keeps the region allocated for as long as a NIC
+        // binds it, whatever is dropped first (rule 8).
+        let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::new(region.clone());
         let mem = unsafe { MemoryRegion::external(region.addr(), region.len() as u64, MemoryLocation::Cpu, -1) }
-            .with_slot_size(slot_size);
+            .with_slot_size(slot_size)
+            .with_owner(owner);
         let desc = self.inner.engine.register_memory(mem)?;
         let jobs = self.inner.hub.jobs.clone();
         authority.on_quarantine(move || jobs.kick());
