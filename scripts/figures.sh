@@ -14,7 +14,7 @@ for x in r: print('round $round', x['backend'].ljust(9), str(x['block_size']).rj
 "
 done
 echo "== kvt bench: MORI against the bare simulator, 12 alternating rounds (median of per-round ratios)"
-./target/release/kvt bench --backend tcp-sim,mori --sweep 64KiB,1MiB --rounds 12 --duration 1500ms 2>/dev/null
+./target/release/kvt bench --backend tcp-sim,mori --sweep 64KiB,1MiB --rounds 12 --duration 1500ms 2>&1 | tail -n 8
 ./target/release/kvt bench --backend tcp-sim,mori,mooncake,nixl --sweep 64KiB,256KiB,1MiB,4MiB --duration 2s --plot ${TMPDIR:-/tmp}/sweep.svg --json > ${TMPDIR:-/tmp}/kvt-sweep.json 2>&1 && echo "sweep plot: /tmp/sweep.svg"
 echo "== Mooncake: real vs ours, 1 MiB and 64 KiB (measure.sh, 4 s each)"
 DUR=4 CARGO_TARGET_DIR=target bash backend-mooncake/scripts/measure.sh 2>&1
