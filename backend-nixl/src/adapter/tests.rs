@@ -839,3 +839,25 @@ fn a_thread_that_keeps_reposting_takes_the_drivers_notification_poll_and_loses_n
     let r = ini.shutdown(Duration::from_secs(1));
     assert_eq!(r.in_flight_left, 0);
 }
+
+/// Rule 8 on NIXL: an agent's name is the transport's, but a DONE from the
+/// very agent the slots were exposed to (or one that replaced it under its
+/// name) settles nothing without the exposure's token; it is counted in the
+/// pool's `forged_rejected`, and the real DONE still settles.
+#[test]
+fn hostile_a_done_from_the_peers_agent_name_without_the_token_settles_nothing() {
+    let p = pair(Behaviour::DoneAfter(0), EscalationLadder::default());
+    let (exposed, remote) = p.tgt.expose(p.dst.reserve(2).expect("reserve"), p.ini_peer).expect("expose");
+    let t = remote.tenancies();
+    let push = |msg: Vec<u8>| {
+        lock(&p.sim).inbox.entry("tgt".into()).or_default().push_back(Notification { agent: "ini".into(), msg });
+    };
+    for guess in [ExposureToken::default(), ExposureToken::from_bytes([0x5a; 16])] {
+        push(msg(ControlKind::Done, remote.pool, guess, &t));
+        push(msg(ControlKind::AbortAck, remote.pool, guess, &t));
+    }
+    assert!(wait_until(Duration::from_secs(2), || p.dst.metrics().forged_rejected >= 8), "{:?}", p.dst.metrics());
+    let exposed = exposed.try_settled().expect_err("a DONE without the token settled the exposure");
+    push(msg(ControlKind::Done, remote.pool, remote.token, &t));
+    futures::executor::block_on(exposed.settled()).release();
+}

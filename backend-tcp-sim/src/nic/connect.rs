@@ -43,7 +43,7 @@ impl NicInner {
         let (name, ep) = self.read_hello(&mut s)?;
         s.set_read_timeout(None)?;
         inc(&self.counters.connections_opened);
-        self.add_conn(s, name, ep)
+        self.add_conn(s, name, ep, None)
     }
 
     pub(super) fn accept_loop(self: Arc<Self>, listener: TcpListener) {
@@ -56,10 +56,13 @@ impl NicInner {
                 s.set_nodelay(true)?;
                 s.set_read_timeout(Some(self.cfg.handshake_timeout))?;
                 let (name, ep) = self.read_hello(&mut s)?;
-                s.write_all(&self.hello()?)?;
                 s.set_read_timeout(None)?;
                 inc(&self.counters.connections_accepted);
-                self.add_conn(s, name, ep)?;
+                // Our HELLO goes out once the connection is registered here:
+                // when the dialer's handshake returns, we know the connection
+                // (so a `Target::add_peer` of the dialer finds it, and both
+                // sides end on one connection).
+                self.add_conn(s, name, ep, Some(&self.hello()?))?;
                 Ok(())
             })();
             if let Err(e) = res {
@@ -79,7 +82,13 @@ impl NicInner {
         );
     }
 
-    fn add_conn(self: &Arc<Self>, s: TcpStream, name: String, endpoint: String) -> Result<Arc<Conn>, NicError> {
+    fn add_conn(
+        self: &Arc<Self>,
+        s: TcpStream,
+        name: String,
+        endpoint: String,
+        greet: Option<&[u8]>,
+    ) -> Result<Arc<Conn>, NicError> {
         set_socket_buffers(&s, self.cfg.socket_buffer);
         let peer = PeerId(self.next_peer.fetch_add(1, Ordering::SeqCst));
         let index = self.next_conn_index.fetch_add(1, Ordering::SeqCst);
@@ -101,16 +110,35 @@ impl NicInner {
             let _ = conn.stream.shutdown(Shutdown::Both);
             return Err(NicError::ShuttingDown);
         }
-        let (n1, c1) = (self.clone(), conn.clone());
-        let rx = std::thread::Builder::new()
-            .name(format!("sim-rx-{}-{}", self.cfg.name, peer.0))
-            .spawn(move || n1.rx_loop(c1, rx_stream))?;
-        let (n2, c2) = (self.clone(), conn.clone());
-        let tx = std::thread::Builder::new()
-            .name(format!("sim-tx-{}-{}", self.cfg.name, peer.0))
-            .spawn(move || n2.tx_loop(c2, tx_stream))?;
-        lock(&conn.threads).extend([rx, tx]);
+        // Registered, then greeted, then started, all under the lock: nothing
+        // can be queued to the connection before the HELLO left.
         conns.insert(peer, conn.clone());
+        if let Some(hello) = greet {
+            if let Err(e) = (&conn.stream).write_all(hello) {
+                conns.remove(&peer);
+                return Err(e.into());
+            }
+        }
+        let (n1, c1) = (self.clone(), conn.clone());
+        let (n2, c2) = (self.clone(), conn.clone());
+        let threads = std::thread::Builder::new()
+            .name(format!("sim-rx-{}-{}", self.cfg.name, peer.0))
+            .spawn(move || n1.rx_loop(c1, rx_stream))
+            .and_then(|rx| {
+                let tx = std::thread::Builder::new()
+                    .name(format!("sim-tx-{}-{}", self.cfg.name, peer.0))
+                    .spawn(move || n2.tx_loop(c2, tx_stream));
+                Ok((rx, tx?))
+            });
+        match threads {
+            Ok((rx, tx)) => lock(&conn.threads).extend([rx, tx]),
+            Err(e) => {
+                conns.remove(&peer);
+                conn.dead.store(true, Ordering::SeqCst);
+                let _ = conn.stream.shutdown(Shutdown::Both);
+                return Err(e.into());
+            }
+        }
         drop(conns);
         tracing::debug!(nic = %self.cfg.name, peer = peer.0, remote = %name, "connection up");
         self.event(InboundEvent::PeerConnected { peer, name, endpoint });

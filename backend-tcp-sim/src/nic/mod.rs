@@ -569,6 +569,10 @@ impl Target for SimNic {
     fn local_descriptor(&self) -> Result<Vec<u8>, BackendError> {
         Ok(self.endpoint().as_bytes().to_vec())
     }
+    /// The connection the peer opened to us if there is one (a dialer's
+    /// handshake returns only once the connection is registered at the
+    /// accepting side, so both sides adding each other end on one
+    /// connection), otherwise a new one.
     fn add_peer(&self, descriptor: &[u8]) -> Result<PeerId, BackendError> {
         let endpoint =
             std::str::from_utf8(descriptor).map_err(|_| BackendError::Peer("endpoint is not UTF-8".into()))?;
