@@ -1,0 +1,154 @@
+//! The control thread: Mooncake notifications in (core's drain codec, text
+//! form), DONE / ABORT_ACK through the target's exposure table, ABORT through
+//! the initiator's abort tracker, the outbox of ABORT_ACKs, and core's plans
+//! at each escalation step (drain only: Mooncake TCP can neither revoke nor
+//! fence).
+
+use super::*;
+pub(super) fn control_loop(inner: &Arc<Inner>) {
+    while !inner.stop.load(Ordering::Acquire) {
+        for n in inner.engine.get_notifies() {
+            handle_notify(inner, &n.name, &n.notify_msg);
+        }
+        flush_outbox(inner);
+        let mut next: Option<Duration> = None;
+        let pools: Vec<(PoolId, SettlementAuthority)> =
+            lock(&inner.pools).iter().map(|(id, e)| (*id, e.authority.clone())).collect();
+        for (pool, a) in pools {
+            for action in a.poll_escalations() {
+                escalate(inner, pool, &a, action);
+            }
+            if let Some(d) = a.next_escalation_in() {
+                next = Some(next.map_or(d, |n: Duration| n.min(d)));
+            }
+        }
+        let mut wait = inner.cfg.poll_interval;
+        if let Some(d) = next {
+            wait = wait.min(d);
+        }
+        let (m, cv) = &inner.wake;
+        let mut woken = lock(m);
+        if !*woken && !wait.is_zero() {
+            woken = cv.wait_timeout(woken, wait).map(|r| r.0).unwrap_or_else(|e| e.into_inner().0);
+        }
+        *woken = false;
+    }
+}
+
+fn handle_notify(inner: &Arc<Inner>, from: &str, text: &str) {
+    let msg = match ControlMessage::decode_text(text.as_bytes()) {
+        Ok(m) => m,
+        Err(DecodeError::Foreign) => {
+            bump(&inner.counters.notifies_foreign, 1);
+            tracing::debug!(from, "notification not for the adapter; dropped");
+            return;
+        }
+        Err(e) => {
+            bump(&inner.counters.notifies_malformed, 1);
+            tracing::warn!(from, error = %e, "malformed adapter notification; dropped");
+            return;
+        }
+    };
+    bump(&inner.counters.notifies_received, 1);
+    match msg.kind {
+        ControlKind::Done | ControlKind::AbortAck => settle_from_peer(inner, from, &msg),
+        ControlKind::Abort => on_abort(inner, from, msg),
+    }
+}
+
+/// Target side: a DONE or ABORT_ACK whose notification says it is from
+/// `from`. The name is only where to look: the exposure table settles a
+/// tenancy only for the peer it was exposed to *and* with its token.
+fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
+    let n = msg.tenancies.len() as u64;
+    let Some((peer, _, _)) = inner.peer_by_name(from) else {
+        bump(&inner.counters.wrong_peer, n);
+        tracing::warn!(from, "completion from an unknown peer; dropped");
+        return;
+    };
+    let Some(authority) = lock(&inner.pools).get(&msg.pool).map(|e| e.authority.clone()) else {
+        bump(&inner.counters.wrong_peer, n);
+        return;
+    };
+    let v = lock(&inner.exposures).accept(peer, msg);
+    bump(&inner.counters.wrong_peer, v.forged as u64);
+    bump(&inner.counters.v1_completions_ignored, v.untrusted as u64);
+    // Counted before delivery, so a waiter woken by it sees the count.
+    bump(&inner.counters.settled_by_peer, v.settled.len() as u64);
+    v.deliver(&authority);
+}
+
+/// Initiator side: an ABORT from `from` (a segment name we answer to; an
+/// ABORT_ACK only ever names tenancies of our own operations' ends).
+fn on_abort(inner: &Arc<Inner>, from: &str, msg: ControlMessage) {
+    bump(&inner.counters.aborts_received, 1);
+    let ack = lock(&inner.inflight).tracker.on_abort(&from.to_string(), msg);
+    queue_acks(inner, ack.into_iter().collect());
+}
+
+pub(super) fn queue_acks(inner: &Inner, acks: Vec<Outgoing<String>>) {
+    if acks.is_empty() {
+        return;
+    }
+    let mut fl = lock(&inner.inflight);
+    for a in acks {
+        fl.outbox.push(a);
+    }
+}
+
+/// Sends the queued ABORT_ACKs (core's one retry policy).
+fn flush_outbox(inner: &Arc<Inner>) {
+    let due = lock(&inner.inflight).outbox.take_all();
+    for (o, attempts) in due {
+        let sent = match inner.peer_for(&o.to) {
+            Ok((_, seg)) => inner.send(seg, &o.msg),
+            Err(e) => {
+                tracing::warn!(to = %o.to, error = %e, "ABORT_ACK to an unreachable peer");
+                false
+            }
+        };
+        if sent {
+            bump(&inner.counters.abort_acks_sent, 1);
+        } else {
+            lock(&inner.inflight).outbox.retry(o, attempts);
+        }
+    }
+}
+
+/// Executes core's plan for one escalation action.
+fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: EscalationAction) {
+    let plan = lock(&inner.exposures).plan(pool, &action, CAPABILITIES, inner.cfg.release_policy);
+    if let Some(ts) = plan.release_without_proof() {
+        tracing::error!(slots = ts.len(), "NAIVE POSITIVE CONTROL: releasing aborted slots without a proof");
+        bump(&inner.counters.naive_releases, ts.len() as u64);
+        a.deliver(a.completed(ts));
+        return;
+    }
+    #[allow(unreachable_patterns)]
+    match plan {
+        Plan::SendAbort { peer, messages } => {
+            let seg = lock(&inner.peers).by_id.get(&peer).map(|p| (p.segment, p.name.clone()));
+            match seg {
+                Some((seg, name)) => {
+                    for m in &messages {
+                        if inner.send(seg, m) {
+                            bump(&inner.counters.aborts_sent, 1);
+                            tracing::debug!(peer = %name, "ABORT sent");
+                        }
+                    }
+                }
+                None => tracing::debug!(peer = peer.0, "no peer to ask to drain"),
+            }
+        }
+        Plan::Stuck { peer, tenancies } => {
+            bump(&inner.counters.exhausted, 1);
+            tracing::warn!(
+                peer = peer.0,
+                slots = tenancies.len(),
+                "Mooncake TCP can neither revoke nor fence: slots stay quarantined until the peer acknowledges"
+            );
+        }
+        // Revoke and Fence are not in this backend's ladder (CAPABILITIES).
+        _ => {}
+    }
+}
