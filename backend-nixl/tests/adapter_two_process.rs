@@ -103,10 +103,26 @@ fn hazard_two_processes_raw_lands_late_bytes_adapter_lands_none() {
     }
     let mib: usize = std::env::var("KVT_HAZARD_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
 
-    // Positive control: raw NIXL.
-    let (dec, _) = run_pair("raw", mib);
-    let raw = fields(&dec, "RESULT");
-    let raw_late: u64 = raw["late_old_bytes"].parse().expect("number");
+    // Positive control: raw NIXL, released while IN_PROG. Whether the release
+    // catches the write in flight and the late bytes land after the slot
+    // changed hands is a race between two processes: repeat it (bounded)
+    // until it reproduces, require one reproduction, and report the rate.
+    const ATTEMPTS: usize = 4;
+    let mut tries = 0;
+    let mut reproduced = 0;
+    let (mut raw, mut raw_late, mut dec_raw) = (HashMap::new(), 0u64, String::new());
+    while tries < ATTEMPTS && reproduced == 0 {
+        tries += 1;
+        let (dec, _) = run_pair("raw", mib);
+        raw = fields(&dec, "RESULT");
+        raw_late = raw["late_old_bytes"].parse().expect("number");
+        if raw["prefill"] == "released-in-prog" && raw_late > 0 {
+            reproduced += 1;
+        }
+        dec_raw = dec;
+    }
+    eprintln!("positive control: reproduced on attempt {tries} of at most {ATTEMPTS} ({reproduced}/{tries})");
+    assert!(reproduced > 0, "positive control failed: no late bytes with raw NIXL in {tries} attempts\n{dec_raw}");
     // Through the adapter.
     let (dec, pre) = run_pair("adapter", mib);
     let ad = fields(&dec, "RESULT");
@@ -118,11 +134,6 @@ fn hazard_two_processes_raw_lands_late_bytes_adapter_lands_none() {
         raw["prefill"],
         ad["slot_back_after_ms"],
     );
-    if raw["prefill"] == "released-in-prog" {
-        assert!(raw_late > 0, "positive control failed: no late bytes with raw NIXL\n{dec}");
-    } else {
-        eprintln!("positive control NOT reproduced: the write finished before it could be released");
-    }
     assert_eq!(ad_late, 0, "stale bytes landed through the adapter\n{dec}");
     assert_eq!(ad["quarantined_at_abort"], "1", "{dec}");
     assert_eq!(ad["still_changing"], "false", "{dec}");
