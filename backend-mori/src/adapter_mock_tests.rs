@@ -84,7 +84,8 @@ fn setup(
     slots: usize,
     ladder: EscalationLadder,
 ) -> (MoriTransfer, SlotPool, kv_transfer_core::PeerId) {
-    let t = MoriTransfer::new(e, kv_transfer_core::drain::Capabilities::ALL).expect("adapter");
+    let t = MoriTransfer::new(e, kv_transfer_core::drain::Capabilities { drain: true, revoke: false, fence: true })
+        .expect("adapter");
     let region = Arc::new(HostRegion::new(slots * SLOT).unwrap());
     let pool = t.register_pool(region, PoolConfig::new(SLOT).with_ladder(ladder)).expect("pool");
     let peer = t.add_peer(&peer_desc()).expect("peer");

@@ -24,9 +24,31 @@ impl Inner {
             entry.authority.record_stale(1);
             return false;
         }
-        let _ = self.engine.withdraw_access(&entry.desc, t.slot.0, t.generation.0);
+        if !self.clear_access(entry, t) {
+            return false;
+        }
         entry.authority.deliver(entry.authority.completed(&[t]));
         true
+    }
+
+    /// Ends the peer's access to `t` before its `Completed` proof. On a
+    /// transport that can revoke, only a confirmed revocation will do: a
+    /// write still applying at our NIC (a peer that reports success while
+    /// its own WRITE is stalled mid-payload) keeps the slot out of reuse,
+    /// and the ladder's fence settles it. A transport that cannot revoke
+    /// (MORI on RDMA) has nothing to clear: the peer's status is the proof.
+    fn clear_access(&self, entry: &PoolEntry, t: Tenancy) -> bool {
+        if !self.caps.revoke {
+            let _ = self.engine.withdraw_access(&entry.desc, t.slot.0, t.generation.0);
+            return true;
+        }
+        match self.engine.revoke_access(&entry.desc, t.slot.0, t.generation.0) {
+            Ok(true) => true,
+            other => {
+                tracing::warn!(slot = t.slot.0, result = ?other, "access not confirmed revoked: no proof, the slot stays out");
+                false
+            }
+        }
     }
 
     pub(super) fn on_status(&self, s: InboundStatus) {
@@ -107,10 +129,8 @@ impl Inner {
                     entry.authority.record_stale(msg.tenancies.len() as u64);
                     return;
                 };
-                let v = lock(&self.exposures).accept(peer, &msg);
-                for t in &v.settled {
-                    let _ = self.engine.withdraw_access(&entry.desc, t.slot.0, t.generation.0);
-                }
+                let mut v = lock(&self.exposures).accept(peer, &msg);
+                v.settled.retain(|t| self.clear_access(&entry, *t));
                 v.deliver(&entry.authority);
             }
             // This adapter's DONE is the engine's inbound status.
