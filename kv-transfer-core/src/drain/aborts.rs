@@ -153,14 +153,6 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
             .is_some_and(|(g, k)| *g > t.generation || (*g == t.generation && k.ct_eq(token)))
     }
 
-    /// Whether an operation of ours on `peer`'s `pool` touches one of these
-    /// slots, under any generation.
-    pub fn overlaps(&self, peer: &K, pool: PoolId, tenancies: &[Tenancy]) -> bool {
-        self.ops.values().any(|o| {
-            o.peer == *peer && o.pool == pool && o.tenancies.iter().any(|x| tenancies.iter().any(|y| x.slot == y.slot))
-        })
-    }
-
     /// Registers operation `op` on `remote` (of `peer`) before it is
     /// submitted. Refused if a tenancy is tombstoned, or (with `exclusive`)
     /// if another operation of ours is in flight on the same tenancy (a newer

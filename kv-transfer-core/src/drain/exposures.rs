@@ -180,11 +180,6 @@ impl ExposureTable {
         self.map.get(&(pool, t.slot)).is_some_and(|e| e.generation == t.generation && e.peer == peer)
     }
 
-    /// The peer `t` of `pool` is exposed to, if it is.
-    pub fn peer_of(&self, pool: PoolId, t: Tenancy) -> Option<PeerId> {
-        self.map.get(&(pool, t.slot)).filter(|e| e.generation == t.generation).map(|e| e.peer)
-    }
-
     /// Removes the exposure of `t` to `peer` (a settlement the backend
     /// observed by itself, e.g. an engine status bound to the connection);
     /// returns whether it was there.

@@ -76,11 +76,6 @@ impl Capabilities {
     pub const ALL: Capabilities = Capabilities { drain: true, revoke: true, fence: true };
     /// Drain and acknowledge only (no per-tenancy key, no confirmed fence).
     pub const DRAIN_ONLY: Capabilities = Capabilities { drain: true, revoke: false, fence: false };
-
-    /// The README's words for a capability: `"yes"` or `"no"`.
-    pub fn describe(self) -> [(&'static str, bool); 3] {
-        [("drain + ack", self.drain), ("revoke", self.revoke), ("fence", self.fence)]
-    }
 }
 
 /// How a backend releases quarantined slots. There is one policy that
