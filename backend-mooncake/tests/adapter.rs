@@ -297,3 +297,51 @@ fn hostile_a_done_or_ack_without_the_token_under_the_peers_name_settles_nothing(
     assert_eq!(settled.bytes().unwrap(), pattern(SLOT, 3));
     settled.release();
 }
+
+/// Rule 8, trust fixed at exposure: an exposure made to a peer speaking TCP
+/// protocol v1 (whose completions prove nothing) is not settled by that
+/// peer's genuine DONE after it restarts as v2 under the same segment name
+/// and is added again. The control: the same restarted peer's DONE settles
+/// an exposure made after the refresh, so only the recorded trust stopped it.
+#[test]
+fn hostile_a_v1_exposure_is_not_upgraded_by_the_peer_restarting_as_v2() {
+    const SLOT: usize = 4096;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let at = |proto: u32| EngineConfig {
+        local_host: "127.0.0.1".into(),
+        handshake_port: port,
+        advertised_tcp_proto_version: proto,
+        ..Default::default()
+    };
+    let decode = side(2, SLOT);
+    let v1 = side_with(at(1), 1, SLOT, EscalationLadder::default());
+    let name = v1.a.segment_name().to_string();
+    let peer = decode.a.add_peer(&name).unwrap();
+    assert_eq!(decode.a.peer_proto(peer), Some(ProtoVersion::V1));
+    let (old, old_remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    // The peer restarts, as v2, under the same name, and is added again.
+    drop(v1);
+    let v2 = side_with(at(2), 1, SLOT, EscalationLadder::default());
+    assert_eq!(v2.a.segment_name(), name, "the restarted peer must reuse the name");
+    let peer = decode.a.add_peer(&name).unwrap();
+    assert_eq!(decode.a.peer_proto(peer), Some(ProtoVersion::V2));
+    let write = |remote: &kv_transfer_core::RemoteSlots, seed: u8| {
+        let mut src = v2.pool.reserve(1).unwrap();
+        src.write_at(0, 0, &pattern(SLOT, seed)).unwrap();
+        let out = block_on(block_on(v2.a.write(src, remote, TransferOptions::default())).unwrap()).unwrap();
+        out.result.unwrap();
+        out.lease.release();
+    };
+    // Its genuine DONE for the v1-era exposure (it holds the token): looked
+    // at, and refused as the word of a peer the exposure does not trust.
+    write(&old_remote, 1);
+    wait_until("the DONE refused", Duration::from_secs(5), || decode.a.metrics().v1_completions_ignored == 1);
+    let (new, new_remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    write(&new_remote, 2);
+    let settled = block_on(new.settled());
+    assert_eq!(settled.bytes().unwrap(), pattern(SLOT, 2));
+    settled.release();
+    let old = old.try_settled().expect_err("a v1 exposure was upgraded by the peer's restart as v2");
+    old.abort();
+    assert_eq!(decode.pool.metrics().quarantined, 1);
+}

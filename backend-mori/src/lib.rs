@@ -120,7 +120,7 @@ pub use engine::{
 pub use engine::{MockIoEngine, MockIoSession};
 pub use error::{EngineError, TransportError};
 pub use sim::{SimTransport, SimTransportConfig};
-pub use status::{StatusCode, StatusListener, StatusUpdater, TransferStatus, ERR_BEGIN};
+pub use status::{listener_panics, StatusCode, StatusListener, StatusUpdater, TransferStatus, ERR_BEGIN};
 #[cfg(any(test, feature = "mock"))]
 pub use transport::MockMoriTransport;
 pub use transport::{Completion, EventSink, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};

@@ -24,8 +24,13 @@
 //!   the simulator's application messages ([`SimNic::send_message`]), like
 //!   SEND/RECV on an RC queue pair: one byte of kind (notification or
 //!   control message), then the body. They need no socket or thread of
-//!   their own, and the simulator's sender batches them with the data. The
-//!   sender's engine key is the connection's name.
+//!   their own, and the simulator's sender batches them with the data. A
+//!   message speaks for an engine only if it arrives on the connection this
+//!   transport bound to that engine (the one it grants the engine's slots
+//!   on: opened to, or accepted from, the endpoint the engine's descriptor
+//!   names); the name a connection sent in its HELLO is not an identity,
+//!   and an impostor's messages are dropped and counted
+//!   ([`SimTransport::impostor_messages`]).
 //! - **Carried notifications** ([`MoriTransport::carries_notifications`]): a
 //!   one-segment WRITE's success notification is the WRITE's immediate (the
 //!   simulator's WRITE_IMM), which the target's NIC hands over as a message
@@ -47,7 +52,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -246,8 +251,16 @@ struct Shared {
     events_cv: Condvar,
     sink: RwLock<Option<EventSink>>,
     closed: AtomicBool,
-    /// Engine key of each connection that sent messages (its name), made once.
-    names: RwLock<HashMap<PeerId, EngineKey>>,
+    /// What a post looks up, behind one lock; also which connection speaks
+    /// for which engine (`peer_cache`), which an inbound message is checked
+    /// against.
+    routes: RwLock<Routes>,
+    /// Messages dropped because they came from a connection that only
+    /// claims an engine's name (see [`Shared::on_message`]).
+    impostor_messages: AtomicU64,
+    /// Positive control (`ReleasePolicy::Naive` in the NIC's configuration):
+    /// take a connection's claimed name as its identity, as before issue 15.
+    trust_names: bool,
 }
 
 impl Shared {
@@ -264,13 +277,29 @@ impl Shared {
     }
 
     /// An inbound application message: a notification or a control message.
+    ///
+    /// The sender is the engine this transport bound that connection to:
+    /// the connection it grants that engine's slots on and sends to it over
+    /// (`peer_cache`, set when the connection was opened to, or accepted
+    /// from, the endpoint the engine's descriptor names). A connection's name
+    /// is only what it said in its HELLO: a second connection under a bound
+    /// engine's name, or one under the name of an engine no connection is
+    /// bound to yet, speaks for nobody; its messages are dropped and counted
+    /// ([`SimTransport::impostor_messages`]). Every exposure is granted on a
+    /// bound connection, so whatever such a message would settle has one.
     fn on_message(&self, peer: PeerId, name: &str, bytes: &[u8]) {
-        let known = self.names.read().unwrap_or_else(|p| p.into_inner()).get(&peer).cloned();
-        let from = known.unwrap_or_else(|| {
-            let key = EngineKey::new(name);
-            self.names.write().unwrap_or_else(|p| p.into_inner()).insert(peer, key.clone());
-            key
-        });
+        let from = EngineKey::new(name);
+        let bound = self.routes.read().unwrap_or_else(|p| p.into_inner()).peer_cache.get(&from).copied();
+        if bound != Some(peer) && !self.trust_names {
+            self.impostor_messages.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                claimed = %from,
+                connection = peer.0,
+                bound = ?bound.map(|b| b.0),
+                "message from a connection that is not bound to the engine it names dropped"
+            );
+            return;
+        }
         match bytes.split_first() {
             Some((&MSG_NOTIFY, body)) => match decode_notification(body) {
                 Some(notification) => self.deliver(TransportEvent::Notification { from, notification }),
@@ -310,8 +339,6 @@ pub struct SimTransport {
     config: SimTransportConfig,
     attached: OnceLock<Attached>,
     shared: Arc<Shared>,
-    /// What a post looks up, behind one lock.
-    routes: RwLock<Routes>,
     peers: Mutex<HashMap<EngineKey, PeerEntry>>,
     /// Engine key of each simulator connection (from the NIC's events).
     sim_names: Mutex<HashMap<PeerId, EngineKey>>,
@@ -328,11 +355,11 @@ impl fmt::Debug for SimTransport {
 impl SimTransport {
     /// A transport; the simulated NIC starts when an engine attaches it.
     pub fn new(config: SimTransportConfig) -> Arc<Self> {
+        let trust_names = config.nic.policy.is_naive();
         Arc::new(Self {
             config,
             attached: OnceLock::new(),
-            shared: Arc::new(Shared::default()),
-            routes: RwLock::default(),
+            shared: Arc::new(Shared { trust_names, ..Shared::default() }),
             peers: Mutex::new(HashMap::default()),
             sim_names: Mutex::new(HashMap::default()),
             fenced: Mutex::new(HashSet::default()),
@@ -365,10 +392,10 @@ impl SimTransport {
     }
 
     fn routes(&self) -> std::sync::RwLockReadGuard<'_, Routes> {
-        self.routes.read().unwrap_or_else(|p| p.into_inner())
+        self.shared.routes.read().unwrap_or_else(|p| p.into_inner())
     }
     fn routes_mut(&self) -> std::sync::RwLockWriteGuard<'_, Routes> {
-        self.routes.write().unwrap_or_else(|p| p.into_inner())
+        self.shared.routes.write().unwrap_or_else(|p| p.into_inner())
     }
 
     fn region(&self, id: MemoryId) -> Option<Arc<SimRegionEntry>> {
@@ -401,12 +428,17 @@ impl SimTransport {
                     lock(&self.sim_names).insert(peer, EngineKey::new(name));
                 }
                 InboundEvent::PeerLost { peer } => {
-                    self.shared.names.write().unwrap_or_else(|p| p.into_inner()).remove(&peer);
                     let Some(key) = lock(&self.sim_names).remove(&peer) else { continue };
-                    self.forget_peer(&key);
-                    let known = lock(&self.peers).contains_key(&key);
-                    if known && att.nic.peer_by_name(key.as_str()).is_none() {
-                        out.push(TransportEvent::PeerLost { peer: key });
+                    // Only the loss of the bound connection unbinds: an
+                    // impostor that hangs up changes nothing.
+                    if self.routes().peer_cache.get(&key) == Some(&peer) {
+                        self.forget_peer(&key);
+                    }
+                    let endpoint = lock(&self.peers).get(&key).map(|p| p.sim_endpoint.clone());
+                    if let Some(endpoint) = endpoint {
+                        if Self::live_connection(&att.nic, &key, &endpoint).is_none() {
+                            out.push(TransportEvent::PeerLost { peer: key });
+                        }
                     }
                 }
                 _ => {}
@@ -421,19 +453,37 @@ impl SimTransport {
 
     fn resolve_peer(&self, remote: &EngineKey) -> Result<PeerId, TransportError> {
         let att = self.att()?;
-        if let Some(p) = att.nic.peer_by_name(remote.as_str()) {
-            return Ok(p);
-        }
         let endpoint = lock(&self.peers)
             .get(remote)
             .map(|p| p.sim_endpoint.clone())
             .ok_or_else(|| TransportError::UnknownPeer(remote.clone()))?;
+        if let Some(p) = Self::live_connection(&att.nic, remote, &endpoint) {
+            return Ok(p);
+        }
         if att.key > *remote {
-            if let Some(p) = att.nic.wait_for_peer(remote.as_str(), self.config.connect_wait) {
-                return Ok(p);
+            // Bounded: polls every millisecond until `connect_wait` passed.
+            let deadline = std::time::Instant::now() + self.config.connect_wait;
+            while std::time::Instant::now() < deadline {
+                if let Some(p) = Self::live_connection(&att.nic, remote, &endpoint) {
+                    return Ok(p);
+                }
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
         att.nic.connect(&endpoint).map_err(|e| TransportError::Remote(format!("connect {remote}: {e}")))
+    }
+
+    /// A live connection that is `remote`'s: named so and at the endpoint
+    /// its descriptor gave (a connection that only borrows the name, from
+    /// anywhere else, is not it). The oldest, if several.
+    fn live_connection(nic: &SimNic, remote: &EngineKey, endpoint: &str) -> Option<PeerId> {
+        nic.peers().into_iter().find(|p| p.name == remote.as_str() && p.endpoint == endpoint).map(|p| p.peer)
+    }
+
+    /// Messages dropped because their connection is not bound to the engine
+    /// whose name it claims (a hostile or confused peer).
+    pub fn impostor_messages(&self) -> u64 {
+        self.shared.impostor_messages.load(Ordering::Relaxed)
     }
 
     /// Sends an application message (its kind byte first) to `to` over the
@@ -513,6 +563,12 @@ impl Drop for SimTransport {
             att.nic.set_message_hook(None);
             att.nic.shutdown();
         }
+        // A region entry points back at `shared` (its completions go there),
+        // which holds the routes: emptied once the NIC is down, so the
+        // regions (and the memory they keep alive) are freed.
+        let mut routes = self.routes_mut();
+        routes.regions.clear();
+        routes.peer_cache.clear();
     }
 }
 

@@ -157,11 +157,27 @@ enum Listener {
     Shared(Arc<dyn StatusListener>),
 }
 
+/// Listeners that panicked (process-wide; see [`listener_panics`]).
+static LISTENER_PANICS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many status listeners panicked in this process. A listener runs on
+/// the thread that sets the code (the engine's progress thread or the
+/// transport's receiving thread): its panic is caught there, logged and
+/// counted, so that thread goes on and the other listeners still run. The
+/// status itself is terminal already; nothing is settled by the panic.
+pub fn listener_panics() -> u64 {
+    LISTENER_PANICS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 impl Listener {
     fn call(self, code: StatusCode, message: &str) {
-        match self {
+        let run = std::panic::AssertUnwindSafe(|| match self {
             Self::Boxed(f) => f(code, message),
             Self::Shared(l) => l.on_status(code, message),
+        });
+        if std::panic::catch_unwind(run).is_err() {
+            LISTENER_PANICS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::error!(%code, "a status listener panicked; caught, the other listeners still run");
         }
     }
 }

@@ -454,7 +454,7 @@ fn a_crashed_peer_is_fenced_when_its_connection_is_lost() {
 }
 
 #[test]
-fn a_stalled_peer_that_blocks_revocation_is_fenced() {
+fn hostile_a_stalled_write_across_the_revoke_deadline_is_fenced_not_freed() {
     use backend_tcp_sim::wire::{self, Body};
     use backend_tcp_sim::RawAccess;
     use std::io::{Read, Write};
@@ -559,28 +559,59 @@ fn handles_are_send_and_sync() {
 }
 
 /// Rule 8: registered memory outlives every binding that can touch it.
-/// Dropping the adapter and its pool while the engine and its transport live
-/// leaves the region bound at the simulated NIC by address; the binding
-/// keeps the region allocated (it holds the region's owner), so a peer's
-/// late write can never land in freed memory.
+/// In every order of dropping the adapter, its pool, the engine and its
+/// transport, the region stays allocated while the transport (the simulated
+/// NIC, which binds it by address) lives, so a peer's late write can never
+/// land in freed memory; once everything is dropped it is freed (nothing
+/// leaks).
 #[test]
 fn hostile_memory_outlives_its_binding_whatever_is_dropped_first() {
     use kv_transfer_core::{HostRegion, PoolConfig};
-    let region: Arc<dyn kv_transfer_core::Region> = Arc::new(HostRegion::new(4 * SLOT).unwrap());
-    let weak = Arc::downgrade(&region);
-    let side = MoriSide::on_sim(
-        "lifetime",
-        region,
-        PoolConfig::new(SLOT),
-        SimTransportConfig::default(),
-        EngineConfig::default(),
-    )
-    .expect("side");
-    let MoriSide { transfer, pool, engine, transport } = side;
-    drop(transfer);
-    drop(pool);
-    assert!(weak.upgrade().is_some(), "the region was freed while the NIC still binds it");
-    drop(engine);
-    assert!(weak.upgrade().is_some(), "the region was freed while the NIC still binds it");
-    drop(transport);
+    const PARTS: [&str; 4] = ["adapter", "pool", "engine", "transport"];
+    for order in permutations(4) {
+        let region: Arc<dyn kv_transfer_core::Region> = Arc::new(HostRegion::new(4 * SLOT).unwrap());
+        let weak = Arc::downgrade(&region);
+        let side = MoriSide::on_sim(
+            "lifetime",
+            region,
+            PoolConfig::new(SLOT),
+            SimTransportConfig::default(),
+            EngineConfig::default(),
+        )
+        .expect("side");
+        let MoriSide { transfer, pool, engine, transport } = side;
+        let mut parts: Vec<Option<Box<dyn std::any::Any>>> =
+            vec![Some(Box::new(transfer)), Some(Box::new(pool)), Some(Box::new(engine)), Some(Box::new(transport))];
+        for &i in &order {
+            drop(parts[i].take());
+            if parts[3].is_some() {
+                let named: Vec<&str> = order.iter().map(|&k| PARTS[k]).collect();
+                assert!(weak.upgrade().is_some(), "order {named:?}: the region was freed while the NIC binds it");
+            }
+        }
+        // Threads that held a reference (the driver, the NIC's) exit shortly after.
+        let deadline = Instant::now() + LONG;
+        while weak.upgrade().is_some() && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(2));
+        }
+        assert!(weak.upgrade().is_none(), "order {order:?}: the region leaked after everything was dropped");
+    }
+}
+
+/// Every order of `0..n` (Heap's algorithm; n! of them, n is small here).
+fn permutations(n: usize) -> Vec<Vec<usize>> {
+    fn heap(k: usize, a: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+        if k <= 1 {
+            out.push(a.clone());
+            return;
+        }
+        for i in 0..k {
+            heap(k - 1, a, out);
+            let j = if k % 2 == 0 { i } else { 0 };
+            a.swap(j, k - 1);
+        }
+    }
+    let mut out = Vec::new();
+    heap(n, &mut (0..n).collect(), &mut out);
+    out
 }

@@ -525,6 +525,49 @@ fn target_fence_stops_inbound_writes() {
     assert!(dst.to_vec().iter().all(|&b| b == 0));
 }
 
+/// A panic in a user hook (here the target's inbound hook) is caught on the
+/// thread that ran it: counted, the peer it was about is fenced (its next
+/// WRITE cannot land), and the engine goes on instead of losing its
+/// progress thread (a status listener's panic is caught the same way).
+#[test]
+fn hostile_a_panicking_hook_fences_its_peer_and_the_engine_goes_on() {
+    let p = pair();
+    p.b.set_inbound_hook(Some(Arc::new(|_| panic!("a user hook panics"))));
+    let src = HostBuffer::from_vec(pattern(64, 1));
+    let dst = HostBuffer::zeroed(64);
+    let (s, d) = (reg(&p.a, &src), reg(&p.b, &dst));
+    let status = p.a.write(&s, 0, &d, 0, 64, p.a.allocate_transfer_unique_id(), Tag::new(1, 1));
+    assert_eq!(status.wait_for(LONG), StatusCode::Success);
+    let deadline = Instant::now() + LONG;
+    while p.b.stats().hook_panics == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(p.b.stats().hook_panics, 1, "the panic was not caught and counted");
+    p.b.set_inbound_hook(None);
+    // The fence runs on a thread of its own: bounded wait until the peer's
+    // writes are refused.
+    let before = p.b.stats().notifications_received;
+    let fenced = (0..500).any(|_| {
+        let w = p.a.write(&s, 0, &d, 0, 64, p.a.allocate_transfer_unique_id(), Tag::new(2, 2));
+        let code = w.wait_for(LONG);
+        code != StatusCode::Success || {
+            std::thread::sleep(Duration::from_millis(2));
+            false
+        }
+    });
+    assert!(fenced, "the peer whose status a panicking hook got was not fenced");
+    assert!(p.b.stats().notifications_received >= before);
+    // A panicking status listener: caught, the next listener still runs.
+    let panics = backend_mori::listener_panics();
+    let (st, up) = backend_mori::TransferStatus::pending(9, Tag::default());
+    let (tx, rx) = std::sync::mpsc::channel();
+    st.on_complete(|_| panic!("a listener panics"));
+    st.on_complete(move |c| tx.send(c).unwrap());
+    up.set(StatusCode::Success, "");
+    assert_eq!(rx.recv_timeout(LONG), Ok(StatusCode::Success));
+    assert_eq!(backend_mori::listener_panics(), panics + 1);
+}
+
 #[test]
 fn target_waits_for_inbound_and_hook_fires() {
     let p = pair();

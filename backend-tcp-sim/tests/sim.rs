@@ -833,12 +833,44 @@ fn hostile_a_panicking_hook_fences_the_connection_instead_of_hanging_it() {
     }
 }
 
+/// The positive control: with the exit path skipped on unwind (`Naive`),
+/// the same panic leaves the connection looking alive and its exposure
+/// unsettled: the hang the check prevents.
+#[test]
+fn hostile_a_panicking_hook_positive_control_leaves_a_zombie() {
+    let p = pair_with(NicConfig::new("decode").with_policy(ReleasePolicy::Naive), NicConfig::new("prefill"));
+    let (exposed, _remote) = p.target.expose(p.tpool.reserve(1).unwrap(), p.peer).unwrap();
+    p.target.set_message_hook(Some(Arc::new(|_, _, _| panic!("a user hook panics (positive control)"))));
+    p.init.send_message(p.init.peer_by_name("decode").unwrap(), b"boom").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(p.target.stats().hook_panics, 0, "the panic was caught though the check is off");
+    assert!(p.target.is_connected(p.peer), "expected a zombie connection without the check");
+    let exposed = exposed.try_settled().expect_err("expected the exposure to hang without the check");
+    // Teardown: the fence settles it.
+    exposed.abort();
+}
+
 /// Rule 8, the sending side: a hostile target that answers a large WRITE
 /// with a success completion before it read the payload does not settle the
 /// source slot while our NIC still sends from it. The completion is parked
 /// until every byte left; only then does the handle resolve.
 #[test]
 fn hostile_an_early_completion_does_not_settle_a_source_slot_still_being_sent() {
+    assert!(!early_completion_settles_while_sending(ReleasePolicy::Safe));
+}
+
+/// The positive control: with the check off (`Naive`), the same early
+/// completion settles the source slot while 16 MiB are still being sent
+/// from it.
+#[test]
+fn hostile_an_early_completion_positive_control_settles_while_sending() {
+    assert!(early_completion_settles_while_sending(ReleasePolicy::Naive));
+}
+
+/// A hostile target answers a 16 MiB WRITE with success before reading a
+/// byte of it; returns whether the source slot settled while the payload
+/// was still unread (it checks the parking counter only with the checks on).
+fn early_completion_settles_while_sending(policy: ReleasePolicy) -> bool {
     use kv_transfer_core::{Generation, PoolId, RemoteSlot, SlotId};
     const BIG: usize = 16 << 20;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -869,7 +901,7 @@ fn hostile_an_early_completion_does_not_settle_a_source_slot_still_being_sent() 
         let mut sink = vec![0u8; p.payload_len()];
         s.read_exact(&mut sink).unwrap();
     });
-    let init = SimNic::start(NicConfig::new("prefill")).unwrap();
+    let init = SimNic::start(NicConfig::new("prefill").with_policy(policy)).unwrap();
     let ipool = init.register_pool(Arc::new(HostRegion::new(BIG).unwrap()), PoolConfig::new(BIG)).unwrap();
     let remote = RemoteSlots {
         endpoint: addr,
@@ -880,16 +912,54 @@ fn hostile_an_early_completion_does_not_settle_a_source_slot_still_being_sent() 
         slots: vec![RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0 }],
     };
     let mut h = block_on(init.write(ipool.reserve(1).unwrap(), &remote, TransferOptions::notify(false))).unwrap();
-    wait_until("the early completion parked", || init.stats().early_completions == 1);
-    std::thread::sleep(Duration::from_millis(200));
-    assert!(
-        kv_transfer_core::poll_until(std::pin::Pin::new(&mut h), Duration::ZERO).is_none(),
-        "the source slot settled while 16 MiB were still being sent from it"
-    );
-    assert_eq!(ipool.metrics().free, 0);
+    if !policy.is_naive() {
+        wait_until("the early completion parked", || init.stats().early_completions == 1);
+    }
+    // Bounded: the payload stays unread until the gate opens below.
+    let deadline = std::time::Instant::now() + Duration::from_millis(500);
+    let mut early = None;
+    while early.is_none() && std::time::Instant::now() < deadline {
+        early = kv_transfer_core::poll_until(std::pin::Pin::new(&mut h), Duration::from_millis(10));
+    }
+    let settled_early = early.is_some();
     read_gate_tx.send(()).unwrap();
-    let out = block_on(h).unwrap();
+    let out = match early {
+        Some(out) => out.unwrap(),
+        None => block_on(h).unwrap(),
+    };
     assert_eq!(out.result, Ok(()));
     out.lease.release();
     hostile.join().unwrap();
+    settled_early
+}
+
+/// Rule 8: registered memory outlives every binding. In every order of
+/// dropping a live exposure, its pool and the NIC (with the peer that could
+/// write into it still connected), the region stays allocated while the NIC
+/// that binds it lives; once everything is dropped it is freed.
+#[test]
+fn hostile_memory_outlives_its_binding_whatever_is_dropped_first() {
+    const PARTS: [&str; 3] = ["exposure", "pool", "nic"];
+    let orders = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
+    for order in orders {
+        let p = pair();
+        let Pair { target, tpool, init, ipool, peer } = p;
+        let weak = Arc::downgrade(tpool.region());
+        let (exposed, _remote) = target.expose(tpool.reserve(1).unwrap(), peer).unwrap();
+        let mut parts: Vec<Option<Box<dyn std::any::Any>>> =
+            vec![Some(Box::new(exposed)), Some(Box::new(tpool)), Some(Box::new(target))];
+        for &i in &order {
+            drop(parts[i].take());
+            if parts[2].is_some() {
+                let named: Vec<&str> = order.iter().map(|&k| PARTS[k]).collect();
+                assert!(weak.upgrade().is_some(), "order {named:?}: the region was freed while the NIC binds it");
+            }
+        }
+        let deadline = Instant::now() + WAIT;
+        while weak.upgrade().is_some() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(weak.upgrade().is_none(), "order {order:?}: the region leaked after everything was dropped");
+        drop((init, ipool));
+    }
 }

@@ -580,7 +580,7 @@ fn rule8_remote_sizes_use_checked_arithmetic() {
 }
 
 #[test]
-fn rule8_a_fence_covers_only_the_exposures_made_before_it_was_minted() {
+fn rule8_hostile_a_late_delivered_fence_covers_only_the_exposures_made_before_it_was_minted() {
     let (pool, authority) = pool(3);
     let (old, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(4), 1, "t", Default::default());
     old.abort();

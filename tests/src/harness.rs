@@ -1,5 +1,6 @@
 //! What a backend provides for the scenarios.
 
+use kv_transfer_core::drain::ReleasePolicy;
 use kv_transfer_core::{
     EscalationLadder, Exposed, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer, TransferError,
     TransferHandle,
@@ -59,6 +60,11 @@ pub struct RigConfig {
     /// buffer held writes whole, which changes what "in flight" means; the
     /// stalled-peer case turns this off).
     pub can_hold: bool,
+    /// The decode side's release policy. `Naive` is the positive control:
+    /// it frees aborted slots without a proof and drops the checks of who
+    /// may settle an exposure (token, authenticated sender), so the
+    /// hostile-peer scenarios can show their attacks succeed without them.
+    pub policy: ReleasePolicy,
 }
 
 impl Default for RigConfig {
@@ -70,6 +76,7 @@ impl Default for RigConfig {
             ladder: EscalationLadder::default(),
             prefill_process: false,
             can_hold: true,
+            policy: ReleasePolicy::Safe,
         }
     }
 }
@@ -90,6 +97,19 @@ pub struct RawSpec {
 
 /// An exposure to a stalled peer, with the guard that keeps the peer alive.
 pub type StalledExposure = (SlotLease<Exposed>, Box<dyn Any>);
+
+/// How the decode side knows who sent a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SenderIdentity {
+    /// The transport authenticates the sender (the simulator's connection,
+    /// bound when the exposure was made): even a leaked token settles
+    /// nothing from anyone else.
+    Connection,
+    /// The sender is the name it declares (NIXL's agent name, Mooncake's
+    /// notify `name`): only the exposure's token tells the peer from a
+    /// third party using its name.
+    DeclaredName,
+}
 
 /// A peer under the test's direct control that can send notifications the
 /// real engines would not (replays, old and future generations).
@@ -170,6 +190,27 @@ pub trait Rig {
     fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>>;
     /// Exposes a decode lease to the last raw peer connected.
     fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure>;
+    /// A hostile third party that claims to be the last raw peer connected
+    /// (its name), through a connection, agent or engine of its own: what
+    /// anyone can do with the public wire formats (`None`: not possible).
+    fn impostor(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        None
+    }
+    /// How the decode side knows who sent a message.
+    fn sender_identity(&self) -> SenderIdentity {
+        SenderIdentity::DeclaredName
+    }
+    /// Whether a [`RawPeer::notify`] carries the exposure's token (MORI's
+    /// statuses do not: they are bound to the connection instead).
+    fn proofs_carry_token(&self) -> bool {
+        true
+    }
+    /// Messages the decode side dropped as forged or stale so far: the
+    /// pool's counters, plus what the backend drops before the pool sees it.
+    fn dropped_messages(&self) -> u64 {
+        let m = self.decode_pool().metrics();
+        m.forged_rejected + m.stale_rejected
+    }
     /// Exposes a decode lease to a peer that starts a WRITE, sends half its
     /// payload and then stalls forever without acking (so revocation cannot
     /// drain and only a fence can settle). The guard keeps that peer alive.

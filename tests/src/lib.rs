@@ -57,6 +57,7 @@
 #![deny(missing_docs)]
 
 pub mod harness;
+pub mod hostile;
 #[cfg(feature = "mooncake")]
 pub mod mooncake;
 #[cfg(feature = "mori")]
@@ -66,7 +67,7 @@ pub mod nixl;
 pub mod scenarios;
 pub mod sim;
 
-pub use harness::{Backend, Failure, Rig, RigConfig};
+pub use harness::{Backend, Failure, Rig, RigConfig, SenderIdentity};
 
 /// Every backend compiled into the suite, available or not.
 /// `prefill_worker`: path of the `prefill-worker` binary (for the

@@ -254,8 +254,11 @@ impl Backend for MooncakeBackend {
             );
         }
         let decode_engine = Arc::new(MooncakeEngine::new(engine_config()).map_err(|e| fail("decode engine")(&e))?);
-        let decode = MooncakeTransfer::new(decode_engine.clone(), AdapterConfig::default())
-            .map_err(|e| fail("decode adapter")(&e))?;
+        let decode = MooncakeTransfer::new(
+            decode_engine.clone(),
+            AdapterConfig { release_policy: cfg.policy, ..AdapterConfig::default() },
+        )
+        .map_err(|e| fail("decode adapter")(&e))?;
         let region = HostRegion::new(cfg.decode_slots * cfg.slot_size).map_err(|e| fail("decode region")(&e))?;
         let dpool = decode
             .register_pool(Arc::new(region), PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
@@ -281,6 +284,7 @@ impl Backend for MooncakeBackend {
             can_hold: cfg.can_hold,
             slot_size: cfg.slot_size,
             raw: Mutex::new(None),
+            raw_name: Mutex::new(None),
         }))
     }
 }
@@ -299,6 +303,25 @@ pub struct MooncakeRig {
     slot_size: usize,
     /// The last raw peer, as the decode adapter numbers it.
     raw: Mutex<Option<PeerId>>,
+    /// Its segment name (what an impostor writes into its notifies).
+    raw_name: Mutex<Option<String>>,
+}
+
+/// A third party that writes the raw peer's segment name into the notify it
+/// sends from a connection of its own (Mooncake's notify carries the name
+/// its sender declares).
+struct MooncakeImpostor {
+    name: String,
+    decode: SocketAddr,
+}
+
+impl RawPeer for MooncakeImpostor {
+    fn notify(&mut self, remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<(), Failure> {
+        let n =
+            backend_mooncake::proto::NotifyDesc { name: self.name.clone(), notify_msg: done_text(remote, tenancies)? };
+        backend_mooncake::client::send_notify(self.decode, &n, Duration::from_secs(5))
+            .map_err(|e| fail("impostor notify")(&e))
+    }
 }
 
 /// A bare engine that sends hand-made adapter notifications to the decode side.
@@ -311,10 +334,15 @@ impl RawPeer for MooncakeRawPeer {
     /// Sends a DONE (core's codec, text form) for the exposure's pool and
     /// token. Mooncake TCP has no access key (`key` is 0 in every exposure).
     fn notify(&mut self, remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<(), Failure> {
-        let msg = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, tenancies.to_vec());
-        let text = msg.encode_text().map_err(|e| fail("encode")(&e))?;
-        self.engine.send_notify(self.decode, &text).map_err(|e| fail("raw notify")(&e))
+        self.engine.send_notify(self.decode, &done_text(remote, tenancies)?).map_err(|e| fail("raw notify")(&e))
     }
+}
+
+/// A DONE for `tenancies` of `remote` (its pool and token), core's codec in
+/// its text form, as the adapter's notifies carry it.
+fn done_text(remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<String, Failure> {
+    let msg = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, tenancies.to_vec());
+    msg.encode_text().map_err(|e| fail("encode")(&e))
 }
 
 impl MooncakeRig {
@@ -429,7 +457,16 @@ impl Rig for MooncakeRig {
             let (engine, peer) = self.raw_engine()?;
             let decode = engine.open_segment(self.decode.segment_name()).map_err(|e| fail("raw open_segment")(&e))?;
             *lock(&self.raw) = Some(peer);
+            *lock(&self.raw_name) = Some(engine.local_segment_name());
             Ok(Box::new(MooncakeRawPeer { engine, decode }) as Box<dyn RawPeer>)
+        })())
+    }
+    fn impostor(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        Some((|| {
+            let name = lock(&self.raw_name).clone().ok_or_else(|| Failure("no raw peer to impersonate".into()))?;
+            let decode = backend_mooncake::client::resolve_segment(self.decode.segment_name())
+                .map_err(|e| fail("resolve the decode segment")(&e))?;
+            Ok(Box::new(MooncakeImpostor { name, decode }) as Box<dyn RawPeer>)
         })())
     }
     fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {

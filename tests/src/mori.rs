@@ -5,7 +5,7 @@
 //! skipped; the in-process crash runs.
 
 use crate::ensure;
-use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure};
 use crate::sim::{post_tagged, start_stalled_write};
 use backend_mori::harness::{raw_sim_peer_desc, settle_tag, MoriSide, RawMoriPeer};
 use backend_mori::{EngineConfig, IoEngine, SimTransportConfig, StatusCode};
@@ -50,6 +50,7 @@ impl Backend for MoriBackend {
         dt.nic.faults.gate = gate.clone();
         dt.nic.max_wr_bytes = (cfg.slot_size * 4).min(u32::MAX as usize) as u32;
         dt.nic.revoke_wait = Duration::from_millis(200);
+        dt.nic.policy = cfg.policy;
         let region = |slots: usize| -> Result<Arc<HostRegion>, Failure> {
             HostRegion::new(slots * cfg.slot_size).map(Arc::new).map_err(|e| fail("region")(&e))
         };
@@ -78,6 +79,7 @@ impl Backend for MoriBackend {
             gate,
             slot_size: cfg.slot_size,
             raw: Mutex::new(None),
+            raw_name: Mutex::new(None),
         }))
     }
 }
@@ -91,12 +93,22 @@ pub struct MoriRig {
     gate: Option<Gate>,
     slot_size: usize,
     raw: Mutex<Option<PeerId>>,
+    /// The last raw peer's engine key (what an impostor's HELLO claims).
+    raw_name: Mutex<Option<String>>,
 }
 
 impl MoriRig {
     fn raw_hello(&self, name: &str) -> Result<TcpStream, Failure> {
         let nic = self.decode.transport.nic().ok_or_else(|| Failure("decode NIC not attached".into()))?;
         crate::sim::raw_hello(nic.endpoint(), name)
+    }
+}
+
+impl MoriRig {
+    /// A raw MORI peer sending statuses that name the decode pool's memory.
+    fn raw_mori_peer(&self, peer: RawMoriPeer) -> Result<Box<dyn RawPeer>, Failure> {
+        let desc = self.decode.transfer.memory_desc(&self.decode.pool).ok_or_else(|| Failure("no memory".into()))?;
+        Ok(Box::new(MoriRawPeer { peer, mem: desc.id, key: desc.rkey }))
     }
 }
 
@@ -224,10 +236,30 @@ impl Rig for MoriRig {
             ensure!(nic.wait_for_peer(&name, Duration::from_secs(5)).is_some(), "the raw peer never connected");
             let id = self.decode.transfer.add_peer(peer.desc()).map_err(|e| fail("add raw peer")(&e))?;
             *self.raw.lock().unwrap_or_else(|p| p.into_inner()) = Some(id);
-            let desc =
-                self.decode.transfer.memory_desc(&self.decode.pool).ok_or_else(|| Failure("no memory".into()))?;
-            Ok(Box::new(MoriRawPeer { peer, mem: desc.id, key: desc.rkey }) as Box<dyn RawPeer>)
+            *self.raw_name.lock().unwrap_or_else(|p| p.into_inner()) = Some(name);
+            self.raw_mori_peer(peer)
         })())
+    }
+    fn impostor(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        Some((|| {
+            let name = self.raw_name.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let name = name.ok_or_else(|| Failure("no raw peer to impersonate".into()))?;
+            // Its own simulator NIC and connection, whose HELLO claims the
+            // raw peer's key; never added as a peer.
+            let peer =
+                RawMoriPeer::connect(&name, &self.decode.engine.engine_desc()).map_err(|e| fail("impostor")(&e))?;
+            self.raw_mori_peer(peer)
+        })())
+    }
+    fn sender_identity(&self) -> SenderIdentity {
+        SenderIdentity::Connection
+    }
+    fn proofs_carry_token(&self) -> bool {
+        false
+    }
+    fn dropped_messages(&self) -> u64 {
+        let m = self.decode.pool.metrics();
+        m.forged_rejected + m.stale_rejected + self.decode.transport.impostor_messages()
     }
     fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
         let Some(id) = *self.raw.lock().unwrap_or_else(|p| p.into_inner()) else {

@@ -252,6 +252,8 @@ pub struct NixlRig {
     can_hold: bool,
     /// The last raw peer, as the decode side numbers it.
     raw: Mutex<Option<PeerId>>,
+    /// Its agent name (what an impostor agent is created under).
+    raw_name: Mutex<Option<String>>,
     /// The keys of exposures to raw peers.
     keys: Keys,
 }
@@ -268,7 +270,8 @@ fn register(t: &NixlTransfer, slots: usize, slot_size: usize, cfg: PoolConfig) -
 impl NixlRig {
     fn new(cfg: &RigConfig) -> Result<Self, Failure> {
         let gate = Arc::new(GatedEngine::start(unique("decode")).map_err(|e| fail("decode agent")(&e))?);
-        let decode = NixlTransfer::new(gate.clone(), driven(TEARDOWN)).map_err(|e| fail("decode adapter")(&e))?;
+        let dcfg = AdapterConfig { release_policy: cfg.policy, ..driven(TEARDOWN) };
+        let decode = NixlTransfer::new(gate.clone(), dcfg).map_err(|e| fail("decode adapter")(&e))?;
         let dpool =
             register(&decode, cfg.decode_slots, cfg.slot_size, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))?;
         let pgate = Arc::new(GatedEngine::start(unique("prefill")).map_err(|e| fail("prefill agent")(&e))?);
@@ -290,6 +293,7 @@ impl NixlRig {
             peer,
             can_hold: cfg.can_hold && transports_need_target_progress(),
             raw: Mutex::new(None),
+            raw_name: Mutex::new(None),
             keys: Keys::default(),
         })
     }
@@ -378,6 +382,17 @@ impl RawPeer for NixlRawPeer {
     }
 }
 
+impl NixlRig {
+    /// A real agent named `name` that loaded the decode side's metadata
+    /// (so it can notify it), and the decode agent's name.
+    fn agent_towards_decode(&self, name: &str) -> Result<(RealNixlEngine, String), Failure> {
+        let engine = RealNixlEngine::new(EngineConfig::ucx(name)).map_err(|e| fail("raw agent")(&e))?;
+        let dmd = self.decode.local_metadata().map_err(|e| fail("decode metadata")(&e))?;
+        let decode = engine.load_remote_metadata(&dmd).map_err(|e| fail("raw loads decode metadata")(&e))?;
+        Ok((engine, decode))
+    }
+}
+
 impl Rig for NixlRig {
     fn backend(&self) -> &'static str {
         "nixl"
@@ -442,12 +457,22 @@ impl Rig for NixlRig {
     }
     fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
         Some((|| {
-            let engine = RealNixlEngine::new(EngineConfig::ucx(unique("raw"))).map_err(|e| fail("raw agent")(&e))?;
-            let dmd = self.decode.local_metadata().map_err(|e| fail("decode metadata")(&e))?;
-            let decode = engine.load_remote_metadata(&dmd).map_err(|e| fail("raw loads decode metadata")(&e))?;
+            let name = unique("raw");
+            let (engine, decode) = self.agent_towards_decode(&name)?;
             let rmd = engine.local_metadata().map_err(|e| fail("raw metadata")(&e))?;
             let peer = self.decode.add_peer(&rmd).map_err(|e| fail("decode loads raw metadata")(&e))?;
             *self.raw.lock().unwrap_or_else(|p| p.into_inner()) = Some(peer);
+            *self.raw_name.lock().unwrap_or_else(|p| p.into_inner()) = Some(name);
+            Ok(Box::new(NixlRawPeer { engine, decode, keys: Arc::clone(&self.keys) }) as Box<dyn RawPeer>)
+        })())
+    }
+    fn impostor(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        Some((|| {
+            let name = self.raw_name.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let name = name.ok_or_else(|| Failure("no raw peer to impersonate".into()))?;
+            // A second, real agent under the raw peer's name; the decode side
+            // never loads its metadata.
+            let (engine, decode) = self.agent_towards_decode(&name)?;
             Ok(Box::new(NixlRawPeer { engine, decode, keys: Arc::clone(&self.keys) }) as Box<dyn RawPeer>)
         })())
     }

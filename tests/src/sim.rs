@@ -1,7 +1,7 @@
 //! The TCP simulator's harness: the reference [`Backend`] implementation.
 
 use crate::ensure;
-use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure};
 use backend_tcp_sim::wire::{self, Body};
 use backend_tcp_sim::{block_on, FaultPlan, Gate, NicConfig, RawAccess, SimNic};
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
@@ -93,6 +93,7 @@ impl Backend for SimBackend {
         let n = RIGS.fetch_add(1, Ordering::Relaxed);
         let gate = cfg.can_hold.then(Gate::new);
         let mut dcfg = NicConfig::new(format!("decode-{n}"))
+            .with_policy(cfg.policy)
             .with_faults(FaultPlan { gate: gate.clone(), ..FaultPlan::default() })
             .with_max_wr_bytes((cfg.slot_size * 4).min(u32::MAX as usize) as u32);
         dcfg.revoke_wait = Duration::from_millis(200);
@@ -158,8 +159,8 @@ pub struct SimRig {
     gate: Option<Gate>,
     prefill: Prefill,
     slot_size: usize,
-    /// The last raw peer, as the decode NIC numbers it.
-    raw: std::sync::Mutex<Option<PeerId>>,
+    /// The last raw peer, as the decode NIC numbers it, and its name.
+    raw: std::sync::Mutex<Option<(PeerId, String)>>,
 }
 
 struct SimRawPeer(TcpStream);
@@ -313,12 +314,23 @@ impl Rig for SimRig {
                 .decode
                 .wait_for_peer(&name, Duration::from_secs(5))
                 .ok_or_else(|| Failure("the raw peer never showed up".into()))?;
-            *self.raw.lock().unwrap_or_else(|p| p.into_inner()) = Some(peer);
+            *self.raw.lock().unwrap_or_else(|p| p.into_inner()) = Some((peer, name));
             Ok(Box::new(SimRawPeer(s)) as Box<dyn RawPeer>)
         })())
     }
+    fn impostor(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        let name = self.raw.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(_, n)| n.clone());
+        Some(match name {
+            // Same HELLO, its own connection.
+            Some(name) => self.raw_hello(&name).map(|s| Box::new(SimRawPeer(s)) as Box<dyn RawPeer>),
+            None => Err(Failure("no raw peer to impersonate".into())),
+        })
+    }
+    fn sender_identity(&self) -> SenderIdentity {
+        SenderIdentity::Connection
+    }
     fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
-        let Some(peer) = *self.raw.lock().unwrap_or_else(|p| p.into_inner()) else {
+        let Some(peer) = self.raw.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(p, _)| *p) else {
             return Err(Failure("no raw peer connected".into()));
         };
         self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))

@@ -1,4 +1,4 @@
-//! Scenarios 1 and 3-8 against every backend compiled in: one test per
+//! Scenarios 1 and 3-8, and the hostile-peer scenarios, against every backend compiled in: one test per
 //! (scenario, backend), named `<scenario>::<backend>` (e.g.
 //! `s1_abort_while_writes_in_flight::tcp_sim`), so a failure names both and
 //! a filter picks either (`-- ::nixl`, `-- s3_`).
@@ -31,6 +31,11 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("s6_admission_overload", kv_transfer_tests::scenarios::admission_overload),
     ("s7_dropped_handle_and_lease", kv_transfer_tests::scenarios::dropped_handles),
     ("s8_peer_never_acks", kv_transfer_tests::scenarios::never_acks),
+    ("hostile_impersonation_and_guessed_tokens_settle_nothing", kv_transfer_tests::hostile::impersonation),
+    (
+        "hostile_impersonation_positive_control_settles_unwritten",
+        kv_transfer_tests::hostile::impersonation_positive_control,
+    ),
 ];
 
 /// Runs `scenario` against the backend named `backend` (built afresh on

@@ -350,6 +350,7 @@ impl MooncakeTransfer {
             );
         }
         let cfg_max_aborted = cfg.max_aborted;
+        let exposures = Mutex::new(ExposureTable::with_policy(cfg.release_policy));
         let inner = Arc::new(Inner {
             self_proto,
             segment_name,
@@ -357,7 +358,7 @@ impl MooncakeTransfer {
             cfg,
             pools: Mutex::default(),
             peers: Mutex::default(),
-            exposures: Mutex::new(ExposureTable::new()),
+            exposures,
             inflight: Mutex::new(Inflight {
                 tracker: AbortTracker::new(cfg_max_aborted),
                 outbox: Outbox::default(),

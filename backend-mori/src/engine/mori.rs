@@ -80,6 +80,8 @@ pub struct EngineStats {
     pub notifications_skipped: u64,
     /// Completions whose `wr_id` matched no posted operation.
     pub stray_completions: u64,
+    /// Hooks that panicked (caught; the peer concerned was fenced).
+    pub hook_panics: u64,
 }
 
 /// The engine: MORI-IO semantics over a [`MoriTransport`], with the hazards

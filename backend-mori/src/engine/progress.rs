@@ -18,6 +18,41 @@ use crate::util::lock;
 use crate::window::{Admit, NotifWindow};
 
 impl Inner {
+    /// Runs a user hook about `peer`. A panic in it is caught (the caller is
+    /// the progress thread or the transport's receiving thread, which must
+    /// go on), logged and counted (`EngineStats::hook_panics`), and the peer
+    /// is fenced: what it sent was not handled, so nothing it says is trusted
+    /// any more. The engine takes no new work for it at once; the transport's
+    /// fence runs on a thread of its own (it joins the connection's threads,
+    /// one of which may be this one), and its confirmation reaches the
+    /// adapter as a lost peer: its exposures settle `Fenced`, its pending
+    /// operations end with an error.
+    fn run_hook<R>(&self, what: &'static str, peer: &EngineKey, hook: impl FnOnce() -> R) -> Option<R> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(hook)) {
+            Ok(r) => Some(r),
+            Err(_) => {
+                {
+                    let mut state = lock(&self.state);
+                    state.stats.hook_panics += 1;
+                    if let Some(p) = state.peers.get_mut(peer) {
+                        p.fenced = true;
+                    }
+                }
+                tracing::error!(engine = %self.key, %peer, hook = what, "a hook panicked; caught, fencing the peer");
+                let (transport, key) = (Arc::clone(&self.transport), peer.clone());
+                let spawned = std::thread::Builder::new().name("mori-hook-fence".into()).spawn(move || {
+                    if let Err(e) = transport.fence(&key) {
+                        tracing::warn!(peer = %key, error = %e, "fence after a hook panic failed");
+                    }
+                });
+                if let Err(e) = spawned {
+                    tracing::warn!(%peer, error = %e, "cannot start the fence after a hook panic");
+                }
+                None
+            }
+        }
+    }
+
     /// Files an inbound notification; returns what the hook is to be told.
     /// Admits an inbound notification through the peer's window; a
     /// duplicate is dropped.
@@ -124,7 +159,8 @@ impl Inner {
                     }
                 };
                 if let (Some(hook), Some(status)) = (hook, status) {
-                    if let Some(back) = hook(status) {
+                    let peer = status.remote.clone();
+                    if let Some(back) = self.run_hook("inbound", &peer, || hook(status)).flatten() {
                         self.file_inbound(&mut lock(&self.state), std::iter::once(back));
                     }
                 }
@@ -175,7 +211,8 @@ impl Inner {
             let hook = lock(&self.peer_lost_hook).clone();
             if let Some(hook) = hook {
                 for peer in lost {
-                    hook(peer);
+                    let key = peer.clone();
+                    self.run_hook("peer-lost", &key, || hook(peer));
                 }
             }
         }
@@ -184,14 +221,21 @@ impl Inner {
             match hook {
                 Some(hook) => {
                     for (from, bytes) in messages {
-                        hook(from, bytes);
+                        let key = from.clone();
+                        self.run_hook("message", &key, || hook(from, bytes));
                     }
                 }
                 None => tracing::debug!(engine = %self.key, n = messages.len(), "control messages dropped: no hook"),
             }
         }
         if let Some(hook) = hook.filter(|_| !inbound.is_empty()) {
-            let back: Vec<InboundStatus> = inbound.into_iter().filter_map(|s| hook(s)).collect();
+            let back: Vec<InboundStatus> = inbound
+                .into_iter()
+                .filter_map(|s| {
+                    let peer = s.remote.clone();
+                    self.run_hook("inbound", &peer, || hook(s)).flatten()
+                })
+                .collect();
             if !back.is_empty() {
                 self.file_inbound(&mut lock(&self.state), back);
             }

@@ -8,7 +8,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kv_transfer_core::drain::{ControlKind, ControlMessage, DecodeError, Outgoing, Plan, ReleasePolicy};
+use kv_transfer_core::drain::{ControlKind, ControlMessage, DecodeError, Outgoing, Plan};
 use kv_transfer_core::{PoolId, SettlementAuthority, Tenancy};
 
 use super::lifecycle::Phase;
@@ -350,9 +350,17 @@ impl Inner {
             for action in a.poll_escalations() {
                 let (plan, agent) = {
                     let st = self.state();
-                    let plan = st.exposures.plan(pool, &action, CAPABILITIES, ReleasePolicy::Safe);
+                    let plan = st.exposures.plan(pool, &action, CAPABILITIES, self.cfg.release_policy);
                     (plan, st.peers.get(&action.peer).cloned())
                 };
+                if let Some(ts) = plan.release_without_proof() {
+                    tracing::error!(
+                        slots = ts.len(),
+                        "NAIVE POSITIVE CONTROL: releasing aborted slots without a proof"
+                    );
+                    a.deliver(a.completed(ts));
+                    continue;
+                }
                 match plan {
                     Plan::SendAbort { messages, .. } => {
                         let Some(agent) = agent else { continue };

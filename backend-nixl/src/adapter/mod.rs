@@ -113,7 +113,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_transfer_core::drain::{Capabilities, ControlKind, Trust};
+use kv_transfer_core::drain::{Capabilities, ControlKind, ExposureTable, ReleasePolicy, Trust};
 use kv_transfer_core::{
     BackendError, ExposeError, ExposeErrorKind, Exposed, MemoryKind, PeerId, PoolConfig, PoolError, PoolId, Region,
     RemoteSlots, Reserved, SlotLease, SlotPool, Target, Tenancy,
@@ -201,6 +201,12 @@ pub struct AdapterConfig {
     /// Capacity of the target-side event queue ([`NixlTransfer::take_events`]);
     /// the oldest events are dropped (and counted) beyond it.
     pub event_capacity: usize,
+    /// How quarantined and exposed slots are settled: keep
+    /// [`ReleasePolicy::Safe`]. `Naive` (feature `naive-positive-control` of
+    /// `kv-transfer-core`) is the tests' positive control only: it frees an
+    /// aborted slot without a proof and takes a notification's claimed
+    /// agent name for its identity, whatever token it carries.
+    pub release_policy: ReleasePolicy,
 }
 
 impl Default for AdapterConfig {
@@ -217,6 +223,7 @@ impl Default for AdapterConfig {
             inline_poll: Duration::from_micros(20),
             request_cache: 64,
             event_capacity: 4096,
+            release_policy: ReleasePolicy::Safe,
         }
     }
 }
@@ -366,11 +373,12 @@ impl NixlTransfer {
     /// An adapter over `engine`, with its driver thread started.
     pub fn new(engine: Arc<dyn NixlEngine>, cfg: AdapterConfig) -> Result<Self, AdapterError> {
         let name: Arc<str> = engine.agent_name().into();
+        let state = State { exposures: ExposureTable::with_policy(cfg.release_policy), ..State::default() };
         let inner = Arc::new(Inner {
             engine,
             name,
             cfg,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(state),
             changed: Condvar::new(),
             changed_waiters: std::sync::atomic::AtomicUsize::new(0),
             wake: Arc::new(Wake::new()),

@@ -196,6 +196,7 @@ impl SimNic {
             now ^ (u64::from(std::process::id()) << 32)
                 ^ crate::fault::splitmix64(NICS.fetch_add(1, Ordering::Relaxed)),
         );
+        let exposures = Mutex::new(ExposureTable::with_policy(cfg.policy));
         let inner = Arc::new(NicInner {
             cfg,
             endpoint,
@@ -217,7 +218,7 @@ impl SimNic {
             threads: Mutex::new(Vec::new()),
             fault_log: Mutex::new(Vec::new()),
             last_decode_error: Mutex::new(None),
-            exposures: Mutex::new(ExposureTable::new()),
+            exposures,
         });
         let a = inner.clone();
         let acceptor = std::thread::Builder::new()

@@ -68,7 +68,14 @@ impl NicInner {
                 }
             }
         }))
-        .unwrap_or(Err(RxExit::Panicked));
+        .unwrap_or_else(|panic| {
+            // The positive control (`Naive`) lets the panic end the thread
+            // without the exit path, as before issue 15: a zombie connection.
+            if self.cfg.policy.is_naive() {
+                std::panic::resume_unwind(panic);
+            }
+            Err(RxExit::Panicked)
+        });
         match res {
             Err(RxExit::Panicked) => {
                 inc(&self.counters.hook_panics);
@@ -261,7 +268,9 @@ impl NicInner {
         {
             let mut st = lock(&conn.st);
             if let Some(w) = st.wrs.get_mut(&wr_id) {
-                if !w.on_wire {
+                // The positive control (`Naive`) takes the target's word at
+                // once, as before issue 15.
+                if !w.on_wire && !self.cfg.policy.is_naive() {
                     inc(&self.counters.early_completions);
                     w.early = Some(res);
                     return;

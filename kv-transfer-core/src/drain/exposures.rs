@@ -155,12 +155,30 @@ impl Plan {
 #[derive(Debug, Default)]
 pub struct ExposureTable {
     map: HashMap<(PoolId, SlotId), Exposure>,
+    /// The hostile-peer tests' positive control ([`ReleasePolicy::Naive`]):
+    /// a message settles by (pool, slot, generation) alone, whoever sends
+    /// it and whatever token it carries, as names did before tokens.
+    trust_anyone: bool,
 }
 
 impl ExposureTable {
     /// An empty table.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty table for a backend running under `policy`. With
+    /// [`ReleasePolicy::Safe`] this is [`ExposureTable::new`]. With the
+    /// positive control (`Naive`, feature `naive-positive-control`) the
+    /// table checks neither the sender nor the token, so the hostile-peer
+    /// tests can show that their attacks succeed without those checks.
+    pub fn with_policy(policy: ReleasePolicy) -> Self {
+        Self { map: HashMap::new(), trust_anyone: policy.is_naive() }
+    }
+
+    /// Whether `from` with `token` speaks for exposure `e`.
+    fn authorizes(&self, e: &Exposure, from: PeerId, token: &ExposureToken) -> bool {
+        self.trust_anyone || (e.peer == from && e.token.ct_eq(token))
     }
 
     /// Records an exposure of `tenancies` of `pool` to `peer` and returns
@@ -180,11 +198,21 @@ impl ExposureTable {
         self.map.get(&(pool, t.slot)).is_some_and(|e| e.generation == t.generation && e.peer == peer)
     }
 
+    /// [`ExposureTable::is_exposed`], or under the positive control exposed
+    /// to anyone.
+    fn is_exposed_for(&self, pool: PoolId, t: Tenancy, peer: PeerId) -> bool {
+        self.map
+            .get(&(pool, t.slot))
+            .is_some_and(|e| e.generation == t.generation && (e.peer == peer || self.trust_anyone))
+    }
+
     /// Removes the exposure of `t` to `peer` (a settlement the backend
     /// observed by itself, e.g. an engine status bound to the connection);
     /// returns whether it was there.
     pub fn take(&mut self, pool: PoolId, t: Tenancy, peer: PeerId) -> bool {
-        if self.is_exposed(pool, t, peer) && self.map.get(&(pool, t.slot)).is_some_and(|e| e.trust == Trust::Proving) {
+        if self.is_exposed_for(pool, t, peer)
+            && self.map.get(&(pool, t.slot)).is_some_and(|e| e.trust == Trust::Proving)
+        {
             self.map.remove(&(pool, t.slot));
             return true;
         }
@@ -206,7 +234,7 @@ impl ExposureTable {
         for (i, t) in msg.tenancies.iter().enumerate() {
             match self.map.get(&(msg.pool, t.slot)) {
                 Some(e) if e.generation == t.generation => {
-                    if e.peer != from || !e.token.ct_eq(&msg.token) {
+                    if !self.authorizes(e, from, &msg.token) {
                         v.forged += 1;
                     } else if e.trust == Trust::Unproving {
                         v.untrusted += 1;
@@ -348,6 +376,21 @@ mod tests {
         // Replayed: stale.
         assert_eq!(table.accept(PeerId(2), &msg(token, vec![t(0, 5)])).stale, 1);
         assert_eq!(table.len(), 1);
+    }
+
+    /// The positive control of the hostile-peer tests: without the checks,
+    /// a third party's DONE with a guessed token settles (the attack the
+    /// checks stop); with them it is counted as forged.
+    #[cfg(feature = "naive-positive-control")]
+    #[test]
+    fn rule8_without_the_checks_a_forged_done_settles() {
+        for (policy, settled) in [(ReleasePolicy::Safe, 0), (ReleasePolicy::Naive, 1)] {
+            let mut table = ExposureTable::with_policy(policy);
+            table.expose(PoolId(1), &[t(0, 1)], PeerId(2), Trust::Proving);
+            let forged = ControlMessage::new(ControlKind::Done, PoolId(1), ExposureToken::default(), vec![t(0, 1)]);
+            let v = table.accept(PeerId(3), &forged);
+            assert_eq!((v.settled.len(), v.forged), (settled, 1 - settled), "{policy:?}");
+        }
     }
 
     #[test]
