@@ -1,0 +1,381 @@
+//! The engine layer on a real verbs device: what the NIC itself enforces for
+//! each of the contract's proofs, each with its positive control where one
+//! exists. A custom harness (`libtest-mimic`): where no verbs device exists
+//! (this project's hosts) every test is marked *ignored* with the command
+//! that runs them (`scripts/rdma-lab test`); in the lab's guest
+//! (`KVT_RDMA_LAB=1`) a missing device fails them instead.
+
+#[cfg(feature = "verbs")]
+mod on_device {
+    use backend_verbs::*;
+    use kv_transfer_core::{HostRegion, Region};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    const WAIT: Duration = Duration::from_secs(10);
+    const MTU: u32 = 1024;
+    const SLOT: usize = 64 << 10;
+
+    pub type Check = fn(&Lab) -> Result<(), String>;
+
+    /// An open device and a protection domain.
+    pub struct Lab {
+        pub pd: Arc<ProtectionDomain>,
+        pub gid_index: u8,
+    }
+
+    impl Lab {
+        pub fn open(env: &LabEnv) -> Result<Self, VerbsError> {
+            let ctx = Context::open(&env.device)?;
+            let pd = ProtectionDomain::new(&ctx)?;
+            Ok(Self { pd, gid_index: env.gid_index })
+        }
+
+        fn region(&self, len: usize, access: MrAccess, byte: u8) -> Result<Arc<MemoryRegion>, String> {
+            let r: Arc<dyn Region> = Arc::new(HostRegion::new(len).map_err(|e| e.to_string())?);
+            r.write(0, &vec![byte; len]).map_err(|e| e.to_string())?;
+            MemoryRegion::register(&self.pd, r, access).map_err(|e| e.to_string())
+        }
+
+        /// Two connected RC queue pairs (initiator, target), each with its CQ.
+        fn pair(&self) -> Result<(QueuePair, QueuePair), String> {
+            let e = |e: VerbsError| e.to_string();
+            let a = QueuePair::new(&self.pd, &CompletionQueue::new(&self.pd, 1024).map_err(e)?, 1, self.gid_index)
+                .map_err(e)?;
+            let b = QueuePair::new(&self.pd, &CompletionQueue::new(&self.pd, 1024).map_err(e)?, 1, self.gid_index)
+                .map_err(e)?;
+            // Through the side channel's wire form, as two hosts would.
+            let ea = Endpoint::decode(&a.endpoint(MTU).map_err(e)?.encode()).map_err(e)?;
+            let eb = Endpoint::decode(&b.endpoint(MTU).map_err(e)?.encode()).map_err(e)?;
+            a.connect(&eb).map_err(e)?;
+            b.connect(&ea).map_err(e)?;
+            Ok((a, b))
+        }
+    }
+
+    fn wait(qp: &QueuePair, wr_id: u64) -> Result<Completion, String> {
+        qp.cq()
+            .wait_for(qp.qp_num(), wr_id, WAIT)
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("no completion of wr {wr_id} within {WAIT:?}"))
+    }
+
+    fn invalidate(target: &QueuePair, w: &mut MemoryWindow, wr: u64) -> Result<(), String> {
+        target.post_invalidate(wr, w).map_err(|e| e.to_string())?;
+        let c = wait(target, wr)?;
+        w.invalidate_completed(c.status.is_success());
+        if !c.status.is_success() || !matches!(w.state(), WindowState::Unbound) {
+            return Err(format!("LOCAL_INV: {c:?}"));
+        }
+        Ok(())
+    }
+
+    fn bytes(mr: &MemoryRegion, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        mr.region().read(0, &mut v).expect("read");
+        v
+    }
+
+    fn bind(target: &QueuePair, w: &mut MemoryWindow, mr: &Arc<MemoryRegion>, wr: u64) -> Result<u32, String> {
+        let key = target.post_bind(wr, w, mr, 0, SLOT as u32).map_err(|e| e.to_string())?;
+        let c = wait(target, wr)?;
+        w.bind_completed(c.status.is_success(), mr.addr(), SLOT as u32);
+        if !c.status.is_success() || c.kind != WcKind::Bind {
+            return Err(format!("bind: {c:?}"));
+        }
+        Ok(key)
+    }
+
+    fn write(init: &QueuePair, src: &Arc<MemoryRegion>, wr: u64, addr: u64, rkey: u32) -> Result<WcStatus, String> {
+        init.post_write(wr, src, 0, SLOT as u32, addr, rkey).map_err(|e| e.to_string())?;
+        Ok(wait(init, wr)?.status)
+    }
+
+    /// Revoked: a WRITE through the tenancy's window lands; after its
+    /// `LOCAL_INV` completed, a WRITE with the old key is refused by the NIC
+    /// (`REM_ACCESS_ERR`) and the slot is byte for byte unchanged.
+    pub fn revoked_local_inv_refuses_the_stale_write_and_memory_is_unchanged(lab: &Lab) -> Result<(), String> {
+        let (init, target) = lab.pair()?;
+        let slot = lab.region(SLOT, MrAccess::WindowsOnly, 0)?;
+        let mut w = MemoryWindow::new(&lab.pd).map_err(|e| e.to_string())?;
+        let key = bind(&target, &mut w, &slot, 1)?;
+        let first = lab.region(SLOT, MrAccess::Local, b'A')?;
+        let st = write(&init, &first, 10, slot.addr(), key)?;
+        if st != WcStatus::Success || bytes(&slot, SLOT) != vec![b'A'; SLOT] {
+            return Err(format!("the write through the window did not land: {st:?}"));
+        }
+        invalidate(&target, &mut w, 2)?;
+        let stale = lab.region(SLOT, MrAccess::Local, b'Z')?;
+        let st = write(&init, &stale, 11, slot.addr(), key)?;
+        if st != WcStatus::RemoteAccess {
+            return Err(format!("a WRITE with the invalidated key ended {st:?}, expected RemoteAccess"));
+        }
+        if bytes(&slot, SLOT) != vec![b'A'; SLOT] {
+            return Err("the stale WRITE changed the slot".into());
+        }
+        Ok(())
+    }
+
+    /// The positive control: with the `naive` registration (the region's
+    /// own key grants remote WRITE) there is no per-tenancy key to retire,
+    /// so the old tenancy's late WRITE lands in the slot.
+    pub fn naive_positive_control_the_regions_own_key_lets_the_stale_write_land(lab: &Lab) -> Result<(), String> {
+        let (init, _target) = lab.pair()?;
+        let slot = lab.region(SLOT, MrAccess::RemoteWriteRead, 0)?;
+        let first = lab.region(SLOT, MrAccess::Local, b'A')?;
+        if write(&init, &first, 1, slot.addr(), slot.rkey())? != WcStatus::Success {
+            return Err("the first write failed".into());
+        }
+        // "Aborted and reassigned": nothing at the NIC changes.
+        let stale = lab.region(SLOT, MrAccess::Local, b'Z')?;
+        let st = write(&init, &stale, 2, slot.addr(), slot.rkey())?;
+        if st != WcStatus::Success || bytes(&slot, SLOT) != vec![b'Z'; SLOT] {
+            return Err(format!("positive control: expected the stale write to land, got {st:?}"));
+        }
+        Ok(())
+    }
+
+    /// The next tenancy on the same window (invalidated, then bound under a
+    /// new key) is reachable with the new key only; a bound window cannot
+    /// be bound again without its invalidation.
+    pub fn rebinding_the_window_under_a_new_key_retires_the_old_key(lab: &Lab) -> Result<(), String> {
+        let (init, target) = lab.pair()?;
+        let slot = lab.region(SLOT, MrAccess::WindowsOnly, 0)?;
+        let mut w = MemoryWindow::new(&lab.pd).map_err(|e| e.to_string())?;
+        let old = bind(&target, &mut w, &slot, 1)?;
+        if !matches!(target.post_bind(9, &mut w, &slot, 0, SLOT as u32), Err(VerbsError::Invalid { .. })) {
+            return Err("a bound window was bound again without its invalidation".into());
+        }
+        invalidate(&target, &mut w, 2)?;
+        let new = bind(&target, &mut w, &slot, 3)?;
+        if old == new {
+            return Err(format!("the rebind kept key {old:#x}"));
+        }
+        let src = lab.region(SLOT, MrAccess::Local, b'N')?;
+        let st = write(&init, &src, 10, slot.addr(), new)?;
+        if st != WcStatus::Success {
+            return Err(format!("a WRITE with the new key ended {st:?}"));
+        }
+        let stale = lab.region(SLOT, MrAccess::Local, b'Z')?;
+        let st = write(&init, &stale, 11, slot.addr(), old)?;
+        if st != WcStatus::RemoteAccess || bytes(&slot, SLOT) != vec![b'N'; SLOT] {
+            return Err(format!("a WRITE with the retired key ended {st:?} (or changed the slot)"));
+        }
+        Ok(())
+    }
+
+    /// With `WindowsOnly` the region's own key grants nothing: only a window does.
+    pub fn the_regions_own_key_grants_nothing_remote(lab: &Lab) -> Result<(), String> {
+        let (init, _target) = lab.pair()?;
+        let slot = lab.region(SLOT, MrAccess::WindowsOnly, 7)?;
+        let src = lab.region(SLOT, MrAccess::Local, b'Z')?;
+        let st = write(&init, &src, 1, slot.addr(), slot.rkey())?;
+        if st != WcStatus::RemoteAccess || bytes(&slot, SLOT) != vec![7; SLOT] {
+            return Err(format!("a WRITE with the region's own key ended {st:?} (or changed memory)"));
+        }
+        Ok(())
+    }
+
+    /// A rejected access takes the initiator's QP to ERR (RC): its next
+    /// request completes flushed and proves nothing about the remote side.
+    pub fn a_rejected_access_errors_the_queue_pair_and_flushes_what_follows(lab: &Lab) -> Result<(), String> {
+        let (init, _target) = lab.pair()?;
+        let slot = lab.region(SLOT, MrAccess::WindowsOnly, 0)?;
+        let src = lab.region(SLOT, MrAccess::Local, b'Z')?;
+        if write(&init, &src, 1, slot.addr(), 0x1234_5600)? != WcStatus::RemoteAccess {
+            return Err("a WRITE with a made-up key was not refused".into());
+        }
+        let st = write(&init, &src, 2, slot.addr(), 0x1234_5600)?;
+        if st != WcStatus::Flushed {
+            return Err(format!("the next request on the errored QP ended {st:?}, expected Flushed"));
+        }
+        Ok(())
+    }
+
+    /// Fenced: moving a QP with requests posted to ERR completes every one of
+    /// them flushed; a SEND posted afterwards never leaves (flushed at once;
+    /// rxe gives a RECV posted after ERR no completion at all).
+    pub fn fenced_a_queue_pair_in_error_flushes_every_posted_request(lab: &Lab) -> Result<(), String> {
+        let (_init, target) = lab.pair()?;
+        let buf = lab.region(SLOT, MrAccess::Local, 0)?;
+        for wr in 0..8u64 {
+            target.post_recv(wr, &buf, wr * 1024, 1024).map_err(|e| e.to_string())?;
+        }
+        target.to_error().map_err(|e| e.to_string())?;
+        for wr in 0..8u64 {
+            let c = wait(&target, wr)?;
+            if c.status != WcStatus::Flushed {
+                return Err(format!("RECV {wr} ended {c:?}, expected Flushed"));
+            }
+        }
+        // A SEND posted after ERR never leaves: refused, or flushed at once.
+        if target.post_send(100, &buf, 0, 64).is_ok() {
+            let c = wait(&target, 100)?;
+            if c.status != WcStatus::Flushed {
+                return Err(format!("a SEND after ERR ended {c:?}"));
+            }
+        }
+        if target.state() != QpState::Error {
+            return Err(format!("the QP is {:?}", target.state()));
+        }
+        if target.cq().in_flight() != 0 {
+            return Err(format!("{} requests still hold memory after their flush", target.cq().in_flight()));
+        }
+        Ok(())
+    }
+
+    /// On RC a SEND posted after WRITEs on the same QP is delivered after
+    /// those WRITEs are placed: a notification can ride the data path.
+    pub fn a_send_after_writes_arrives_after_they_are_placed(lab: &Lab) -> Result<(), String> {
+        let (init, target) = lab.pair()?;
+        let slot = lab.region(4 * SLOT, MrAccess::WindowsOnly, 0)?;
+        let mut w = MemoryWindow::new(&lab.pd).map_err(|e| e.to_string())?;
+        let key = target.post_bind(1, &mut w, &slot, 0, 4 * SLOT as u32).map_err(|e| e.to_string())?;
+        let c = wait(&target, 1)?;
+        w.bind_completed(c.status.is_success(), slot.addr(), 4 * SLOT as u32);
+        let inbox = lab.region(64, MrAccess::Local, 0)?;
+        target.post_recv(2, &inbox, 0, 64).map_err(|e| e.to_string())?;
+        let src = lab.region(4 * SLOT, MrAccess::Local, b'W')?;
+        let note = lab.region(64, MrAccess::Local, b'N')?;
+        init.post_write(10, &src, 0, 4 * SLOT as u32, slot.addr(), key).map_err(|e| e.to_string())?;
+        init.post_send(11, &note, 0, 64).map_err(|e| e.to_string())?;
+        let c = wait(&target, 2)?;
+        if c.status != WcStatus::Success || c.kind != WcKind::Recv || c.byte_len != 64 {
+            return Err(format!("the SEND arrived as {c:?}"));
+        }
+        if bytes(&slot, 4 * SLOT) != vec![b'W'; 4 * SLOT] {
+            return Err("the SEND arrived before the WRITE posted ahead of it was placed".into());
+        }
+        for wr in [10, 11] {
+            let c = wait(&init, wr)?;
+            if !c.status.is_success() {
+                return Err(format!("initiator wr {wr}: {c:?}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// A type-2B key is bound to one QP: the same key through another QP
+    /// pair is refused.
+    pub fn a_window_key_works_only_through_its_queue_pair(lab: &Lab) -> Result<(), String> {
+        let (_init, target) = lab.pair()?;
+        let (other_init, _other_target) = lab.pair()?;
+        let slot = lab.region(SLOT, MrAccess::WindowsOnly, 3)?;
+        let mut w = MemoryWindow::new(&lab.pd).map_err(|e| e.to_string())?;
+        let key = bind(&target, &mut w, &slot, 1)?;
+        let src = lab.region(SLOT, MrAccess::Local, b'Z')?;
+        let st = write(&other_init, &src, 2, slot.addr(), key)?;
+        if st != WcStatus::RemoteAccess || bytes(&slot, SLOT) != vec![3; SLOT] {
+            return Err(format!("a WRITE with another QP's window key ended {st:?} (or changed memory)"));
+        }
+        Ok(())
+    }
+
+    /// A posted request holds its memory until its completion is polled:
+    /// dropping every handle of a region mid-request does not free it.
+    pub fn a_posted_request_holds_its_memory_until_its_completion(lab: &Lab) -> Result<(), String> {
+        let (init, target) = lab.pair()?;
+        let slot = lab.region(SLOT, MrAccess::WindowsOnly, 0)?;
+        let mut w = MemoryWindow::new(&lab.pd).map_err(|e| e.to_string())?;
+        let key = bind(&target, &mut w, &slot, 1)?;
+        let src = lab.region(SLOT, MrAccess::Local, b'H')?;
+        let weak = Arc::downgrade(src.region());
+        init.post_write(5, &src, 0, SLOT as u32, slot.addr(), key).map_err(|e| e.to_string())?;
+        drop(src);
+        if weak.upgrade().is_none() {
+            return Err("the source region was freed while its WRITE was posted".into());
+        }
+        let c = wait(&init, 5)?;
+        if !c.status.is_success() || weak.upgrade().is_some() {
+            return Err(format!("after its completion ({c:?}) the region should be freed"));
+        }
+        Ok(())
+    }
+
+    /// Out-of-bounds requests are refused before they reach the NIC, with
+    /// nothing posted.
+    pub fn out_of_bounds_requests_are_refused_before_posting(lab: &Lab) -> Result<(), String> {
+        let (init, _target) = lab.pair()?;
+        let src = lab.region(4096, MrAccess::Local, 0)?;
+        for (off, len) in [(4096u64, 1u32), (1, 4096), (u64::MAX, 2)] {
+            match init.post_write(1, &src, off, len, 0, 0) {
+                Err(VerbsError::Invalid { .. }) => {}
+                other => return Err(format!("post_write({off}, {len}) gave {other:?}")),
+            }
+        }
+        if init.cq().in_flight() != 0 {
+            return Err("a refused request holds memory".into());
+        }
+        Ok(())
+    }
+
+    pub const CHECKS: &[(&str, Check)] = &[
+        (
+            "revoked_local_inv_refuses_the_stale_write_and_memory_is_unchanged",
+            revoked_local_inv_refuses_the_stale_write_and_memory_is_unchanged,
+        ),
+        (
+            "naive_positive_control_the_regions_own_key_lets_the_stale_write_land",
+            naive_positive_control_the_regions_own_key_lets_the_stale_write_land,
+        ),
+        (
+            "rebinding_the_window_under_a_new_key_retires_the_old_key",
+            rebinding_the_window_under_a_new_key_retires_the_old_key,
+        ),
+        ("the_regions_own_key_grants_nothing_remote", the_regions_own_key_grants_nothing_remote),
+        (
+            "a_rejected_access_errors_the_queue_pair_and_flushes_what_follows",
+            a_rejected_access_errors_the_queue_pair_and_flushes_what_follows,
+        ),
+        (
+            "fenced_a_queue_pair_in_error_flushes_every_posted_request",
+            fenced_a_queue_pair_in_error_flushes_every_posted_request,
+        ),
+        ("a_send_after_writes_arrives_after_they_are_placed", a_send_after_writes_arrives_after_they_are_placed),
+        ("a_window_key_works_only_through_its_queue_pair", a_window_key_works_only_through_its_queue_pair),
+        (
+            "a_posted_request_holds_its_memory_until_its_completion",
+            a_posted_request_holds_its_memory_until_its_completion,
+        ),
+        ("out_of_bounds_requests_are_refused_before_posting", out_of_bounds_requests_are_refused_before_posting),
+    ];
+}
+
+fn main() {
+    use libtest_mimic::{Arguments, Trial};
+    let args = Arguments::from_args();
+    let env = backend_verbs::LabEnv::from_env();
+    #[cfg(feature = "verbs")]
+    let trials = {
+        use std::sync::Arc;
+        let lab = on_device::Lab::open(&env).map(Arc::new);
+        let missing = lab.as_ref().err().map(|e| e.to_string());
+        if let (Some(why), false) = (&missing, env.in_lab) {
+            if !args.list {
+                eprintln!("ignored: the verbs tests: {why}");
+            }
+        }
+        on_device::CHECKS
+            .iter()
+            .map(|&(name, check)| {
+                let ignored = missing.is_some() && !env.in_lab;
+                let lab = lab.as_ref().ok().cloned();
+                let why = missing.clone().unwrap_or_default();
+                Trial::test(name, move || match &lab {
+                    Some(lab) => check(lab).map_err(Into::into),
+                    None => Err(format!("no verbs device in the lab: {why}").into()),
+                })
+                .with_ignored_flag(ignored)
+            })
+            .collect::<Vec<_>>()
+    };
+    #[cfg(not(feature = "verbs"))]
+    let trials = {
+        let _ = &env;
+        if !args.list {
+            eprintln!("ignored: the verbs tests need the feature `verbs` (and a device: scripts/rdma-lab test)");
+        }
+        vec![Trial::test("verbs_tests_need_the_feature_verbs", || Ok(())).with_ignored_flag(true)]
+    };
+    libtest_mimic::run(&args, trials).exit();
+}
