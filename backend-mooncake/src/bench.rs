@@ -227,6 +227,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
                         slot: SlotId(i as u32),
                         generation: Generation(0),
                         addr: foreign_base + ((t * batch + i) * block) as u64,
+                        key: None,
                     })
                     .collect(),
             };

@@ -520,6 +520,7 @@ fn adapter_initiator_to_real_target() {
                 slot: kv_transfer_core::SlotId(i as u32),
                 generation: kv_transfer_core::Generation(0),
                 addr: paddr + i * SLOT as u64,
+                key: None,
             })
             .collect(),
     };

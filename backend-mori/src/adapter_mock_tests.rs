@@ -106,7 +106,12 @@ fn remote(n: usize) -> RemoteSlots {
         slot_size: SLOT as u64,
         token: Default::default(),
         slots: (0..n)
-            .map(|i| RemoteSlot { slot: SlotId(i as u32), generation: Generation(1), addr: 4096 + (i * SLOT) as u64 })
+            .map(|i| RemoteSlot {
+                slot: SlotId(i as u32),
+                generation: Generation(1),
+                addr: 4096 + (i * SLOT) as u64,
+                key: None,
+            })
             .collect(),
     }
 }

@@ -909,7 +909,7 @@ fn early_completion_settles_while_sending(policy: ReleasePolicy) -> bool {
         key: 1,
         slot_size: BIG as u64,
         token: Default::default(),
-        slots: vec![RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0 }],
+        slots: vec![RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0, key: None }],
     };
     let mut h = block_on(init.write(ipool.reserve(1).unwrap(), &remote, TransferOptions::notify(false))).unwrap();
     if !policy.is_naive() {

@@ -56,6 +56,12 @@ mod memory;
 mod queue;
 
 #[cfg(feature = "verbs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
+pub mod adapter;
+
+#[cfg(feature = "verbs")]
+pub use adapter::{VerbsConfig, VerbsTransfer};
+#[cfg(feature = "verbs")]
 pub use device::{devices, Context, DeviceCaps, Gid};
 #[cfg(feature = "verbs")]
 pub use memory::{MemoryRegion, MemoryWindow, MrAccess, ProtectionDomain, WindowState};

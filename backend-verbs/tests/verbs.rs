@@ -8,7 +8,10 @@
 #[cfg(feature = "verbs")]
 mod on_device {
     use backend_verbs::*;
-    use kv_transfer_core::{HostRegion, Region};
+    use kv_transfer_core::drain::ReleasePolicy;
+    use kv_transfer_core::{
+        block_on, EscalationLadder, HostRegion, PeerId, PoolConfig, Region, SlotPool, Transfer, TransferOptions,
+    };
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -22,13 +25,39 @@ mod on_device {
     pub struct Lab {
         pub pd: Arc<ProtectionDomain>,
         pub gid_index: u8,
+        pub device: String,
     }
 
     impl Lab {
         pub fn open(env: &LabEnv) -> Result<Self, VerbsError> {
             let ctx = Context::open(&env.device)?;
             let pd = ProtectionDomain::new(&ctx)?;
-            Ok(Self { pd, gid_index: env.gid_index })
+            Ok(Self { pd, gid_index: env.gid_index, device: env.device.clone() })
+        }
+
+        /// A prefill and a decode adapter, connected; each with a pool.
+        fn adapters(&self, policy: ReleasePolicy, slots: usize, slot: usize) -> Result<Adapters, String> {
+            let e = |e: &dyn std::fmt::Display| e.to_string();
+            let mk = |name: &str| {
+                let mut cfg = VerbsConfig::new(format!("{name}-{}", std::process::id()), &self.device, self.gid_index);
+                cfg.release_policy = policy;
+                VerbsTransfer::new(cfg).map_err(|x| e(&x))
+            };
+            let (prefill, decode) = (mk("prefill")?, mk("decode")?);
+            let fast = EscalationLadder {
+                drain: Duration::from_millis(1),
+                revoke: Duration::from_millis(1),
+                fence: Duration::from_secs(30),
+            };
+            let region = |n: usize| -> Result<Arc<dyn Region>, String> {
+                Ok(Arc::new(HostRegion::new(n * slot).map_err(|x| e(&x))?))
+            };
+            let dpool =
+                decode.register_pool(region(slots)?, PoolConfig::new(slot).with_ladder(fast)).map_err(|x| e(&x))?;
+            let ppool = prefill.register_pool(region(slots)?, PoolConfig::new(slot)).map_err(|x| e(&x))?;
+            prefill.add_peer(decode.descriptor()).map_err(|x| e(&x))?;
+            let peer = decode.add_peer(prefill.descriptor()).map_err(|x| e(&x))?;
+            Ok(Adapters { prefill, decode, ppool, dpool, peer })
         }
 
         fn region(&self, len: usize, access: MrAccess, byte: u8) -> Result<Arc<MemoryRegion>, String> {
@@ -309,7 +338,169 @@ mod on_device {
         Ok(())
     }
 
+    struct Adapters {
+        prefill: VerbsTransfer,
+        decode: VerbsTransfer,
+        ppool: SlotPool,
+        dpool: SlotPool,
+        peer: PeerId,
+    }
+
+    fn wait_metric(pool: &SlotPool, f: impl Fn(&kv_transfer_core::MetricsSnapshot) -> bool) -> bool {
+        let deadline = std::time::Instant::now() + WAIT;
+        while std::time::Instant::now() < deadline {
+            if f(&pool.metrics()) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        false
+    }
+
+    /// The adapter's happy path: a window per slot, WRITEs then the DONE as
+    /// a SEND on the same QP; the exposure settles `Completed` with the
+    /// bytes in place, and only after its windows are invalidated: the same
+    /// descriptor used again (a late or hostile WRITE) is refused by the NIC
+    /// and the slots are unchanged.
+    pub fn adapter_write_then_done_settles_and_a_replayed_write_is_refused(lab: &Lab) -> Result<(), String> {
+        let a = lab.adapters(ReleasePolicy::Safe, 4, SLOT)?;
+        let (exposed, remote) =
+            a.decode.expose(a.dpool.reserve(2).map_err(|e| e.to_string())?, a.peer).map_err(|e| e.to_string())?;
+        if remote.slots.iter().any(|s| s.key.is_none()) || remote.key != 0 {
+            return Err(format!("expected a window key per slot and no pool key: {remote:?}"));
+        }
+        let mut src = a.ppool.reserve(2).map_err(|e| e.to_string())?;
+        src.write_at(0, 0, &vec![b'1'; SLOT]).map_err(|e| e.to_string())?;
+        src.write_at(1, 0, &vec![b'2'; SLOT]).map_err(|e| e.to_string())?;
+        let out = block_on(async {
+            a.prefill
+                .write(src, &remote, TransferOptions::default())
+                .await
+                .map_err(|e| e.kind.to_string())?
+                .await
+                .map_err(|e| e.to_string())
+        })?;
+        out.result.map_err(|e| format!("write: {e}"))?;
+        out.lease.release();
+        let mut settled = Box::pin(exposed.settled());
+        let settled =
+            kv_transfer_core::poll_until(settled.as_mut(), WAIT).ok_or("the DONE did not settle the exposure")?;
+        let bytes = settled.bytes().map_err(|e| e.to_string())?;
+        if bytes[..SLOT] != vec![b'1'; SLOT][..] || bytes[SLOT..] != vec![b'2'; SLOT][..] {
+            return Err("the settled slots do not hold the written bytes".into());
+        }
+        if a.dpool.metrics().settled_completed != 2 || a.decode.counter("invalidations") < 2 {
+            return Err(format!(
+                "expected 2 Completed after 2 invalidations: {:?} {:?}",
+                a.dpool.metrics(),
+                a.decode.counters()
+            ));
+        }
+        let mut late = a.ppool.reserve(2).map_err(|e| e.to_string())?;
+        late.write_at(0, 0, &vec![b'X'; SLOT]).map_err(|e| e.to_string())?;
+        let out = block_on(async {
+            a.prefill
+                .write(late, &remote, TransferOptions::notify(false))
+                .await
+                .map_err(|e| e.kind.to_string())?
+                .await
+                .map_err(|e| e.to_string())
+        });
+        match out {
+            Ok(o) if o.result.is_err() => o.lease.release(),
+            Ok(_) => return Err("a WRITE through invalidated windows succeeded".into()),
+            Err(_) => {} // abandoned: flushed behind the refused one
+        }
+        let again = settled.bytes().map_err(|e| e.to_string())?;
+        if again != bytes {
+            return Err("the refused WRITE changed the settled slots".into());
+        }
+        settled.release();
+        Ok(())
+    }
+
+    /// The reported hazard, on real RDMA: a large WRITE posted, its request
+    /// aborted, the slot handed to a new tenant. Safe: the window is
+    /// invalidated before the slot is freed, the rest of the WRITE is
+    /// refused (`REM_ACCESS_ERR`), 0 stale bytes in the new tenant's slot.
+    fn hazard(lab: &Lab, policy: ReleasePolicy) -> Result<(usize, bool), String> {
+        const BIG: usize = 32 << 20;
+        let a = lab.adapters(policy, 1, BIG)?;
+        let (exposed, remote) =
+            a.decode.expose(a.dpool.reserve(1).map_err(|e| e.to_string())?, a.peer).map_err(|e| e.to_string())?;
+        let mut src = a.ppool.reserve(1).map_err(|e| e.to_string())?;
+        src.write_at(0, 0, &vec![b'O'; BIG]).map_err(|e| e.to_string())?;
+        let mut h =
+            block_on(a.prefill.write(src, &remote, TransferOptions::notify(false))).map_err(|e| e.kind.to_string())?;
+        exposed.abort();
+        if !wait_metric(&a.dpool, |m| m.free == 1) {
+            return Err(format!("the aborted slot never came back: {:?} {:?}", a.dpool.metrics(), a.decode.counters()));
+        }
+        // The new tenant's bytes.
+        let mut next = a.dpool.reserve(1).map_err(|e| e.to_string())?;
+        next.write_at(0, 0, &vec![b'N'; BIG]).map_err(|e| e.to_string())?;
+        let out = kv_transfer_core::poll_until(std::pin::Pin::new(&mut h), Duration::from_secs(120));
+        let refused = match out {
+            Some(Ok(o)) => {
+                let r = o.result.is_err();
+                o.lease.release();
+                r
+            }
+            Some(Err(_)) => true,
+            None => {
+                let mut bytes = vec![0u8; BIG];
+                a.dpool.region().read(0, &mut bytes).map_err(|e| e.to_string())?;
+                let stale = bytes.iter().filter(|&&b| b == b'O').count();
+                return Err(format!(
+                    "the old WRITE never finished ({stale} stale bytes); prefill {:?}; decode {:?}; {:?}",
+                    a.prefill.counters(),
+                    a.decode.counters(),
+                    a.dpool.metrics()
+                ));
+            }
+        };
+        let mut bytes = vec![0u8; BIG];
+        a.dpool.region().read(0, &mut bytes).map_err(|e| e.to_string())?;
+        let stale = bytes.iter().filter(|&&b| b == b'O').count();
+        drop(next);
+        Ok((stale, refused))
+    }
+
+    pub fn hazard_large_write_aborted_and_reassigned_safe_lands_nothing(lab: &Lab) -> Result<(), String> {
+        let (stale, refused) = hazard(lab, ReleasePolicy::Safe)?;
+        if !refused {
+            return Err("the old WRITE finished before the revoke: the race was not exercised".into());
+        }
+        if stale != 0 {
+            return Err(format!("{stale} stale bytes landed in the new tenant's slot"));
+        }
+        Ok(())
+    }
+
+    /// Its positive control: the naive registration, the slot freed on
+    /// abort: the old WRITE's bytes land in the new tenant's slot.
+    pub fn hazard_large_write_aborted_and_reassigned_naive_positive_control(lab: &Lab) -> Result<(), String> {
+        let (stale, _) = hazard(lab, ReleasePolicy::Naive)?;
+        if stale == 0 {
+            return Err("positive control: no stale byte landed (the old WRITE ended before the reuse?)".into());
+        }
+        eprintln!("naive: {stale} stale bytes landed in the new tenant's slot");
+        Ok(())
+    }
+
     pub const CHECKS: &[(&str, Check)] = &[
+        (
+            "adapter_write_then_done_settles_and_a_replayed_write_is_refused",
+            adapter_write_then_done_settles_and_a_replayed_write_is_refused,
+        ),
+        (
+            "hazard_large_write_aborted_and_reassigned_safe_lands_nothing",
+            hazard_large_write_aborted_and_reassigned_safe_lands_nothing,
+        ),
+        (
+            "hazard_large_write_aborted_and_reassigned_naive_positive_control",
+            hazard_large_write_aborted_and_reassigned_naive_positive_control,
+        ),
         (
             "revoked_local_inv_refuses_the_stale_write_and_memory_is_unchanged",
             revoked_local_inv_refuses_the_stale_write_and_memory_is_unchanged,

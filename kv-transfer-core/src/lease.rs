@@ -270,6 +270,7 @@ impl SlotLease<Reserved> {
                 slot: t.slot,
                 generation: t.generation,
                 addr: pool.slot_addr(t.slot).unwrap_or_default(),
+                key: None,
             })
             .collect();
         let remote = RemoteSlots {

@@ -13,6 +13,11 @@ pub struct RemoteSlot {
     pub generation: Generation,
     /// Its address as the exposing side's NIC sees it.
     pub addr: u64,
+    /// This slot's own access key, where the backend keys each slot (the
+    /// verbs backend: the rkey of the memory window bound over this slot for
+    /// this tenancy); `None`: [`RemoteSlots::key`] covers it.
+    #[serde(default)]
+    pub key: Option<u64>,
 }
 
 impl RemoteSlot {
@@ -60,6 +65,10 @@ impl RemoteSlots {
     /// The tenancies described.
     pub fn tenancies(&self) -> Vec<Tenancy> {
         self.slots.iter().map(RemoteSlot::tenancy).collect()
+    }
+    /// The access key of the `i`-th slot: its own, or the exposure's.
+    pub fn key_of(&self, i: usize) -> u64 {
+        self.slots.get(i).and_then(|s| s.key).unwrap_or(self.key)
     }
     /// Total bytes described; `None` if a peer-supplied size overflows.
     pub fn len_bytes(&self) -> Option<u64> {

@@ -572,8 +572,8 @@ fn rule8_remote_sizes_use_checked_arithmetic() {
         slot_size: u64::MAX,
         token: Default::default(),
         slots: vec![
-            RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0 },
-            RemoteSlot { slot: SlotId(1), generation: Generation(1), addr: 0 },
+            RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0, key: None },
+            RemoteSlot { slot: SlotId(1), generation: Generation(1), addr: 0, key: None },
         ],
     };
     assert_eq!(r.len_bytes(), None);

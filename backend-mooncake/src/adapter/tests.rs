@@ -92,6 +92,7 @@ fn remote(n: usize) -> RemoteSlots {
                 slot: kv_transfer_core::SlotId(i as u32),
                 generation: kv_transfer_core::Generation(3),
                 addr: 0x1000 + (i * SLOT) as u64,
+                key: None,
             })
             .collect(),
     }

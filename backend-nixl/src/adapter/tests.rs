@@ -443,7 +443,12 @@ fn unknown_status_codes_and_notif_errors_are_errors_not_success() {
         key: 1,
         slot_size: SLOT as u64,
         token: Default::default(),
-        slots: vec![kv_transfer_core::RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0x10000 }],
+        slots: vec![kv_transfer_core::RemoteSlot {
+            slot: SlotId(0),
+            generation: Generation(1),
+            addr: 0x10000,
+            key: None,
+        }],
     };
     let h = futures::executor::block_on(ini.write(pool.reserve(1).expect("r"), &remote, TransferOptions::default()))
         .expect("post");

@@ -336,7 +336,12 @@ mod tests {
             token: ExposureToken([1; 16]),
             slots: slots
                 .iter()
-                .map(|&(s, g)| RemoteSlot { slot: SlotId(s), generation: Generation(g), addr: u64::from(s) * 64 })
+                .map(|&(s, g)| RemoteSlot {
+                    slot: SlotId(s),
+                    generation: Generation(g),
+                    addr: u64::from(s) * 64,
+                    key: None,
+                })
                 .collect(),
         }
     }

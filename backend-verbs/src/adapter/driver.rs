@@ -1,0 +1,336 @@
+//! The driver thread: completions matched to what posted them, control
+//! messages from RECVs, the escalation ladder, and fences.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_transfer_core::drain::{ControlKind, ControlMessage, Plan, MAX_LEN};
+use kv_transfer_core::{PeerId, PoolId, RejectReason, SettlementAuthority, Tenancy, TransferError};
+
+use super::{inc, lock, AfterInvalidate, Inner, OpEntry, OpFailure, PeerState, Pending, State, CAPABILITIES};
+use crate::queue::{Completion, WcStatus};
+
+impl Inner {
+    /// Polls the completion queue until stopped: busy while completions
+    /// come, then sleeping with backoff (20 µs to 1 ms); the ladder and
+    /// fences are looked at every millisecond.
+    pub(super) fn drive(self: Arc<Self>) {
+        let mut idle = Duration::from_micros(20);
+        let mut next_tick = Instant::now();
+        while !self.stop.load(Ordering::Acquire) {
+            let polled = match self.cq.poll(32) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "polling the completion queue failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            let busy = !polled.is_empty();
+            for c in polled {
+                self.on_completion(c);
+            }
+            if Instant::now() >= next_tick {
+                self.escalate();
+                self.finish_fences();
+                next_tick = Instant::now() + Duration::from_millis(1);
+            }
+            if busy {
+                idle = Duration::from_micros(20);
+            } else {
+                std::thread::sleep(idle);
+                idle = (idle * 2).min(Duration::from_millis(1));
+            }
+        }
+    }
+
+    fn on_completion(&self, c: Completion) {
+        let mut st = lock(&self.state);
+        let Some(p) = st.wrs.remove(&c.wr_id) else {
+            tracing::debug!(wr = c.wr_id, "completion of no known request");
+            return;
+        };
+        let ok = c.status.is_success();
+        if !ok {
+            match c.status {
+                WcStatus::RemoteAccess => inc(&self.counters.remote_access_errors),
+                WcStatus::Flushed => inc(&self.counters.flushed),
+                _ => {}
+            }
+            // RC: the QP is in ERR now. What was posted on it flushes; the
+            // fence is minted once all of it did.
+            self.start_fence(&mut st, p.peer());
+        }
+        match p {
+            Pending::OpWr { op, .. } => {
+                let done = match st.ops.get_mut(&op) {
+                    Some(e) => {
+                        e.remaining -= 1;
+                        if !ok && e.error.is_none() {
+                            e.error = Some(OpFailure::Status(c.status));
+                        }
+                        e.remaining == 0
+                    }
+                    None => false,
+                };
+                if done {
+                    let entry = st.ops.remove(&op);
+                    drop(st);
+                    if let Some(e) = entry {
+                        self.finish_op(e);
+                    }
+                }
+            }
+            Pending::Bind { done, pool, slot, peer } => {
+                let abandoned = lock(&done.0).is_some();
+                let Some(entry) = st.pools.get_mut(&pool) else { return };
+                let slot_size = entry.pool.slot_size();
+                let addr = entry.mr.addr() + slot as u64 * slot_size as u64;
+                if let Some(w) = entry.windows[slot as usize].as_mut() {
+                    w.bind_completed(ok, addr, slot_size as u32);
+                }
+                if ok {
+                    entry.window_peer[slot as usize] = Some(peer);
+                }
+                if abandoned && ok {
+                    // The exposure was given up: take the grant back.
+                    let t = Tenancy::new(kv_transfer_core::SlotId(slot), kv_transfer_core::Generation(0));
+                    self.invalidate(&mut st, pool, peer, t, AfterInvalidate::Nothing);
+                } else {
+                    let (m, cv) = &*done;
+                    *lock(m) = Some(ok);
+                    cv.notify_all();
+                }
+            }
+            Pending::Invalidate { peer, pool, tenancy, then } => {
+                let Some(entry) = st.pools.get_mut(&pool) else { return };
+                let i = tenancy.slot.0 as usize;
+                if let Some(w) = entry.windows[i].as_mut() {
+                    w.invalidate_completed(ok);
+                }
+                if !ok {
+                    return;
+                }
+                entry.window_peer[i] = None;
+                inc(&self.counters.invalidations);
+                let authority = entry.authority.clone();
+                drop(st);
+                match then {
+                    AfterInvalidate::Revoke => {
+                        let revoked = lock(&self.exposures).revoked(pool, peer, &[tenancy]);
+                        if !revoked.is_empty() {
+                            authority.deliver(authority.revoked(&revoked));
+                            inc(&self.counters.revoked);
+                        }
+                    }
+                    AfterInvalidate::Complete => {
+                        authority.deliver(authority.completed(&[tenancy]));
+                    }
+                    AfterInvalidate::Nothing => {}
+                }
+            }
+            Pending::Send { .. } => {}
+            Pending::Recv { peer, index } => {
+                if ok {
+                    self.on_recv(&mut st, peer, index, c.byte_len);
+                }
+            }
+        }
+    }
+
+    /// A RECV landed: read its control message, post the buffer again.
+    fn on_recv(&self, st: &mut State, peer: PeerId, index: u64, len: u32) {
+        let Some(p) = st.peers.get(&peer) else { return };
+        let (qp, recv) = (Arc::clone(&p.qp), Arc::clone(&p.recv));
+        let at = (index * MAX_LEN as u64) as usize;
+        let mut bytes = vec![0u8; (len as usize).min(MAX_LEN)];
+        let read = recv.region().read(at, &mut bytes);
+        let wr = self.wr_id();
+        st.wrs.insert(wr, Pending::Recv { peer, index });
+        if let Err(e) = qp.post_recv(wr, &recv, at as u64, MAX_LEN as u32) {
+            st.wrs.remove(&wr);
+            tracing::warn!(peer = peer.0, error = %e, "reposting a RECV failed");
+        }
+        inc(&self.counters.messages_received);
+        if read.is_err() {
+            return;
+        }
+        let msg = match ControlMessage::decode(&bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                inc(&self.counters.malformed);
+                tracing::warn!(peer = peer.0, error = %e, "malformed control message dropped");
+                return;
+            }
+        };
+        if msg.kind == ControlKind::Abort {
+            // Drain is not offered (CAPABILITIES): nothing sends ABORT here.
+            return;
+        }
+        let v = lock(&self.exposures).accept(peer, &msg);
+        let Some(authority) = st.pools.get(&msg.pool).map(|e| e.authority.clone()) else {
+            return;
+        };
+        if v.stale > 0 {
+            authority.record_stale(v.stale as u64);
+        }
+        if v.forged > 0 {
+            authority.record_forged(v.forged as u64);
+        }
+        if self.cfg.release_policy.is_naive() {
+            if !v.settled.is_empty() {
+                authority.deliver(authority.completed(&v.settled));
+            }
+            return;
+        }
+        // Completed only once the peer's window is gone: a peer cannot
+        // write after its own DONE.
+        for t in v.settled {
+            self.invalidate(st, msg.pool, peer, t, AfterInvalidate::Complete);
+        }
+    }
+
+    /// Posts the `LOCAL_INV` of `t`'s window (on the QP it was bound on).
+    fn invalidate(&self, st: &mut State, pool: PoolId, peer: PeerId, t: Tenancy, then: AfterInvalidate) {
+        let Some(qp) = st.peers.get(&peer).filter(|p| p.state == PeerState::Live).map(|p| Arc::clone(&p.qp)) else {
+            // A peer being fenced: the fence settles it.
+            return;
+        };
+        let Some(entry) = st.pools.get_mut(&pool) else { return };
+        let Some(w) = entry.windows[t.slot.0 as usize].as_mut() else { return };
+        if !matches!(w.state(), crate::memory::WindowState::Bound { .. }) {
+            return;
+        }
+        let wr = self.next_wr.fetch_add(1, Ordering::Relaxed);
+        st.wrs.insert(wr, Pending::Invalidate { peer, pool, tenancy: t, then });
+        let Some(entry) = st.pools.get_mut(&pool) else { return };
+        let Some(w) = entry.windows[t.slot.0 as usize].as_mut() else { return };
+        if let Err(e) = qp.post_invalidate(wr, w) {
+            st.wrs.remove(&wr);
+            tracing::warn!(slot = t.slot.0, error = %e, "posting LOCAL_INV failed: the fence settles it");
+            self.start_fence(st, peer);
+        }
+    }
+
+    /// An operation's every WR is terminal.
+    fn finish_op(&self, e: OpEntry) {
+        let OpEntry { completer, authority, error, .. } = e;
+        match error {
+            None => {
+                inc(&self.counters.ops_ok);
+                let proof = authority.completed_lease(completer.lease());
+                let _ = completer.complete(proof, Ok(()));
+            }
+            Some(OpFailure::Status(WcStatus::RemoteAccess)) => {
+                // Our WRs are terminal (nothing more is read from or written
+                // to the local slots); the remote NIC refused the key.
+                inc(&self.counters.ops_failed);
+                let proof = authority.completed_lease(completer.lease());
+                let _ = completer.complete(proof, Err(TransferError::Rejected(RejectReason::StaleGeneration)));
+            }
+            Some(OpFailure::Post(m)) => {
+                inc(&self.counters.ops_failed);
+                let proof = authority.completed_lease(completer.lease());
+                let _ = completer.complete(proof, Err(TransferError::Transport(m)));
+            }
+            Some(OpFailure::Status(s)) => {
+                // Flushed or worse: proves nothing about the remote side;
+                // the lease waits for the peer's fence.
+                inc(&self.counters.ops_failed);
+                completer.abandon(TransferError::Transport(format!("completed with {s:?}")));
+            }
+        }
+    }
+
+    /// Moves `peer`'s QP to ERR (once): everything posted on it flushes.
+    fn start_fence(&self, st: &mut State, peer: PeerId) {
+        let Some(p) = st.peers.get_mut(&peer) else { return };
+        if p.state != PeerState::Live {
+            return;
+        }
+        p.state = PeerState::Fencing;
+        inc(&self.counters.fences);
+        if let Err(e) = p.qp.to_error() {
+            tracing::error!(peer = peer.0, error = %e, "moving the QP to ERR failed");
+        }
+        tracing::info!(peer = peer.0, name = %p.name, "fencing the peer: its QP is in ERR");
+    }
+
+    /// Fences whose QP has nothing posted any more: `Fenced` to every pool,
+    /// and the windows bound on that QP dropped (a 2B key works only
+    /// through its QP, which is dead).
+    fn finish_fences(&self) {
+        let mut st = lock(&self.state);
+        let fencing: Vec<PeerId> =
+            st.peers.iter().filter(|(_, p)| p.state == PeerState::Fencing).map(|(id, _)| *id).collect();
+        for peer in fencing {
+            if st.wrs.values().any(|w| w.peer() == peer) {
+                continue;
+            }
+            if let Some(p) = st.peers.get_mut(&peer) {
+                p.state = PeerState::Fenced;
+            }
+            let name = st.peers.get(&peer).map(|p| p.name.clone());
+            if let Some(name) = name {
+                if st.by_name.get(&name) == Some(&peer) {
+                    st.by_name.remove(&name);
+                }
+            }
+            lock(&self.exposures).fenced(peer);
+            let mut authorities: Vec<SettlementAuthority> = Vec::new();
+            for entry in st.pools.values_mut() {
+                for (i, bound) in entry.window_peer.iter_mut().enumerate() {
+                    if *bound == Some(peer) {
+                        *bound = None;
+                        entry.windows[i] = None;
+                    }
+                }
+                authorities.push(entry.authority.clone());
+            }
+            drop(st);
+            for a in &authorities {
+                a.deliver(a.fenced(peer));
+            }
+            st = lock(&self.state);
+        }
+    }
+
+    /// The ladder: revoke (`LOCAL_INV`), then fence; the positive control
+    /// frees at once.
+    fn escalate(&self) {
+        let pools: Vec<(PoolId, SettlementAuthority)> =
+            lock(&self.state).pools.iter().map(|(id, e)| (*id, e.authority.clone())).collect();
+        for (pool, authority) in pools {
+            for a in authority.poll_escalations() {
+                if self.cfg.release_policy.is_naive() {
+                    tracing::error!(
+                        slots = a.tenancies.len(),
+                        "NAIVE POSITIVE CONTROL: freeing aborted slots without a proof"
+                    );
+                    inc(&self.counters.naive_releases);
+                    authority.deliver(authority.completed(&a.tenancies));
+                    continue;
+                }
+                let plan = lock(&self.exposures).plan(pool, &a, CAPABILITIES, self.cfg.release_policy);
+                let mut st = lock(&self.state);
+                match plan {
+                    Plan::Revoke { peer, tenancies } => {
+                        for t in tenancies {
+                            self.invalidate(&mut st, pool, peer, t, AfterInvalidate::Revoke);
+                        }
+                    }
+                    Plan::Fence { peer } => self.start_fence(&mut st, peer),
+                    Plan::Stuck { peer, tenancies } => {
+                        tracing::warn!(
+                            peer = peer.0,
+                            slots = tenancies.len(),
+                            "ladder exhausted: slots stay quarantined"
+                        );
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}

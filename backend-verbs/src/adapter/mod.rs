@@ -1,0 +1,713 @@
+//! The adapter: core's [`Transfer`] and [`Target`] over verbs, with a
+//! memory window per exposed slot and tenancy.
+//!
+//! - **Expose**: each slot of the lease gets its own type-2 window, bound on
+//!   the peer's queue pair over exactly that slot; `RemoteSlots` carries each
+//!   window's key ([`RemoteSlot::key`](kv_transfer_core::RemoteSlot)). The
+//!   pool's memory is registered `LOCAL_WRITE | MW_BIND`: its own key grants
+//!   nothing, so the window's key is the generation at the NIC.
+//! - **Completed**: the initiator's WRITEs, then its DONE (core's control
+//!   message, with the exposure's token) as a SEND on the same RC queue pair,
+//!   which is delivered only after those WRITEs are placed. The DONE settles
+//!   only the tenancies exposed to that queue pair's peer under that token
+//!   (`ExposureTable`), and only once their windows are invalidated: a
+//!   hostile peer cannot write after its own DONE.
+//! - **Revoked**: the escalation ladder's revoke is a `LOCAL_INV` of each
+//!   tenancy's window; the proof is minted when that work request completed
+//!   (from then on the NIC refuses the old key).
+//! - **Fenced**: the peer's queue pair moved to ERR (by the ladder, or
+//!   because the NIC put it there: a rejected access, a broken link) and
+//!   every request posted on it completed flushed.
+//!
+//! Drain (ABORT / ABORT_ACK) is not offered yet ([`CAPABILITIES`]): an
+//! aborted exposure is revoked, then fenced. The `naive` positive control
+//! registers the pool's memory with remote access and hands out its own key
+//! (no window, nothing at the NIC tells tenancies apart) and frees an aborted
+//! slot at once.
+
+mod channel;
+mod driver;
+
+use std::collections::HashMap;
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kv_transfer_core::drain::{Capabilities, ControlKind, ControlMessage, ExposureTable, ReleasePolicy, Trust};
+use kv_transfer_core::{
+    check_shapes, BackendError, Completer, ExposeError, ExposeErrorKind, Exposed, HostRegion, Op, PeerId, PoolConfig,
+    PoolId, PostError, PostErrorKind, PostNow, Region, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool,
+    Target, TransferError, TransferHandle, TransferOptions,
+};
+
+pub use channel::{parse_descriptor, Hello, MAX_NAME};
+
+use crate::device::Context;
+use crate::error::VerbsError;
+use crate::memory::{MemoryRegion, MemoryWindow, MrAccess, ProtectionDomain};
+use crate::queue::{CompletionQueue, QueuePair};
+
+/// What verbs can prove about an aborted exposure: revoke (`LOCAL_INV`) and
+/// fence (QP to ERR, flushed). Drain is not offered yet.
+pub const CAPABILITIES: Capabilities = Capabilities { drain: false, revoke: true, fence: true };
+
+/// The backend's name.
+pub const BACKEND: &str = "verbs";
+
+/// RECV buffers kept posted per peer (control messages).
+const RECVS: u64 = 16;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Configuration of a [`VerbsTransfer`].
+#[derive(Clone, Debug)]
+pub struct VerbsConfig {
+    /// This adapter's name (what peers' descriptors say).
+    pub name: String,
+    /// The verbs device (`rxe_lo` in the lab).
+    pub device: String,
+    /// Its port.
+    pub port: u8,
+    /// The RoCE v2 GID index to use.
+    pub gid_index: u8,
+    /// Where the side channel listens (`127.0.0.1:0`: any port).
+    pub listen: String,
+    /// Path MTU.
+    pub mtu: u32,
+    /// Keep [`ReleasePolicy::Safe`]; `Naive` is the positive control only.
+    pub release_policy: ReleasePolicy,
+    /// Bound on a side-channel handshake and on an exposure's binds.
+    pub timeout: Duration,
+}
+
+impl VerbsConfig {
+    /// `name` on `device` (port 1, GID index 1, MTU 1024, loopback side channel).
+    pub fn new(name: impl Into<String>, device: impl Into<String>, gid_index: u8) -> Self {
+        Self {
+            name: name.into(),
+            device: device.into(),
+            port: 1,
+            gid_index,
+            listen: "127.0.0.1:0".into(),
+            mtu: 1024,
+            release_policy: ReleasePolicy::Safe,
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Errors of the adapter's own calls.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdapterError {
+    /// A verbs call failed.
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+    /// The side channel failed.
+    #[error("side channel: {0}")]
+    Io(#[from] std::io::Error),
+    /// The pool could not be built.
+    #[error(transparent)]
+    Pool(#[from] kv_transfer_core::PoolError),
+}
+
+/// The adapter's counters.
+#[derive(Debug, Default)]
+struct Counters {
+    posts: AtomicU64,
+    ops_ok: AtomicU64,
+    ops_failed: AtomicU64,
+    remote_access_errors: AtomicU64,
+    flushed: AtomicU64,
+    binds: AtomicU64,
+    invalidations: AtomicU64,
+    revoked: AtomicU64,
+    fences: AtomicU64,
+    done_sent: AtomicU64,
+    messages_received: AtomicU64,
+    malformed: AtomicU64,
+    naive_releases: AtomicU64,
+}
+
+fn inc(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A peer's lifecycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PeerState {
+    Live,
+    /// Its QP is in ERR; the fence is minted once every request flushed.
+    Fencing,
+    Fenced,
+}
+
+struct Peer {
+    name: String,
+    qp: Arc<QueuePair>,
+    state: PeerState,
+    /// Its RECV ring: `RECVS` buffers of `MAX_LEN` bytes.
+    recv: Arc<MemoryRegion>,
+}
+
+struct PoolEntry {
+    pool: SlotPool,
+    authority: SettlementAuthority,
+    mr: Arc<MemoryRegion>,
+    /// One window per slot (allocated on first use).
+    windows: Vec<Option<MemoryWindow>>,
+    /// The peer each slot's window is bound to (on that peer's QP).
+    window_peer: Vec<Option<PeerId>>,
+}
+
+/// What a settled invalidation proves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AfterInvalidate {
+    /// The ladder's revoke: `Revoked`.
+    Revoke,
+    /// The peer's DONE, now that its window is gone: `Completed`.
+    Complete,
+    /// An exposure that failed half-way: nothing to prove.
+    Nothing,
+}
+
+type BindWaiter = Arc<(Mutex<Option<bool>>, Condvar)>;
+
+/// A posted work request, by `wr_id`.
+enum Pending {
+    /// One WR of operation `op`.
+    OpWr {
+        op: u64,
+        peer: PeerId,
+    },
+    Bind {
+        peer: PeerId,
+        done: BindWaiter,
+        pool: PoolId,
+        slot: u32,
+    },
+    Invalidate {
+        peer: PeerId,
+        pool: PoolId,
+        tenancy: kv_transfer_core::Tenancy,
+        then: AfterInvalidate,
+    },
+    Send {
+        peer: PeerId,
+    },
+    Recv {
+        peer: PeerId,
+        index: u64,
+    },
+}
+
+impl Pending {
+    fn peer(&self) -> PeerId {
+        match self {
+            Self::OpWr { peer, .. }
+            | Self::Bind { peer, .. }
+            | Self::Invalidate { peer, .. }
+            | Self::Send { peer }
+            | Self::Recv { peer, .. } => *peer,
+        }
+    }
+}
+
+/// Why an operation failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum OpFailure {
+    /// A later WR of it could not be posted.
+    Post(String),
+    /// A WR of it completed with this status.
+    Status(crate::queue::WcStatus),
+}
+
+impl std::fmt::Display for OpFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Post(e) => write!(f, "post failed: {e}"),
+            Self::Status(s) => write!(f, "completed with {s:?}"),
+        }
+    }
+}
+
+struct OpEntry {
+    completer: Completer,
+    authority: SettlementAuthority,
+    remaining: u32,
+    error: Option<OpFailure>,
+}
+
+#[derive(Default)]
+struct State {
+    pools: HashMap<PoolId, PoolEntry>,
+    peers: HashMap<PeerId, Peer>,
+    by_name: HashMap<String, PeerId>,
+    by_qpn: HashMap<u32, PeerId>,
+    next_peer: u32,
+    wrs: HashMap<u64, Pending>,
+    ops: HashMap<u64, OpEntry>,
+    next_op: u64,
+}
+
+struct Inner {
+    cfg: VerbsConfig,
+    pd: Arc<ProtectionDomain>,
+    cq: Arc<CompletionQueue>,
+    descriptor: String,
+    state: Mutex<State>,
+    exposures: Mutex<ExposureTable>,
+    stop: AtomicBool,
+    next_wr: AtomicU64,
+    counters: Counters,
+}
+
+/// Core's [`Transfer`] and [`Target`] over verbs; see the [module docs](self).
+pub struct VerbsTransfer {
+    inner: Arc<Inner>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for VerbsTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsTransfer").field("descriptor", &self.inner.descriptor).finish()
+    }
+}
+
+impl VerbsTransfer {
+    /// Opens the device, starts the side channel and the driver thread.
+    pub fn new(cfg: VerbsConfig) -> Result<Self, AdapterError> {
+        if cfg.name.is_empty() || cfg.name.len() > MAX_NAME || cfg.name.contains('@') {
+            return Err(VerbsError::invalid("VerbsTransfer::new", "a name of 1..=256 bytes without '@'").into());
+        }
+        let ctx = Context::open(&cfg.device)?;
+        let pd = ProtectionDomain::new(&ctx)?;
+        let cq = CompletionQueue::new(&pd, 4096)?;
+        let listener = TcpListener::bind(&cfg.listen)?;
+        listener.set_nonblocking(true)?;
+        let descriptor = format!("{}@{}", cfg.name, listener.local_addr()?);
+        let exposures = Mutex::new(ExposureTable::with_policy(cfg.release_policy));
+        let inner = Arc::new(Inner {
+            cfg,
+            pd,
+            cq,
+            descriptor,
+            state: Mutex::default(),
+            exposures,
+            stop: AtomicBool::new(false),
+            next_wr: AtomicU64::new(1),
+            counters: Counters::default(),
+        });
+        let mut threads = Vec::new();
+        let i = Arc::clone(&inner);
+        threads.push(std::thread::Builder::new().name("verbs-accept".into()).spawn(move || i.accept_loop(listener))?);
+        let i = Arc::clone(&inner);
+        threads.push(std::thread::Builder::new().name("verbs-driver".into()).spawn(move || i.drive())?);
+        Ok(Self { inner, threads: Mutex::new(threads) })
+    }
+
+    /// What a peer passes to its [`VerbsTransfer::add_peer`]: `name@host:port`.
+    pub fn descriptor(&self) -> &str {
+        &self.inner.descriptor
+    }
+
+    /// Registers `region` (host memory) and builds its pool.
+    pub fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, AdapterError> {
+        let access =
+            if self.inner.cfg.release_policy.is_naive() { MrAccess::RemoteWriteRead } else { MrAccess::WindowsOnly };
+        let mr = MemoryRegion::register(&self.inner.pd, Arc::clone(&region), access)?;
+        let (pool, authority) = SlotPool::new(region, config.with_capabilities(CAPABILITIES))?;
+        let slots = pool.metrics().capacity as usize;
+        let windows = (0..slots).map(|_| None).collect();
+        let entry = PoolEntry { pool: pool.clone(), authority, mr, windows, window_peer: vec![None; slots] };
+        lock(&self.inner.state).pools.insert(pool.id(), entry);
+        Ok(pool)
+    }
+
+    /// Adds the peer `descriptor` names (`name@host:port`): the connection
+    /// to it if one is up (it dialed us, or we dialed it), else a new one.
+    pub fn add_peer(&self, descriptor: &str) -> Result<PeerId, AdapterError> {
+        let (name, addr) = parse_descriptor(descriptor.as_bytes())?;
+        if let Some(p) = self.inner.live_peer(&name) {
+            return Ok(p);
+        }
+        let mut s = TcpStream::connect_timeout(
+            &addr.parse().map_err(|_| VerbsError::Endpoint(format!("{addr} is not host:port")))?,
+            self.inner.cfg.timeout,
+        )?;
+        self.inner.handshake(&mut s, Some(&name))
+    }
+
+    /// Counters, by name.
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        let c = &self.inner.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        vec![
+            ("posts", g(&c.posts)),
+            ("ops_ok", g(&c.ops_ok)),
+            ("ops_failed", g(&c.ops_failed)),
+            ("remote_access_errors", g(&c.remote_access_errors)),
+            ("flushed", g(&c.flushed)),
+            ("binds", g(&c.binds)),
+            ("invalidations", g(&c.invalidations)),
+            ("revoked", g(&c.revoked)),
+            ("fences", g(&c.fences)),
+            ("done_sent", g(&c.done_sent)),
+            ("messages_received", g(&c.messages_received)),
+            ("malformed", g(&c.malformed)),
+            ("naive_releases", g(&c.naive_releases)),
+        ]
+    }
+
+    /// One counter by name (0 if unknown).
+    pub fn counter(&self, name: &str) -> u64 {
+        self.counters().into_iter().find(|(n, _)| *n == name).map_or(0, |(_, v)| v)
+    }
+
+    /// Exposes `lease` to `peer`: a window per slot, bound on the peer's
+    /// queue pair; returns once every bind completed. On error the lease
+    /// comes back unexposed.
+    pub fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
+        self.inner.expose(lease, peer)
+    }
+}
+
+impl Inner {
+    fn wr_id(&self) -> u64 {
+        self.next_wr.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn live_peer(&self, name: &str) -> Option<PeerId> {
+        let st = lock(&self.state);
+        st.by_name.get(name).copied().filter(|p| st.peers.get(p).is_some_and(|p| p.state == PeerState::Live))
+    }
+
+    /// Accepts side-channel connections until stopped (polls every 20 ms).
+    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        while !self.stop.load(Ordering::Acquire) {
+            match listener.accept() {
+                Ok((mut s, from)) => {
+                    let _ = s.set_nonblocking(false);
+                    if let Err(e) = self.handshake(&mut s, None) {
+                        tracing::warn!(%from, error = %e, "side-channel handshake refused");
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "side-channel accept failed");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+
+    /// Creates a QP for this connection, exchanges hellos, connects the QP,
+    /// posts its RECV ring and records the peer. `expect`: the name the
+    /// dialed descriptor gave (a different answer is refused).
+    fn handshake(&self, s: &mut TcpStream, expect: Option<&str>) -> Result<PeerId, AdapterError> {
+        let qp = Arc::new(QueuePair::new(&self.pd, &self.cq, self.cfg.port, self.cfg.gid_index)?);
+        let ours = Hello { name: self.cfg.name.clone(), endpoint: qp.endpoint(self.cfg.mtu)? };
+        let theirs = channel::exchange(s, &ours, self.cfg.timeout)?;
+        if let Some(want) = expect {
+            if theirs.name != want {
+                return Err(VerbsError::Endpoint(format!("dialed {want}, {} answered", theirs.name)).into());
+            }
+        }
+        qp.connect(&theirs.endpoint)?;
+        let ring = kv_transfer_core::drain::MAX_LEN as u64 * RECVS;
+        let region: Arc<dyn Region> =
+            Arc::new(HostRegion::new(ring as usize).map_err(|e| VerbsError::invalid("recv ring", e.to_string()))?);
+        let recv = MemoryRegion::register(&self.pd, region, MrAccess::Local)?;
+        let mut st = lock(&self.state);
+        st.next_peer += 1;
+        let id = PeerId(st.next_peer);
+        for index in 0..RECVS {
+            let wr = self.wr_id();
+            st.wrs.insert(wr, Pending::Recv { peer: id, index });
+            let len = kv_transfer_core::drain::MAX_LEN as u32;
+            if let Err(e) = qp.post_recv(wr, &recv, index * u64::from(len), len) {
+                st.wrs.remove(&wr);
+                return Err(e.into());
+            }
+        }
+        st.by_qpn.insert(qp.qp_num(), id);
+        st.by_name.insert(theirs.name.clone(), id);
+        st.peers.insert(id, Peer { name: theirs.name, qp, state: PeerState::Live, recv });
+        Ok(id)
+    }
+
+    fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
+        let fail = |lease, kind| Err(ExposeError { lease, kind });
+        let engine = |e: &dyn std::fmt::Display| ExposeErrorKind::Engine(e.to_string());
+        let pool_id = lease.pool().id();
+        let naive = self.cfg.release_policy.is_naive();
+        let mut st = lock(&self.state);
+        let Some(qp) = st.peers.get(&peer).filter(|p| p.state == PeerState::Live).map(|p| Arc::clone(&p.qp)) else {
+            drop(st);
+            return fail(lease, ExposeErrorKind::UnknownPeer(peer));
+        };
+        let slot_size = lease.pool().slot_size();
+        let Ok(len) = u32::try_from(slot_size) else {
+            drop(st);
+            return fail(lease, ExposeErrorKind::Engine("slots larger than 4 GiB".into()));
+        };
+        let mut keys = Vec::with_capacity(lease.len());
+        let mut waiters = Vec::new();
+        {
+            let State { pools, wrs, .. } = &mut *st;
+            let Some(entry) = pools.get_mut(&pool_id) else {
+                drop(st);
+                return fail(lease, ExposeErrorKind::ForeignPool);
+            };
+            if naive {
+                keys = vec![None; lease.len()];
+            } else {
+                for t in lease.tenancies() {
+                    let i = t.slot.0 as usize;
+                    let w = match &mut entry.windows[i] {
+                        Some(w) => w,
+                        slot @ None => match MemoryWindow::new(&self.pd) {
+                            Ok(w) => slot.insert(w),
+                            Err(e) => {
+                                drop(st);
+                                return fail(lease, engine(&e));
+                            }
+                        },
+                    };
+                    let wr = self.next_wr.fetch_add(1, Ordering::Relaxed);
+                    let done: BindWaiter = Arc::new((Mutex::new(None), Condvar::new()));
+                    wrs.insert(wr, Pending::Bind { peer, done: Arc::clone(&done), pool: pool_id, slot: t.slot.0 });
+                    match qp.post_bind(wr, w, &entry.mr, i as u64 * slot_size as u64, len) {
+                        Ok(k) => {
+                            keys.push(Some(u64::from(k)));
+                            waiters.push(done);
+                        }
+                        Err(e) => {
+                            wrs.remove(&wr);
+                            drop(st);
+                            // Binds already posted finish in the driver; their
+                            // windows are invalidated there (nothing exposed).
+                            self.abandon_binds(pool_id, peer, &waiters);
+                            return fail(lease, engine(&e));
+                        }
+                    }
+                }
+            }
+        }
+        drop(st);
+        // Bounded by the configured timeout.
+        let deadline = Instant::now() + self.cfg.timeout;
+        let mut ok = true;
+        for w in &waiters {
+            let (m, cv) = &**w;
+            let mut g = lock(m);
+            while g.is_none() && Instant::now() < deadline {
+                g = cv.wait_timeout(g, deadline - Instant::now()).unwrap_or_else(|p| p.into_inner()).0;
+            }
+            ok &= *g == Some(true);
+        }
+        if !ok {
+            self.abandon_binds(pool_id, peer, &waiters);
+            return fail(lease, ExposeErrorKind::Engine("a window bind failed or timed out".into()));
+        }
+        let st = lock(&self.state);
+        let Some(entry) = st.pools.get(&pool_id) else {
+            drop(st);
+            return fail(lease, ExposeErrorKind::ForeignPool);
+        };
+        let token = lock(&self.exposures).expose(pool_id, lease.tenancies(), peer, Trust::Proving);
+        let key = if naive { u64::from(entry.mr.rkey()) } else { 0 };
+        let (exposed, mut remote) = entry.authority.expose(lease, peer, key, self.descriptor.clone(), token);
+        for (s, k) in remote.slots.iter_mut().zip(keys) {
+            s.key = k;
+        }
+        drop(st);
+        inc(&self.counters.binds);
+        Ok((exposed, remote))
+    }
+
+    /// Binds of an exposure that will not happen: once each completed, its
+    /// window is invalidated (the driver sees `Nothing` to prove).
+    fn abandon_binds(&self, _pool: PoolId, _peer: PeerId, waiters: &[BindWaiter]) {
+        for w in waiters {
+            // A bind still pending is marked failed for the driver: it
+            // invalidates a window whose bind completes after this.
+            let (m, cv) = &**w;
+            let mut g = lock(m);
+            if g.is_none() {
+                *g = Some(false);
+            }
+            cv.notify_all();
+        }
+    }
+
+    fn post(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        if let Err(kind) = check_shapes(&local, remote) {
+            return Err(PostError { lease: local, kind });
+        }
+        let Ok((name, _)) = parse_descriptor(remote.endpoint.as_bytes()) else {
+            return Err(PostError {
+                lease: local,
+                kind: PostErrorKind::Peer(format!("bad endpoint {:?}", remote.endpoint)),
+            });
+        };
+        let Ok(len) = u32::try_from(remote.slot_size) else {
+            return Err(PostError { lease: local, kind: PostErrorKind::Descriptor("slots larger than 4 GiB".into()) });
+        };
+        let mut st = lock(&self.state);
+        let Some(peer) = st.by_name.get(&name).copied() else {
+            drop(st);
+            return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is not a peer")) });
+        };
+        let Some(qp) = st.peers.get(&peer).filter(|p| p.state == PeerState::Live).map(|p| Arc::clone(&p.qp)) else {
+            drop(st);
+            return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is fenced")) });
+        };
+        let pool_id = local.pool().id();
+        let Some((mr, authority)) = st.pools.get(&pool_id).map(|e| (Arc::clone(&e.mr), e.authority.clone())) else {
+            drop(st);
+            return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
+        };
+        let offsets: Vec<u64> =
+            local.tenancies().iter().map(|t| u64::from(t.slot.0) * local.pool().slot_size() as u64).collect();
+        let exposed = authority.expose_local(local, peer);
+        let (handle, completer) = TransferHandle::pair(exposed);
+        st.next_op += 1;
+        let op_id = st.next_op;
+        let mut posted = 0u32;
+        let mut error = None;
+        for (i, (off, rs)) in offsets.iter().zip(&remote.slots).enumerate() {
+            let wr = self.wr_id();
+            st.wrs.insert(wr, Pending::OpWr { op: op_id, peer });
+            let rkey = remote.key_of(i) as u32;
+            let r = match op {
+                Op::Write => qp.post_write(wr, &mr, *off, len, rs.addr, rkey),
+                Op::Read => qp.post_read(wr, &mr, *off, len, rs.addr, rkey),
+            };
+            match r {
+                Ok(()) => posted += 1,
+                Err(e) => {
+                    st.wrs.remove(&wr);
+                    error = Some(OpFailure::Post(e.to_string()));
+                    break;
+                }
+            }
+        }
+        inc(&self.counters.posts);
+        if posted == 0 {
+            drop(st);
+            // Nothing reached the NIC: the local lease is untouched.
+            let proof = authority.completed_lease(completer.lease());
+            let msg = error.map_or_else(String::new, |e| e.to_string());
+            let _ = completer.complete(proof, Err(TransferError::Transport(msg)));
+            return Ok(handle);
+        }
+        if op == Op::Write && opts.notify && error.is_none() {
+            // Behind the WRITEs on the same RC QP: placed before it arrives.
+            let msg = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies());
+            if let Err(e) = self.send_control(&mut st, peer, &qp, &msg) {
+                tracing::warn!(peer = peer.0, error = %e, "DONE not sent");
+            }
+        }
+        st.ops.insert(op_id, OpEntry { completer, authority, remaining: posted, error });
+        Ok(handle)
+    }
+
+    /// Posts `msg` as a SEND on `qp` (its buffer is held until the SEND completes).
+    fn send_control(
+        &self,
+        st: &mut State,
+        peer: PeerId,
+        qp: &QueuePair,
+        msg: &ControlMessage,
+    ) -> Result<(), VerbsError> {
+        let bytes = msg.encode().map_err(|e| VerbsError::invalid("encode", e.to_string()))?;
+        let region = HostRegion::new(bytes.len()).map_err(|e| VerbsError::invalid("send buffer", e.to_string()))?;
+        region.write(0, &bytes).map_err(|e| VerbsError::invalid("send buffer", e.to_string()))?;
+        let mr = MemoryRegion::register(&self.pd, Arc::new(region), MrAccess::Local)?;
+        let wr = self.wr_id();
+        st.wrs.insert(wr, Pending::Send { peer });
+        if let Err(e) = qp.post_send(wr, &mr, 0, bytes.len() as u32) {
+            st.wrs.remove(&wr);
+            return Err(e);
+        }
+        inc(&self.counters.done_sent);
+        Ok(())
+    }
+}
+
+impl PostNow for VerbsTransfer {
+    fn post_now(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        self.inner.post(op, local, remote, opts)
+    }
+}
+
+kv_transfer_core::impl_transfer_via_post_now!(VerbsTransfer, BACKEND);
+
+impl Target for VerbsTransfer {
+    fn capabilities(&self) -> Capabilities {
+        CAPABILITIES
+    }
+    fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, BackendError> {
+        VerbsTransfer::register_pool(self, region, config).map_err(|e| match e {
+            AdapterError::Pool(p) => BackendError::Pool(p),
+            e => BackendError::Engine { backend: BACKEND, message: e.to_string() },
+        })
+    }
+    fn local_descriptor(&self) -> Result<Vec<u8>, BackendError> {
+        Ok(self.inner.descriptor.as_bytes().to_vec())
+    }
+    fn add_peer(&self, descriptor: &[u8]) -> Result<PeerId, BackendError> {
+        let d = std::str::from_utf8(descriptor).map_err(|_| BackendError::Peer("descriptor is not UTF-8".into()))?;
+        VerbsTransfer::add_peer(self, d).map_err(|e| BackendError::Peer(e.to_string()))
+    }
+    fn expose(
+        &self,
+        lease: SlotLease<Reserved>,
+        peer: PeerId,
+    ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
+        VerbsTransfer::expose(self, lease, peer)
+    }
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        VerbsTransfer::counters(self)
+    }
+}
+
+impl Drop for VerbsTransfer {
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::Release);
+        for t in lock(&self.threads).drain(..) {
+            let _ = t.join();
+        }
+        // Every QP to ERR: nothing more lands in this side's memory. The
+        // memory itself lives until the last QP, window and request that
+        // names it is gone (each holds its region).
+        for p in lock(&self.inner.state).peers.values() {
+            let _ = p.qp.to_error();
+        }
+    }
+}
