@@ -400,6 +400,31 @@ impl QueuePair {
         *lock(&self.state)
     }
 
+    /// Its state as the NIC has it (`ibv_query_qp`): a QP the NIC moved to
+    /// ERR (a rejected access, a broken link) shows here before any flushed
+    /// completion is polled.
+    pub fn query_state(&self) -> Result<QpState, VerbsError> {
+        // SAFETY: plain C structs, zero is a valid value.
+        let mut attr: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: the QP is live; both are valid out-pointers.
+        let ret = unsafe {
+            ffi::ibv_query_qp(self.qp.as_ptr(), &mut attr, ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut init)
+        };
+        if ret != 0 {
+            return Err(VerbsError::os("ibv_query_qp", ret));
+        }
+        use ffi::ibv_qp_state as S;
+        Ok(match attr.qp_state {
+            S::IBV_QPS_RESET => QpState::Reset,
+            S::IBV_QPS_INIT => QpState::Init,
+            S::IBV_QPS_RTR => QpState::ReadyToReceive,
+            S::IBV_QPS_RTS => QpState::ReadyToSend,
+            _ => QpState::Error,
+        })
+    }
+
     /// The completion queue it completes to.
     pub fn cq(&self) -> &Arc<CompletionQueue> {
         &self.cq

@@ -134,6 +134,12 @@ pub trait Backend {
     fn prefill_process(&self) -> bool {
         false
     }
+    /// Whether CI runs this backend's tests somewhere else when it is not
+    /// available here (the verbs backend: in `scripts/rdma-lab`'s guest).
+    /// Its tests are then marked ignored even with `CI=true`, never passed.
+    fn runs_elsewhere_in_ci(&self) -> bool {
+        false
+    }
 }
 
 /// A decode side and a prefill side of one backend, connected.

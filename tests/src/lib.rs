@@ -66,6 +66,8 @@ pub mod mori;
 pub mod nixl;
 pub mod scenarios;
 pub mod sim;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 pub use harness::{Backend, Failure, Rig, RigConfig, SenderIdentity};
 
@@ -81,6 +83,8 @@ pub fn backends(prefill_worker: Option<std::path::PathBuf>) -> Vec<Box<dyn Backe
     all.extend(mooncake::backend());
     #[cfg(feature = "mori")]
     all.extend(mori::backend());
+    #[cfg(feature = "verbs")]
+    all.extend(verbs::backend());
     all
 }
 

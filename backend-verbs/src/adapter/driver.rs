@@ -33,7 +33,7 @@ impl Inner {
             }
             if Instant::now() >= next_tick {
                 self.escalate();
-                self.finish_fences();
+                self.finish_fences(&self);
                 next_tick = Instant::now() + Duration::from_millis(1);
             }
             if busy {
@@ -244,7 +244,7 @@ impl Inner {
     }
 
     /// Moves `peer`'s QP to ERR (once): everything posted on it flushes.
-    fn start_fence(&self, st: &mut State, peer: PeerId) {
+    pub(super) fn start_fence(&self, st: &mut State, peer: PeerId) {
         let Some(p) = st.peers.get_mut(&peer) else { return };
         if p.state != PeerState::Live {
             return;
@@ -260,7 +260,7 @@ impl Inner {
     /// Fences whose QP has nothing posted any more: `Fenced` to every pool,
     /// and the windows bound on that QP dropped (a 2B key works only
     /// through its QP, which is dead).
-    fn finish_fences(&self) {
+    fn finish_fences(&self, me: &Arc<Inner>) {
         let mut st = lock(&self.state);
         let fencing: Vec<PeerId> =
             st.peers.iter().filter(|(_, p)| p.state == PeerState::Fencing).map(|(id, _)| *id).collect();
@@ -268,13 +268,29 @@ impl Inner {
             if st.wrs.values().any(|w| w.peer() == peer) {
                 continue;
             }
+            let mut redial = None;
             if let Some(p) = st.peers.get_mut(&peer) {
                 p.state = PeerState::Fenced;
+                redial = p.addr.clone().map(|a| (p.name.clone(), a));
             }
-            let name = st.peers.get(&peer).map(|p| p.name.clone());
-            if let Some(name) = name {
-                if st.by_name.get(&name) == Some(&peer) {
-                    st.by_name.remove(&name);
+            if let Some((name, addr)) = redial {
+                // RC: a rejected access costs a reconnect. We dialed this
+                // peer, so we dial it again (it waits for us).
+                let me = Arc::clone(me);
+                let spawned = std::thread::Builder::new().name("verbs-redial".into()).spawn(move || {
+                    if me.stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let dial = addr.parse::<std::net::SocketAddr>().map_err(|e| e.to_string()).and_then(|a| {
+                        std::net::TcpStream::connect_timeout(&a, me.cfg.timeout).map_err(|e| e.to_string())
+                    });
+                    match dial.map(|mut s| me.handshake(&mut s, Some((&name, &addr))).map_err(|e| e.to_string())) {
+                        Ok(Ok(id)) => tracing::info!(peer = %name, id = id.0, "reconnected after the fence"),
+                        Ok(Err(e)) | Err(e) => tracing::warn!(peer = %name, error = %e, "reconnect failed"),
+                    }
+                });
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "cannot start the reconnect");
                 }
             }
             lock(&self.exposures).fenced(peer);

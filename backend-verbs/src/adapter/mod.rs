@@ -127,7 +127,7 @@ struct Counters {
     invalidations: AtomicU64,
     revoked: AtomicU64,
     fences: AtomicU64,
-    done_sent: AtomicU64,
+    control_sent: AtomicU64,
     messages_received: AtomicU64,
     malformed: AtomicU64,
     naive_releases: AtomicU64,
@@ -148,6 +148,8 @@ enum PeerState {
 
 struct Peer {
     name: String,
+    /// Its side channel, where we dialed it (we redial after a fence).
+    addr: Option<String>,
     qp: Arc<QueuePair>,
     state: PeerState,
     /// Its RECV ring: `RECVS` buffers of `MAX_LEN` bytes.
@@ -339,7 +341,7 @@ impl VerbsTransfer {
             &addr.parse().map_err(|_| VerbsError::Endpoint(format!("{addr} is not host:port")))?,
             self.inner.cfg.timeout,
         )?;
-        self.inner.handshake(&mut s, Some(&name))
+        self.inner.handshake(&mut s, Some((&name, &addr)))
     }
 
     /// Counters, by name.
@@ -356,11 +358,30 @@ impl VerbsTransfer {
             ("invalidations", g(&c.invalidations)),
             ("revoked", g(&c.revoked)),
             ("fences", g(&c.fences)),
-            ("done_sent", g(&c.done_sent)),
+            ("control_sent", g(&c.control_sent)),
             ("messages_received", g(&c.messages_received)),
             ("malformed", g(&c.malformed)),
             ("naive_releases", g(&c.naive_releases)),
         ]
+    }
+
+    /// Sends a control message to `peer` as a SEND on its queue pair (what
+    /// the adapter does itself for a DONE; tools and tests send others: the
+    /// receiving side checks every message against its exposures' tokens).
+    pub fn send_control(&self, peer: PeerId, msg: &ControlMessage) -> Result<(), AdapterError> {
+        let mut st = lock(&self.inner.state);
+        let qp = st
+            .peers
+            .get(&peer)
+            .filter(|p| p.state == PeerState::Live)
+            .map(|p| Arc::clone(&p.qp))
+            .ok_or_else(|| VerbsError::invalid("send_control", format!("peer {} is not live", peer.0)))?;
+        Ok(self.inner.send_control(&mut st, peer, &qp, msg)?)
+    }
+
+    /// The peer a descriptor's name maps to, if connected.
+    pub fn peer_named(&self, name: &str) -> Option<PeerId> {
+        self.inner.live_peer(name)
     }
 
     /// One counter by name (0 if unknown).
@@ -411,8 +432,9 @@ impl Inner {
 
     /// Creates a QP for this connection, exchanges hellos, connects the QP,
     /// posts its RECV ring and records the peer. `expect`: the name the
-    /// dialed descriptor gave (a different answer is refused).
-    fn handshake(&self, s: &mut TcpStream, expect: Option<&str>) -> Result<PeerId, AdapterError> {
+    /// dialed descriptor gave, and its address (a different answer is refused).
+    pub(super) fn handshake(&self, s: &mut TcpStream, dialed: Option<(&str, &str)>) -> Result<PeerId, AdapterError> {
+        let expect = dialed.map(|(n, _)| n);
         let qp = Arc::new(QueuePair::new(&self.pd, &self.cq, self.cfg.port, self.cfg.gid_index)?);
         let ours = Hello { name: self.cfg.name.clone(), endpoint: qp.endpoint(self.cfg.mtu)? };
         let theirs = channel::exchange(s, &ours, self.cfg.timeout)?;
@@ -439,8 +461,28 @@ impl Inner {
             }
         }
         st.by_qpn.insert(qp.qp_num(), id);
-        st.by_name.insert(theirs.name.clone(), id);
-        st.peers.insert(id, Peer { name: theirs.name, qp, state: PeerState::Live, recv });
+        // A name is not an identity (the QP is: a window's key works only
+        // through the QP it was bound on, a DONE counts only from the peer
+        // its exposure went to). A second connection under a name that is
+        // live already gets its own peer, and the name keeps naming the first.
+        // A reconnect after a fence (or after the NIC put the old QP in
+        // ERR, which this side may not have polled yet) takes the name over.
+        let old = st.by_name.get(&theirs.name).copied();
+        let old_live = old.and_then(|o| st.peers.get(&o)).filter(|p| p.state == PeerState::Live);
+        let old_dead = old_live.is_some_and(|p| p.qp.query_state().map_or(true, |s| s == crate::queue::QpState::Error));
+        let taken = old_live.is_some() && !old_dead;
+        if old_dead {
+            if let Some(o) = old {
+                self.start_fence(&mut st, o);
+            }
+        }
+        if taken {
+            tracing::warn!(name = %theirs.name, "a second connection under a live peer's name: not given the name");
+        } else {
+            st.by_name.insert(theirs.name.clone(), id);
+        }
+        let addr = dialed.map(|(_, a)| a.to_owned());
+        st.peers.insert(id, Peer { name: theirs.name, addr, qp, state: PeerState::Live, recv });
         Ok(id)
     }
 
@@ -572,14 +614,29 @@ impl Inner {
         let Ok(len) = u32::try_from(remote.slot_size) else {
             return Err(PostError { lease: local, kind: PostErrorKind::Descriptor("slots larger than 4 GiB".into()) });
         };
-        let mut st = lock(&self.state);
-        let Some(peer) = st.by_name.get(&name).copied() else {
+        // A peer being fenced that we dialed is reconnecting: wait for it
+        // (bounded by the configured timeout).
+        let deadline = Instant::now() + self.cfg.timeout;
+        let (mut st, peer, qp) = loop {
+            let st = lock(&self.state);
+            let Some(peer) = st.by_name.get(&name).copied() else {
+                drop(st);
+                return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is not a peer")) });
+            };
+            let Some(p) = st.peers.get(&peer) else {
+                drop(st);
+                return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is gone")) });
+            };
+            if p.state == PeerState::Live {
+                let qp = Arc::clone(&p.qp);
+                break (st, peer, qp);
+            }
+            if p.addr.is_none() || Instant::now() >= deadline {
+                drop(st);
+                return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is fenced")) });
+            }
             drop(st);
-            return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is not a peer")) });
-        };
-        let Some(qp) = st.peers.get(&peer).filter(|p| p.state == PeerState::Live).map(|p| Arc::clone(&p.qp)) else {
-            drop(st);
-            return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is fenced")) });
+            std::thread::sleep(Duration::from_millis(2));
         };
         let pool_id = local.pool().id();
         let Some((mr, authority)) = st.pools.get(&pool_id).map(|e| (Arc::clone(&e.mr), e.authority.clone())) else {
@@ -649,7 +706,7 @@ impl Inner {
             st.wrs.remove(&wr);
             return Err(e);
         }
-        inc(&self.counters.done_sent);
+        inc(&self.counters.control_sent);
         Ok(())
     }
 }

@@ -1,0 +1,210 @@
+//! The verbs backend's harness: a decode and a prefill [`VerbsTransfer`]
+//! on one verbs device (Soft-RoCE in `scripts/rdma-lab`'s guest), connected
+//! over loopback. Writes cannot be held (the NIC places them), raw accesses
+//! are not offered; a raw peer is a third adapter under the test's control,
+//! and its impostor a fourth under the same name.
+
+use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure};
+use crate::sim::post_tagged;
+use backend_verbs::{LabEnv, VerbsConfig, VerbsTransfer};
+use kv_transfer_core::drain::{ControlKind, ControlMessage};
+use kv_transfer_core::{
+    Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
+    TransferError, TransferHandle,
+};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The verbs backend (available where a verbs device opens).
+pub fn backend() -> Option<Box<dyn Backend>> {
+    Some(Box::new(VerbsBackend))
+}
+
+static RIGS: AtomicU64 = AtomicU64::new(0);
+
+/// The verbs backend.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VerbsBackend;
+
+fn adapter(name: &str, cfg: &RigConfig) -> Result<VerbsTransfer, Failure> {
+    let env = LabEnv::from_env();
+    let mut c = VerbsConfig::new(
+        format!("{name}-{}-{}", std::process::id(), RIGS.fetch_add(1, Ordering::Relaxed)),
+        env.device,
+        env.gid_index,
+    );
+    c.release_policy = cfg.policy;
+    VerbsTransfer::new(c).map_err(|e| fail("verbs adapter")(&e))
+}
+
+impl Backend for VerbsBackend {
+    fn name(&self) -> &'static str {
+        "verbs"
+    }
+    fn available(&self) -> Result<(), String> {
+        let env = LabEnv::from_env();
+        backend_verbs::Context::open(&env.device).map(|_| ()).map_err(|e| e.to_string())
+    }
+    fn runs_elsewhere_in_ci(&self) -> bool {
+        // CI runs it in the lab's guest, where a missing device fails.
+        !LabEnv::from_env().in_lab
+    }
+    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+        if cfg.prefill_process {
+            return Err(Failure("the verbs rig has no out-of-process prefill side".into()));
+        }
+        let decode = adapter("decode", cfg)?;
+        let region = |n: usize| -> Result<Arc<HostRegion>, Failure> {
+            HostRegion::new(n * cfg.slot_size).map(Arc::new).map_err(|e| fail("region")(&e))
+        };
+        let dpool = decode
+            .register_pool(region(cfg.decode_slots)?, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
+            .map_err(|e| fail("decode pool")(&e))?;
+        let prefill = adapter("prefill", &RigConfig { policy: Default::default(), ..cfg.clone() })?;
+        let ppool = prefill
+            .register_pool(region(cfg.prefill_slots)?, PoolConfig::new(cfg.slot_size))
+            .map_err(|e| fail("prefill pool")(&e))?;
+        prefill.add_peer(decode.descriptor()).map_err(|e| fail("prefill adds decode")(&e))?;
+        decode.add_peer(prefill.descriptor()).map_err(|e| fail("decode adds prefill")(&e))?;
+        let prefill_name = prefill.descriptor().rsplit_once('@').map(|(n, _)| n.to_owned()).unwrap_or_default();
+        Ok(Box::new(VerbsRig { decode, dpool, prefill: Some((prefill, ppool)), prefill_name, raw: Mutex::new(None) }))
+    }
+}
+
+/// A verbs rig.
+pub struct VerbsRig {
+    decode: VerbsTransfer,
+    dpool: SlotPool,
+    /// `None` once crashed.
+    prefill: Option<(VerbsTransfer, SlotPool)>,
+    /// The prefill adapter's name: the decode side's peer for it is looked
+    /// up each time (a rejected access costs a reconnect, under a new id).
+    prefill_name: String,
+    /// The last raw peer: its name and the decode side's id for it.
+    raw: Mutex<Option<(String, PeerId)>>,
+}
+
+/// A third adapter under the test's control: it sends control messages the
+/// real initiator would not.
+struct VerbsRawPeer {
+    adapter: VerbsTransfer,
+    /// The decode side, as this adapter numbers it.
+    decode: PeerId,
+}
+
+impl RawPeer for VerbsRawPeer {
+    fn notify(&mut self, remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<(), Failure> {
+        let m = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, tenancies.to_vec());
+        self.adapter.send_control(self.decode, &m).map_err(|e| fail("raw DONE")(&e))
+    }
+}
+
+impl VerbsRig {
+    /// An adapter named `name` (exactly), connected to the decode side.
+    fn raw_adapter(&self, name: &str) -> Result<VerbsRawPeer, Failure> {
+        let env = LabEnv::from_env();
+        let adapter = VerbsTransfer::new(VerbsConfig::new(name, env.device, env.gid_index))
+            .map_err(|e| fail("raw adapter")(&e))?;
+        let decode = adapter.add_peer(self.decode.descriptor()).map_err(|e| fail("raw adds decode")(&e))?;
+        Ok(VerbsRawPeer { adapter, decode })
+    }
+}
+
+impl Rig for VerbsRig {
+    fn backend(&self) -> &'static str {
+        "verbs"
+    }
+    fn diagnostics(&self) -> String {
+        format!(
+            "decode {:?} {:?}; prefill {:?}",
+            self.decode.counters(),
+            self.dpool.metrics(),
+            self.prefill.as_ref().map(|(t, _)| t.counters())
+        )
+    }
+    fn decode_pool(&self) -> &SlotPool {
+        &self.dpool
+    }
+    fn prefill_pool(&self) -> Option<&SlotPool> {
+        self.prefill.as_ref().map(|(_, p)| p)
+    }
+    fn prefill_transfer(&self) -> Option<&dyn Transfer> {
+        self.prefill.as_ref().map(|(t, _)| t as &dyn Transfer)
+    }
+    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+        // Bounded: a reconnect after a fence takes a few milliseconds.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let peer = loop {
+            match self.decode.peer_named(&self.prefill_name) {
+                Some(p) => break p,
+                None if std::time::Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                None => return Err(Failure(format!("the prefill side is not connected: {}", self.diagnostics()))),
+            }
+        };
+        self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
+    }
+    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
+        let (t, p) = self.prefill.as_ref().ok_or_else(|| Failure("the prefill side is dead".into()))?;
+        post_tagged(t, p, remote, request).map(Some)
+    }
+    fn hold_writes(&self) -> bool {
+        false
+    }
+    fn release_writes(&self) {}
+    fn wait_held(&self, _timeout: Duration) -> bool {
+        false
+    }
+    fn crash_prefill(&mut self) -> Result<(), Failure> {
+        // Its QPs go to ERR without a goodbye; the decode side learns it at
+        // its next request on that QP, or its ladder fences it.
+        self.prefill = None;
+        Ok(())
+    }
+    fn raw_write(&self, _spec: RawSpec, _data: Vec<u8>) -> Option<Result<(), TransferError>> {
+        None
+    }
+    fn send_malformed(&self) -> Option<Result<(), Failure>> {
+        None
+    }
+    fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        Some((|| {
+            let name = format!("raw-{}-{}", std::process::id(), RIGS.fetch_add(1, Ordering::Relaxed));
+            let raw = self.raw_adapter(&name)?;
+            // The decode side records it when its own half of the handshake
+            // is done: bounded wait.
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let id = loop {
+                match self.decode.peer_named(&name) {
+                    Some(id) => break id,
+                    None if std::time::Instant::now() < deadline => std::thread::sleep(Duration::from_millis(2)),
+                    None => return Err(Failure("the raw peer never connected".into())),
+                }
+            };
+            *self.raw.lock().unwrap_or_else(|p| p.into_inner()) = Some((name, id));
+            Ok(Box::new(raw) as Box<dyn RawPeer>)
+        })())
+    }
+    fn impostor(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        Some((|| {
+            let name = self.raw.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(n, _)| n.clone());
+            let name = name.ok_or_else(|| Failure("no raw peer to impersonate".into()))?;
+            // Its own QP, under the raw peer's name.
+            Ok(Box::new(self.raw_adapter(&name)?) as Box<dyn RawPeer>)
+        })())
+    }
+    fn sender_identity(&self) -> SenderIdentity {
+        SenderIdentity::Connection
+    }
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+        let Some(id) = self.raw.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(_, id)| *id) else {
+            return Err(Failure("no raw peer connected".into()));
+        };
+        self.decode.expose(lease, id).map_err(|e| Failure(format!("expose: {}", e.kind)))
+    }
+    fn expose_to_stalled_peer(&self, _lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
+        // A stalled WRITE cannot be staged from user space: the NIC sends
+        // the whole message. (The lease goes back to the pool.)
+        None
+    }
+}
