@@ -68,13 +68,19 @@ impl Hello {
     }
 }
 
-/// Sends ours, reads theirs (both sides do the same; TCP buffers the few
-/// bytes, so neither waits on the other).
-pub fn exchange(stream: &mut TcpStream, ours: &Hello, timeout: Duration) -> Result<Hello, VerbsError> {
-    let io = |e: std::io::Error| VerbsError::Endpoint(format!("side channel: {e}"));
-    stream.set_read_timeout(Some(timeout)).map_err(io)?;
+fn io(e: std::io::Error) -> VerbsError {
+    VerbsError::Endpoint(format!("side channel: {e}"))
+}
+
+/// Sends our hello (bounded by `timeout`).
+pub fn send(stream: &mut TcpStream, ours: &Hello, timeout: Duration) -> Result<(), VerbsError> {
     stream.set_write_timeout(Some(timeout)).map_err(io)?;
-    stream.write_all(&ours.encode()?).map_err(io)?;
+    stream.write_all(&ours.encode()?).map_err(io)
+}
+
+/// Reads their hello (bounded by `timeout`).
+pub fn receive(stream: &mut TcpStream, timeout: Duration) -> Result<Hello, VerbsError> {
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
     Hello::read_from(stream)
 }
 

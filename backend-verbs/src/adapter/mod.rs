@@ -1,4 +1,4 @@
-//! The adapter: core's [`Transfer`] and [`Target`] over verbs, with a
+//! The adapter: core's [`Transfer`](kv_transfer_core::Transfer) and [`Target`] over verbs, with a
 //! memory window per exposed slot and tenancy.
 //!
 //! - **Expose**: each slot of the lease gets its own type-2 window, bound on
@@ -268,7 +268,7 @@ struct Inner {
     counters: Counters,
 }
 
-/// Core's [`Transfer`] and [`Target`] over verbs; see the [module docs](self).
+/// Core's [`Transfer`](kv_transfer_core::Transfer) and [`Target`] over verbs; see the [module docs](self).
 pub struct VerbsTransfer {
     inner: Arc<Inner>,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -437,7 +437,14 @@ impl Inner {
         let expect = dialed.map(|(n, _)| n);
         let qp = Arc::new(QueuePair::new(&self.pd, &self.cq, self.cfg.port, self.cfg.gid_index)?);
         let ours = Hello { name: self.cfg.name.clone(), endpoint: qp.endpoint(self.cfg.mtu)? };
-        let theirs = channel::exchange(s, &ours, self.cfg.timeout)?;
+        // The dialer speaks first. The side that accepts records the peer
+        // before it answers, so when the dialer's `add_peer` returns, this
+        // side's `add_peer` of it finds the connection instead of dialing a
+        // second one (whose window keys would not work through the first).
+        if dialed.is_some() {
+            channel::send(s, &ours, self.cfg.timeout)?;
+        }
+        let theirs = channel::receive(s, self.cfg.timeout)?;
         if let Some(want) = expect {
             if theirs.name != want {
                 return Err(VerbsError::Endpoint(format!("dialed {want}, {} answered", theirs.name)).into());
@@ -483,6 +490,13 @@ impl Inner {
         }
         let addr = dialed.map(|(_, a)| a.to_owned());
         st.peers.insert(id, Peer { name: theirs.name, addr, qp, state: PeerState::Live, recv });
+        if dialed.is_none() {
+            if let Err(e) = channel::send(s, &ours, self.cfg.timeout) {
+                // The dialer gave up: this QP has no partner.
+                self.start_fence(&mut st, id);
+                return Err(e.into());
+            }
+        }
         Ok(id)
     }
 
