@@ -488,7 +488,100 @@ mod on_device {
         Ok(())
     }
 
+    /// Bad input on the RECV buffers, from a peer that speaks the side
+    /// channel and then SENDs garbage: truncated and foreign messages are
+    /// dropped and counted (`malformed`), a DONE for another peer's exposure
+    /// (with its token) is forged, one naming a future generation is stale,
+    /// an oversize SEND errors only that peer's QP; nothing settles, memory
+    /// is unchanged, and the real peer's DONE still settles.
+    pub fn bad_input_on_recv_buffers_is_dropped_and_counted(lab: &Lab) -> Result<(), String> {
+        use backend_verbs::adapter::{parse_descriptor, Hello};
+        use kv_transfer_core::drain::{ControlKind, ControlMessage};
+        use std::io::Write;
+        let e = |e: &dyn std::fmt::Display| e.to_string();
+        let a = lab.adapters(ReleasePolicy::Safe, 2, SLOT)?;
+        let (exposed, remote) = a.decode.expose(a.dpool.reserve(1).map_err(|x| e(&x))?, a.peer).map_err(|x| e(&x))?;
+        let slot = remote.slots[0].slot.0 as usize;
+        let before = {
+            let mut v = vec![0u8; SLOT];
+            a.dpool.region().read(slot * SLOT, &mut v).map_err(|x| e(&x))?;
+            v
+        };
+        // The garbler: its own QP, connected through the side channel.
+        let cq = CompletionQueue::new(&lab.pd, 64).map_err(|x| e(&x))?;
+        let qp = QueuePair::new(&lab.pd, &cq, 1, lab.gid_index).map_err(|x| e(&x))?;
+        let (_, addr) = parse_descriptor(a.decode.descriptor().as_bytes()).map_err(|x| e(&x))?;
+        let mut s = std::net::TcpStream::connect(&addr).map_err(|x| e(&x))?;
+        let ours =
+            Hello { name: format!("garbler-{}", std::process::id()), endpoint: qp.endpoint(MTU).map_err(|x| e(&x))? };
+        s.write_all(&ours.encode().map_err(|x| e(&x))?).map_err(|x| e(&x))?;
+        let theirs = Hello::read_from(&mut s).map_err(|x| e(&x))?;
+        qp.connect(&theirs.endpoint).map_err(|x| e(&x))?;
+        let send = |wr: u64, bytes: &[u8]| -> Result<WcStatus, String> {
+            let mr = lab.region(bytes.len(), MrAccess::Local, 0)?;
+            mr.region().write(0, bytes).map_err(|x| e(&x))?;
+            qp.post_send(wr, &mr, 0, bytes.len() as u32).map_err(|x| e(&x))?;
+            Ok(wait(&qp, wr)?.status)
+        };
+        let done = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies());
+        let encoded = done.encode().map_err(|x| e(&x))?;
+        let mut future = remote.tenancies();
+        future[0].generation = kv_transfer_core::Generation(future[0].generation.0 + 1);
+        let stale =
+            ControlMessage::new(ControlKind::Done, remote.pool, remote.token, future).encode().map_err(|x| e(&x))?;
+        let m0 = a.dpool.metrics();
+        for (wr, bytes) in
+            [(1u64, &encoded[..10]), (2, &b"not a control message at all"[..]), (3, &encoded[..]), (4, &stale[..])]
+        {
+            if send(wr, bytes)? != WcStatus::Success {
+                return Err(format!("SEND {wr} was not delivered"));
+            }
+        }
+        let deadline = std::time::Instant::now() + WAIT;
+        let counted = || {
+            let m = a.dpool.metrics();
+            a.decode.counter("malformed") >= 2
+                && m.forged_rejected + m.stale_rejected >= m0.forged_rejected + m0.stale_rejected + 2
+        };
+        while !counted() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if !counted() {
+            return Err(format!("bad input not counted: {:?} {:?}", a.decode.counters(), a.dpool.metrics()));
+        }
+        // Oversize: larger than a RECV buffer; errors the garbler's QP only.
+        let big = vec![0u8; kv_transfer_core::drain::MAX_LEN + 1];
+        let _ = send(5, &big)?;
+        let exposed = match exposed.try_settled() {
+            Ok(_) => return Err("bad input settled the exposure".into()),
+            Err(l) => l,
+        };
+        let mut now = vec![0u8; SLOT];
+        a.dpool.region().read(slot * SLOT, &mut now).map_err(|x| e(&x))?;
+        if now != before {
+            return Err("bad input changed the exposed slot".into());
+        }
+        // The real peer still writes, and its DONE settles.
+        let mut src = a.ppool.reserve(1).map_err(|x| e(&x))?;
+        src.write_at(0, 0, &vec![b'R'; SLOT]).map_err(|x| e(&x))?;
+        let out = block_on(async {
+            a.prefill
+                .write(src, &remote, TransferOptions::default())
+                .await
+                .map_err(|x| x.kind.to_string())?
+                .await
+                .map_err(|x| x.to_string())
+        })?;
+        out.result.map_err(|x| format!("the real peer's write: {x}"))?;
+        out.lease.release();
+        let mut f = Box::pin(exposed.settled());
+        let settled = kv_transfer_core::poll_until(f.as_mut(), WAIT).ok_or("the real peer's DONE did not settle")?;
+        settled.release();
+        Ok(())
+    }
+
     pub const CHECKS: &[(&str, Check)] = &[
+        ("bad_input_on_recv_buffers_is_dropped_and_counted", bad_input_on_recv_buffers_is_dropped_and_counted),
         (
             "adapter_write_then_done_settles_and_a_replayed_write_is_refused",
             adapter_write_then_done_settles_and_a_replayed_write_is_refused,

@@ -46,6 +46,8 @@ pub(crate) enum Backend {
     Mooncake,
     /// MORI-IO (feature `mori`).
     Mori,
+    /// Real RDMA verbs (feature `verbs`; needs a verbs device).
+    Verbs,
 }
 
 impl Backend {
@@ -55,6 +57,7 @@ impl Backend {
             Self::Nixl => "nixl",
             Self::Mooncake => "mooncake",
             Self::Mori => "mori",
+            Self::Verbs => "verbs",
         }
     }
 }
@@ -196,6 +199,12 @@ fn check_backend(b: Backend) -> anyhow::Result<()> {
              Mooncake Transfer Engine (backend-mooncake/scripts/measure.sh) needs apt-get install libibverbs1 && \
              python3 -m venv .engines && .engines/bin/pip install --no-deps \
              mooncake-transfer-engine-non-cuda==0.3.13.post1",
+        ),
+        Backend::Verbs => (
+            "verbs",
+            cfg!(feature = "verbs"),
+            "a verbs device (none on this project's hosts: run it in the lab's guest, scripts/rdma-lab run -- \
+             target/release/kvt bench --backend verbs ...; building needs cmake libclang-dev libibverbs-dev)",
         ),
         Backend::Mori => (
             "mori",

@@ -14,6 +14,8 @@ mod mori;
 #[cfg(feature = "nixl")]
 mod nixl;
 mod sim;
+#[cfg(feature = "verbs")]
+mod verbs;
 
 /// One backend's initiator and target, connected, in this process.
 pub struct Rig {
@@ -39,6 +41,8 @@ pub fn loopback_rig(backend: Backend, slots: usize, block: usize) -> anyhow::Res
         Backend::Mooncake => mooncake::rig(slots, block),
         #[cfg(feature = "mori")]
         Backend::Mori => mori::rig(slots, block),
+        #[cfg(feature = "verbs")]
+        Backend::Verbs => verbs::rig(slots, block),
         #[allow(unreachable_patterns)]
         other => bail!("backend `{}` is not compiled into this kvt", other.name()),
     }
