@@ -503,7 +503,9 @@ impl QueuePair {
         let mut a: ffi::ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTS;
         a.timeout = 14;
-        a.retry_cnt = 7;
+        // 6, not 7: rxe (like an RNR count) takes 7 as "retry forever", and a
+        // dead peer must fail the request so that it can be fenced.
+        a.retry_cnt = 6;
         a.rnr_retry = 7;
         a.sq_psn = self.psn;
         a.max_rd_atomic = 1;
@@ -613,6 +615,19 @@ impl QueuePair {
         rkey: u32,
     ) -> Result<(), VerbsError> {
         self.rdma("post READ", ffi::ibv_wr_opcode::IBV_WR_RDMA_READ, wr_id, local, offset, len, remote_addr, rkey)
+    }
+
+    /// Posts a zero-length RDMA WRITE (no memory, no key: nothing is
+    /// accessed): the peer's NIC acknowledges it, or after the transport's
+    /// retries the request fails and the QP goes to ERR. A heartbeat.
+    pub fn post_heartbeat(&self, wr_id: u64) -> Result<(), VerbsError> {
+        // SAFETY: plain C struct, zero is a valid value.
+        let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.num_sge = 0;
+        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        self.post_send_wr("post heartbeat", &mut wr, None)
     }
 
     /// Posts a SEND of `local[offset..offset+len]`. On RC it is delivered

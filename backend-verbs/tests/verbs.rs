@@ -580,7 +580,105 @@ mod on_device {
         Ok(())
     }
 
+    const CRASH_SLOT: usize = 32 << 20;
+
+    /// The child's side of the crash test: a prefill adapter that posts one
+    /// large WRITE into the exposure its parent sends, then waits to be
+    /// killed.
+    pub fn crash_child(decode: &str) -> ! {
+        use std::io::{BufRead, Write};
+        let env = LabEnv::from_env();
+        let t = VerbsTransfer::new(VerbsConfig::new(
+            format!("crash-prefill-{}", std::process::id()),
+            env.device,
+            env.gid_index,
+        ))
+        .expect("child adapter");
+        let pool = t
+            .register_pool(Arc::new(HostRegion::new(CRASH_SLOT).expect("region")), PoolConfig::new(CRASH_SLOT))
+            .expect("pool");
+        t.add_peer(decode).expect("child adds decode");
+        let mut out = std::io::stdout();
+        writeln!(out, "{}", t.descriptor()).expect("stdout");
+        out.flush().expect("stdout");
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).expect("stdin");
+        let remote: kv_transfer_core::RemoteSlots = serde_json::from_str(&line).expect("remote");
+        let mut src = pool.reserve(1).expect("reserve");
+        src.write_at(0, 0, &vec![b'D'; CRASH_SLOT]).expect("fill");
+        let _h = block_on(t.write(src, &remote, TransferOptions::notify(false))).expect("post");
+        writeln!(out, "posted").expect("stdout");
+        out.flush().expect("stdout");
+        std::thread::sleep(Duration::from_secs(60));
+        std::process::exit(0)
+    }
+
+    /// Peer crash: the prefill process is killed with SIGKILL in the middle
+    /// of a 32 MiB WRITE. The decode side's heartbeat fails, its QP goes to
+    /// ERR, everything on it flushes, and the exposure settles `Fenced`;
+    /// nothing of the dead peer lands in the next tenant's slot.
+    pub fn peer_crash_killed_process_is_fenced_by_the_heartbeat(lab: &Lab) -> Result<(), String> {
+        use std::io::{BufRead, Write};
+        use std::process::{Command, Stdio};
+        let e = |e: &dyn std::fmt::Display| e.to_string();
+        let mut cfg = VerbsConfig::new(format!("crash-decode-{}", std::process::id()), &lab.device, lab.gid_index);
+        cfg.heartbeat = Duration::from_millis(100);
+        let decode = VerbsTransfer::new(cfg).map_err(|x| e(&x))?;
+        // No ladder step within the test: only the fence can settle.
+        let never = EscalationLadder {
+            drain: Duration::from_secs(600),
+            revoke: Duration::from_secs(600),
+            fence: Duration::from_secs(600),
+        };
+        let region: Arc<dyn Region> = Arc::new(HostRegion::new(CRASH_SLOT).map_err(|x| e(&x))?);
+        let pool = decode.register_pool(region, PoolConfig::new(CRASH_SLOT).with_ladder(never)).map_err(|x| e(&x))?;
+        let exe = std::env::current_exe().map_err(|x| e(&x))?;
+        let mut child = Command::new(exe)
+            .env("KVT_VERBS_CRASH_CHILD", decode.descriptor())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|x| e(&x))?;
+        let mut stdout = std::io::BufReader::new(child.stdout.take().ok_or("no child stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line).map_err(|x| e(&x))?;
+        let desc = line.trim().to_owned();
+        let peer = decode.add_peer(&desc).map_err(|x| e(&x))?;
+        let (exposed, remote) = decode.expose(pool.reserve(1).map_err(|x| e(&x))?, peer).map_err(|x| e(&x))?;
+        let mut stdin = child.stdin.take().ok_or("no child stdin")?;
+        writeln!(stdin, "{}", serde_json::to_string(&remote).map_err(|x| e(&x))?).map_err(|x| e(&x))?;
+        line.clear();
+        stdout.read_line(&mut line).map_err(|x| e(&x))?;
+        if line.trim() != "posted" {
+            let _ = child.kill();
+            return Err(format!("the child said {line:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(30));
+        child.kill().map_err(|x| e(&x))?; // SIGKILL
+        let _ = child.wait();
+        let mut f = Box::pin(exposed.settled());
+        let settled = kv_transfer_core::poll_until(f.as_mut(), Duration::from_secs(60))
+            .ok_or_else(|| format!("the dead peer was never fenced: {:?} {:?}", decode.counters(), pool.metrics()))?;
+        let m = pool.metrics();
+        if m.settled_fenced != 1 {
+            return Err(format!("expected Fenced, saw {m:?}"));
+        }
+        settled.release();
+        let mut next = pool.reserve(1).map_err(|x| e(&x))?;
+        next.write_at(0, 0, &vec![b'N'; CRASH_SLOT]).map_err(|x| e(&x))?;
+        std::thread::sleep(Duration::from_millis(200));
+        let mut bytes = vec![0u8; CRASH_SLOT];
+        pool.region().read(0, &mut bytes).map_err(|x| e(&x))?;
+        let stale = bytes.iter().filter(|&&b| b != b'N').count();
+        drop(next);
+        if stale != 0 {
+            return Err(format!("{stale} bytes of the dead peer landed after the fence"));
+        }
+        Ok(())
+    }
+
     pub const CHECKS: &[(&str, Check)] = &[
+        ("peer_crash_killed_process_is_fenced_by_the_heartbeat", peer_crash_killed_process_is_fenced_by_the_heartbeat),
         ("bad_input_on_recv_buffers_is_dropped_and_counted", bad_input_on_recv_buffers_is_dropped_and_counted),
         (
             "adapter_write_then_done_settles_and_a_replayed_write_is_refused",
@@ -627,6 +725,10 @@ mod on_device {
 
 fn main() {
     use libtest_mimic::{Arguments, Trial};
+    #[cfg(feature = "verbs")]
+    if let Ok(decode) = std::env::var("KVT_VERBS_CRASH_CHILD") {
+        on_device::crash_child(&decode);
+    }
     let args = Arguments::from_args();
     let env = backend_verbs::LabEnv::from_env();
     #[cfg(feature = "verbs")]

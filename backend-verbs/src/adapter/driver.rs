@@ -33,6 +33,7 @@ impl Inner {
                 self.on_completion(c);
             }
             if Instant::now() >= next_tick {
+                self.probe_peers();
                 self.escalate();
                 self.finish_fences(&self);
                 next_tick = Instant::now() + Duration::from_millis(1);
@@ -136,6 +137,12 @@ impl Inner {
                 }
             }
             Pending::Send { .. } => {}
+            Pending::Heartbeat { peer } => {
+                if let Some(p) = st.peers.get_mut(&peer) {
+                    p.probing = false;
+                    p.probed = Instant::now();
+                }
+            }
             Pending::Recv { peer, index } => {
                 if ok {
                     self.on_recv(&mut st, peer, index, c.byte_len);
@@ -244,6 +251,38 @@ impl Inner {
                 // the lease waits for the peer's fence.
                 inc(&self.counters.ops_failed);
                 completer.abandon(TransferError::Transport(format!("completed with {s:?}")));
+            }
+        }
+    }
+
+    /// Probes every live peer not probed for `heartbeat` (one probe out at
+    /// a time): a dead one fails it and is fenced in `on_completion`.
+    fn probe_peers(&self) {
+        if self.cfg.heartbeat.is_zero() {
+            return;
+        }
+        let mut st = lock(&self.state);
+        let due: Vec<(PeerId, Arc<crate::queue::QueuePair>)> = st
+            .peers
+            .iter()
+            .filter(|(_, p)| p.state == PeerState::Live && !p.probing && p.probed.elapsed() >= self.cfg.heartbeat)
+            .map(|(id, p)| (*id, Arc::clone(&p.qp)))
+            .collect();
+        for (peer, qp) in due {
+            let wr = self.wr_id();
+            st.wrs.insert(wr, Pending::Heartbeat { peer });
+            match qp.post_heartbeat(wr) {
+                Ok(()) => {
+                    inc(&self.counters.heartbeats);
+                    if let Some(p) = st.peers.get_mut(&peer) {
+                        p.probing = true;
+                    }
+                }
+                Err(e) => {
+                    st.wrs.remove(&wr);
+                    tracing::warn!(peer = peer.0, error = %e, "posting a heartbeat failed: fencing");
+                    self.start_fence(&mut st, peer);
+                }
             }
         }
     }

@@ -82,6 +82,11 @@ pub struct VerbsConfig {
     pub release_policy: ReleasePolicy,
     /// Bound on a side-channel handshake and on an exposure's binds.
     pub timeout: Duration,
+    /// How often an idle peer is probed (a zero-length WRITE): a peer that
+    /// died (its process killed, its host gone) fails the probe after the
+    /// transport's retries, and is fenced. Zero: no probes (a dead peer is
+    /// then fenced only by the ladder).
+    pub heartbeat: Duration,
 }
 
 impl VerbsConfig {
@@ -96,6 +101,7 @@ impl VerbsConfig {
             mtu: 1024,
             release_policy: ReleasePolicy::Safe,
             timeout: Duration::from_secs(10),
+            heartbeat: Duration::from_millis(200),
         }
     }
 }
@@ -131,6 +137,7 @@ struct Counters {
     messages_received: AtomicU64,
     malformed: AtomicU64,
     naive_releases: AtomicU64,
+    heartbeats: AtomicU64,
 }
 
 fn inc(c: &AtomicU64) {
@@ -152,6 +159,9 @@ struct Peer {
     addr: Option<String>,
     qp: Arc<QueuePair>,
     state: PeerState,
+    /// When it was last probed, and whether a probe is out.
+    probed: Instant,
+    probing: bool,
     /// Its RECV ring: `RECVS` buffers of `MAX_LEN` bytes.
     recv: Arc<MemoryRegion>,
 }
@@ -201,6 +211,9 @@ enum Pending {
     Send {
         peer: PeerId,
     },
+    Heartbeat {
+        peer: PeerId,
+    },
     Recv {
         peer: PeerId,
         index: u64,
@@ -214,6 +227,7 @@ impl Pending {
             | Self::Bind { peer, .. }
             | Self::Invalidate { peer, .. }
             | Self::Send { peer }
+            | Self::Heartbeat { peer }
             | Self::Recv { peer, .. } => *peer,
         }
     }
@@ -362,6 +376,7 @@ impl VerbsTransfer {
             ("messages_received", g(&c.messages_received)),
             ("malformed", g(&c.malformed)),
             ("naive_releases", g(&c.naive_releases)),
+            ("heartbeats", g(&c.heartbeats)),
         ]
     }
 
@@ -489,7 +504,10 @@ impl Inner {
             st.by_name.insert(theirs.name.clone(), id);
         }
         let addr = dialed.map(|(_, a)| a.to_owned());
-        st.peers.insert(id, Peer { name: theirs.name, addr, qp, state: PeerState::Live, recv });
+        st.peers.insert(
+            id,
+            Peer { name: theirs.name, addr, qp, state: PeerState::Live, probed: Instant::now(), probing: false, recv },
+        );
         if dialed.is_none() {
             if let Err(e) = channel::send(s, &ours, self.cfg.timeout) {
                 // The dialer gave up: this QP has no partner.
