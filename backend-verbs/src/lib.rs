@@ -15,14 +15,19 @@
 //! - **Completed**: terminal completions of every work request (or the
 //!   initiator's ABORT_ACK after its own).
 //!
-//! This crate so far holds the engine layer: a safe layer over libibverbs
-//! (feature `verbs`, through `ibverbs-sys`) in the style of rust-ibverbs:
-//! parents kept alive by `Arc` (a queue pair holds its completion queue and
-//! protection domain, a region holds its memory), one [`VerbsError`] per
-//! operation, every `unsafe` private. Posted requests hold their memory
-//! until their completion is polled, so no caller upholds the in-flight
-//! rule. The adapter (core's `Transfer` and `Target` over windows) builds on
-//! it.
+//! Two layers, both behind the feature `verbs`:
+//!
+//! - the engine layer, a safe layer over libibverbs (through `ibverbs-sys`)
+//!   in the style of rust-ibverbs: parents kept alive by `Arc` (a queue pair
+//!   holds its completion queue and protection domain, a region holds its
+//!   memory), one [`VerbsError`] per operation, every `unsafe` private.
+//!   Posted requests hold their memory until their completion is polled, so
+//!   no caller upholds the in-flight rule;
+//! - the adapter (`adapter::VerbsTransfer`: core's `Transfer` and `Target`),
+//!   a window per exposed slot, a TCP side channel for connection setup, a
+//!   heartbeat that fences a dead peer, reconnection after a fence. Drain
+//!   (ABORT / ABORT_ACK) is not offered yet: an aborted exposure is revoked,
+//!   then fenced.
 //!
 //! ## Why `ibverbs-sys`
 //!
