@@ -25,9 +25,9 @@
 //!   no caller upholds the in-flight rule;
 //! - the adapter (`adapter::VerbsTransfer`: core's `Transfer` and `Target`),
 //!   a window per exposed slot, a TCP side channel for connection setup, a
-//!   heartbeat that fences a dead peer, reconnection after a fence. Drain
-//!   (ABORT / ABORT_ACK) is not offered yet: an aborted exposure is revoked,
-//!   then fenced.
+//!   heartbeat that fences a dead peer, reconnection after a fence; an
+//!   aborted exposure is drained (ABORT / ABORT_ACK), then revoked, then
+//!   fenced.
 //!
 //! ## Why `ibverbs-sys`
 //!

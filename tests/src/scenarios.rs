@@ -428,7 +428,7 @@ pub fn bad_input(b: &dyn Backend) -> Result<(), Failure> {
         ensure!(region_bytes(&pool) == before, "a malformed frame changed target memory");
     }
     exposed.abort();
-    wait_whole(&pool)?;
+    wait_whole(&pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
     Ok(())
 }
 

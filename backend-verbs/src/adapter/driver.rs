@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_transfer_core::drain::{ControlKind, ControlMessage, Plan, MAX_LEN};
+use kv_transfer_core::drain::{ControlKind, ControlMessage, OpEnd, Outgoing, Plan, MAX_LEN};
 use kv_transfer_core::{PeerId, PoolId, RejectReason, SettlementAuthority, Tenancy, TransferError};
 
 use super::{inc, lock, AfterInvalidate, Inner, OpEntry, OpFailure, PeerState, Pending, State, CAPABILITIES};
@@ -81,9 +81,18 @@ impl Inner {
                     None => false,
                 };
                 if done {
-                    let entry = st.ops.remove(&op);
-                    drop(st);
-                    if let Some(e) = entry {
+                    if let Some(e) = st.ops.remove(&op) {
+                        // Proven unless a WR was flushed (or worse): a flushed
+                        // WR proves nothing about the remote side, so no
+                        // ABORT_ACK is ever sent for its tenancies.
+                        let proven = matches!(
+                            e.error,
+                            None | Some(OpFailure::Post(_)) | Some(OpFailure::Status(WcStatus::RemoteAccess))
+                        );
+                        let end = if proven { OpEnd::Proven } else { OpEnd::Unproven };
+                        let acks = st.aborts.finished(e.id, end);
+                        self.send_all(&mut st, acks);
+                        drop(st);
                         self.finish_op(e);
                     }
                 }
@@ -154,15 +163,17 @@ impl Inner {
     /// A RECV landed: read its control message, post the buffer again.
     fn on_recv(&self, st: &mut State, peer: PeerId, index: u64, len: u32) {
         let Some(p) = st.peers.get(&peer) else { return };
-        let (qp, recv) = (Arc::clone(&p.qp), Arc::clone(&p.recv));
+        let (qp, recv, live) = (Arc::clone(&p.qp), Arc::clone(&p.recv), p.state == PeerState::Live);
         let at = (index * MAX_LEN as u64) as usize;
         let mut bytes = vec![0u8; (len as usize).min(MAX_LEN)];
         let read = recv.region().read(at, &mut bytes);
-        let wr = self.wr_id();
-        st.wrs.insert(wr, Pending::Recv { peer, index });
-        if let Err(e) = qp.post_recv(wr, &recv, at as u64, MAX_LEN as u32) {
-            st.wrs.remove(&wr);
-            tracing::warn!(peer = peer.0, error = %e, "reposting a RECV failed");
+        if live {
+            let wr = self.wr_id();
+            st.wrs.insert(wr, Pending::Recv { peer, index });
+            if let Err(e) = qp.post_recv(wr, &recv, at as u64, MAX_LEN as u32) {
+                st.wrs.remove(&wr);
+                tracing::warn!(peer = peer.0, error = %e, "reposting a RECV failed");
+            }
         }
         inc(&self.counters.messages_received);
         if read.is_err() {
@@ -177,7 +188,11 @@ impl Inner {
             }
         };
         if msg.kind == ControlKind::Abort {
-            // Drain is not offered (CAPABILITIES): nothing sends ABORT here.
+            // We are the initiator: answered once every operation of ours on
+            // those tenancies is terminal (now, if none is in flight).
+            if let Some(ack) = st.aborts.on_abort(&peer, msg) {
+                self.send_all(st, vec![ack]);
+            }
             return;
         }
         let v = lock(&self.exposures).accept(peer, &msg);
@@ -309,9 +324,13 @@ impl Inner {
         let fencing: Vec<PeerId> =
             st.peers.iter().filter(|(_, p)| p.state == PeerState::Fencing).map(|(id, _)| *id).collect();
         for peer in fencing {
-            if st.wrs.values().any(|w| w.peer() == peer) {
+            // Every request flushed, RECVs aside: a RECV posted after the
+            // QP went to ERR never completes (rxe), and nothing can land in
+            // a RECV buffer of a QP in ERR.
+            if st.wrs.values().any(|w| w.peer() == peer && !matches!(w, Pending::Recv { .. })) {
                 continue;
             }
+            st.wrs.retain(|_, w| w.peer() != peer);
             let mut redial = None;
             if let Some(p) = st.peers.get_mut(&peer) {
                 p.state = PeerState::Fenced;
@@ -338,6 +357,7 @@ impl Inner {
                 }
             }
             lock(&self.exposures).fenced(peer);
+            st.aborts.forget_peer(&peer);
             let mut authorities: Vec<SettlementAuthority> = Vec::new();
             for entry in st.pools.values_mut() {
                 for (i, bound) in entry.window_peer.iter_mut().enumerate() {
@@ -381,6 +401,10 @@ impl Inner {
                         }
                     }
                     Plan::Fence { peer } => self.start_fence(&mut st, peer),
+                    Plan::SendAbort { peer, messages } => {
+                        let out = messages.into_iter().map(|msg| Outgoing { to: peer, msg }).collect();
+                        self.send_all(&mut st, out);
+                    }
                     Plan::Stuck { peer, tenancies } => {
                         tracing::warn!(
                             peer = peer.0,

@@ -19,8 +19,14 @@
 //!   because the NIC put it there: a rejected access, a broken link) and
 //!   every request posted on it completed flushed.
 //!
-//! Drain (ABORT / ABORT_ACK) is not offered yet ([`CAPABILITIES`]): an
-//! aborted exposure is revoked, then fenced. The `naive` positive control
+//! - **Drain**: the ladder's first step sends ABORT (core's codec, per
+//!   exposure token) as a SEND; the initiator answers ABORT_ACK once every
+//!   operation of its own on those tenancies is terminal (core's
+//!   `AbortTracker`: admitted before posting, never acknowledged after a
+//!   flushed request), and the ACK settles like a DONE (windows invalidated
+//!   first). A peer that does not answer is revoked, then fenced.
+//!
+//! The `naive` positive control
 //! registers the pool's memory with remote access and hands out its own key
 //! (no window, nothing at the NIC tells tenancies apart) and frees an aborted
 //! slot at once.
@@ -49,9 +55,13 @@ use crate::error::VerbsError;
 use crate::memory::{MemoryRegion, MemoryWindow, MrAccess, ProtectionDomain};
 use crate::queue::{CompletionQueue, QueuePair};
 
-/// What verbs can prove about an aborted exposure: revoke (`LOCAL_INV`) and
-/// fence (QP to ERR, flushed). Drain is not offered yet.
-pub const CAPABILITIES: Capabilities = Capabilities { drain: false, revoke: true, fence: true };
+/// What verbs can prove about an aborted exposure: drain (ABORT /
+/// ABORT_ACK as SENDs on the peer's QP), revoke (`LOCAL_INV` completed) and
+/// fence (QP to ERR, every request flushed).
+pub const CAPABILITIES: Capabilities = Capabilities::ALL;
+
+/// Remote tenancies remembered as aborted or handed back (per adapter).
+const TOMBSTONES: usize = 4096;
 
 /// The backend's name.
 pub const BACKEND: &str = "verbs";
@@ -252,13 +262,13 @@ impl std::fmt::Display for OpFailure {
 }
 
 struct OpEntry {
+    id: u64,
     completer: Completer,
     authority: SettlementAuthority,
     remaining: u32,
     error: Option<OpFailure>,
 }
 
-#[derive(Default)]
 struct State {
     pools: HashMap<PoolId, PoolEntry>,
     peers: HashMap<PeerId, Peer>,
@@ -268,6 +278,25 @@ struct State {
     wrs: HashMap<u64, Pending>,
     ops: HashMap<u64, OpEntry>,
     next_op: u64,
+    /// Initiator side: which operations touch which remote tenancies, and
+    /// when an ABORT may be answered.
+    aborts: kv_transfer_core::drain::AbortTracker<PeerId>,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self {
+            pools: HashMap::new(),
+            peers: HashMap::new(),
+            by_name: HashMap::new(),
+            by_qpn: HashMap::new(),
+            next_peer: 0,
+            wrs: HashMap::new(),
+            ops: HashMap::new(),
+            next_op: 0,
+            aborts: kv_transfer_core::drain::AbortTracker::new(TOMBSTONES),
+        }
+    }
 }
 
 struct Inner {
@@ -677,10 +706,17 @@ impl Inner {
         };
         let offsets: Vec<u64> =
             local.tenancies().iter().map(|t| u64::from(t.slot.0) * local.pool().slot_size() as u64).collect();
-        let exposed = authority.expose_local(local, peer);
-        let (handle, completer) = TransferHandle::pair(exposed);
         st.next_op += 1;
         let op_id = st.next_op;
+        // Admitted before anything is posted, under the lock ABORTs are
+        // handled in: an ABORT either sees this op and waits for it, or this
+        // post sees the abort and is refused.
+        if let Err(refusal) = st.aborts.admit(op_id, &peer, remote, false) {
+            drop(st);
+            return Err(PostError { lease: local, kind: PostErrorKind::Descriptor(refusal.to_string()) });
+        }
+        let exposed = authority.expose_local(local, peer);
+        let (handle, completer) = TransferHandle::pair(exposed);
         let mut posted = 0u32;
         let mut error = None;
         for (i, (off, rs)) in offsets.iter().zip(&remote.slots).enumerate() {
@@ -702,6 +738,8 @@ impl Inner {
         }
         inc(&self.counters.posts);
         if posted == 0 {
+            let acks = st.aborts.finished(op_id, kv_transfer_core::drain::OpEnd::Proven);
+            self.send_all(&mut st, acks);
             drop(st);
             // Nothing reached the NIC: the local lease is untouched.
             let proof = authority.completed_lease(completer.lease());
@@ -712,12 +750,26 @@ impl Inner {
         if op == Op::Write && opts.notify && error.is_none() {
             // Behind the WRITEs on the same RC QP: placed before it arrives.
             let msg = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies());
-            if let Err(e) = self.send_control(&mut st, peer, &qp, &msg) {
-                tracing::warn!(peer = peer.0, error = %e, "DONE not sent");
+            match self.send_control(&mut st, peer, &qp, &msg) {
+                // Handed back: no later post may use these tenancies.
+                Ok(()) => st.aborts.tombstone(&peer, remote.pool, remote.token, &remote.tenancies()),
+                Err(e) => tracing::warn!(peer = peer.0, error = %e, "DONE not sent"),
             }
         }
-        st.ops.insert(op_id, OpEntry { completer, authority, remaining: posted, error });
+        st.ops.insert(op_id, OpEntry { id: op_id, completer, authority, remaining: posted, error });
         Ok(handle)
+    }
+
+    /// Sends each message (ABORT_ACKs now due) to its peer, if live.
+    pub(super) fn send_all(&self, st: &mut State, out: Vec<kv_transfer_core::drain::Outgoing<PeerId>>) {
+        for o in out {
+            let Some(qp) = st.peers.get(&o.to).filter(|p| p.state == PeerState::Live).map(|p| Arc::clone(&p.qp)) else {
+                continue;
+            };
+            if let Err(e) = self.send_control(st, o.to, &qp, &o.msg) {
+                tracing::warn!(peer = o.to.0, error = %e, "control message not sent");
+            }
+        }
     }
 
     /// Posts `msg` as a SEND on `qp` (its buffer is held until the SEND completes).
