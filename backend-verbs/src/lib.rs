@@ -26,8 +26,8 @@
 //! - the adapter (`adapter::VerbsTransfer`: core's `Transfer` and `Target`),
 //!   a window per exposed slot, a TCP side channel for connection setup, a
 //!   heartbeat that fences a dead peer, reconnection after a fence; an
-//!   aborted exposure is drained (ABORT / ABORT_ACK), then revoked, then
-//!   fenced.
+//!   aborted exposure is revoked, then fenced (drain is built but not
+//!   offered yet).
 //!
 //! ## Why `ibverbs-sys`
 //!

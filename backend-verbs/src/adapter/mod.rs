@@ -19,12 +19,12 @@
 //!   because the NIC put it there: a rejected access, a broken link) and
 //!   every request posted on it completed flushed.
 //!
-//! - **Drain**: the ladder's first step sends ABORT (core's codec, per
-//!   exposure token) as a SEND; the initiator answers ABORT_ACK once every
-//!   operation of its own on those tenancies is terminal (core's
+//! - **Drain** (built, not offered yet: see [`CAPABILITIES`]): ABORT (core's
+//!   codec, per exposure token) as a SEND; the initiator answers ABORT_ACK
+//!   once every operation of its own on those tenancies is terminal (core's
 //!   `AbortTracker`: admitted before posting, never acknowledged after a
 //!   flushed request), and the ACK settles like a DONE (windows invalidated
-//!   first). A peer that does not answer is revoked, then fenced.
+//!   first).
 //!
 //! The `naive` positive control
 //! registers the pool's memory with remote access and hands out its own key
@@ -55,10 +55,13 @@ use crate::error::VerbsError;
 use crate::memory::{MemoryRegion, MemoryWindow, MrAccess, ProtectionDomain};
 use crate::queue::{CompletionQueue, QueuePair};
 
-/// What verbs can prove about an aborted exposure: drain (ABORT /
-/// ABORT_ACK as SENDs on the peer's QP), revoke (`LOCAL_INV` completed) and
-/// fence (QP to ERR, every request flushed).
-pub const CAPABILITIES: Capabilities = Capabilities::ALL;
+/// What verbs can prove about an aborted exposure: revoke (`LOCAL_INV`
+/// completed) and fence (QP to ERR, every request flushed). Drain (ABORT /
+/// ABORT_ACK as SENDs) is implemented on both sides, but not offered yet:
+/// with it on, one run in ~8 of the bad-input scenario left an exposure
+/// quarantined after its ABORT_ACK, not yet explained. Until it is, the
+/// ladder revokes first (certain and local).
+pub const CAPABILITIES: Capabilities = Capabilities { drain: false, revoke: true, fence: true };
 
 /// Remote tenancies remembered as aborted or handed back (per adapter).
 const TOMBSTONES: usize = 4096;
