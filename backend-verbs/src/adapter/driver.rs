@@ -219,7 +219,7 @@ impl Inner {
     }
 
     /// Posts the `LOCAL_INV` of `t`'s window (on the QP it was bound on).
-    fn invalidate(&self, st: &mut State, pool: PoolId, peer: PeerId, t: Tenancy, then: AfterInvalidate) {
+    pub(super) fn invalidate(&self, st: &mut State, pool: PoolId, peer: PeerId, t: Tenancy, then: AfterInvalidate) {
         let Some(qp) = st.peers.get(&peer).filter(|p| p.state == PeerState::Live).map(|p| Arc::clone(&p.qp)) else {
             // A peer being fenced: the fence settles it.
             return;

@@ -276,7 +276,6 @@ struct State {
     pools: HashMap<PoolId, PoolEntry>,
     peers: HashMap<PeerId, Peer>,
     by_name: HashMap<String, PeerId>,
-    by_qpn: HashMap<u32, PeerId>,
     next_peer: u32,
     wrs: HashMap<u64, Pending>,
     ops: HashMap<u64, OpEntry>,
@@ -292,7 +291,6 @@ impl Default for State {
             pools: HashMap::new(),
             peers: HashMap::new(),
             by_name: HashMap::new(),
-            by_qpn: HashMap::new(),
             next_peer: 0,
             wrs: HashMap::new(),
             ops: HashMap::new(),
@@ -514,7 +512,6 @@ impl Inner {
                 return Err(e.into());
             }
         }
-        st.by_qpn.insert(qp.qp_num(), id);
         // A name is not an identity (the QP is: a window's key works only
         // through the QP it was bound on, a DONE counts only from the peer
         // its exposure went to). A second connection under a name that is
@@ -598,7 +595,7 @@ impl Inner {
                     match qp.post_bind(wr, w, &entry.mr, i as u64 * slot_size as u64, len) {
                         Ok(k) => {
                             keys.push(Some(u64::from(k)));
-                            waiters.push(done);
+                            waiters.push((t.slot.0, done));
                         }
                         Err(e) => {
                             wrs.remove(&wr);
@@ -616,7 +613,7 @@ impl Inner {
         // Bounded by the configured timeout.
         let deadline = Instant::now() + self.cfg.timeout;
         let mut ok = true;
-        for w in &waiters {
+        for (_, w) in &waiters {
             let (m, cv) = &**w;
             let mut g = lock(m);
             while g.is_none() && Instant::now() < deadline {
@@ -644,16 +641,29 @@ impl Inner {
         Ok((exposed, remote))
     }
 
-    /// Binds of an exposure that will not happen: once each completed, its
-    /// window is invalidated (the driver sees `Nothing` to prove).
-    fn abandon_binds(&self, _pool: PoolId, _peer: PeerId, waiters: &[BindWaiter]) {
-        for w in waiters {
-            // A bind still pending is marked failed for the driver: it
-            // invalidates a window whose bind completes after this.
+    /// Binds of an exposure that will not happen: each window is taken
+    /// back, so the slot can be bound again. A bind still pending is marked
+    /// given up, and the driver invalidates its window when it completes; a
+    /// bind that completed already is invalidated now (nothing to prove:
+    /// its key was never handed out).
+    fn abandon_binds(&self, pool: PoolId, peer: PeerId, waiters: &[(u32, BindWaiter)]) {
+        // State, then waiter: the driver's order.
+        let mut st = lock(&self.state);
+        for (slot, w) in waiters {
             let (m, cv) = &**w;
             let mut g = lock(m);
-            if g.is_none() {
-                *g = Some(false);
+            match *g {
+                None => *g = Some(false),
+                Some(true) => {
+                    drop(g);
+                    let t = kv_transfer_core::Tenancy::new(
+                        kv_transfer_core::SlotId(*slot),
+                        kv_transfer_core::Generation(0),
+                    );
+                    self.invalidate(&mut st, pool, peer, t, AfterInvalidate::Nothing);
+                    continue;
+                }
+                Some(false) => {}
             }
             cv.notify_all();
         }
