@@ -131,18 +131,20 @@ impl Inner {
                 inc(&self.counters.invalidations);
                 let authority = entry.authority.clone();
                 drop(st);
-                match then {
-                    AfterInvalidate::Revoke => {
-                        let revoked = lock(&self.exposures).revoked(pool, peer, &[tenancy]);
-                        if !revoked.is_empty() {
-                            authority.deliver(authority.revoked(&revoked));
-                            inc(&self.counters.revoked);
+                for then in then {
+                    match then {
+                        AfterInvalidate::Revoke => {
+                            let revoked = lock(&self.exposures).revoked(pool, peer, &[tenancy]);
+                            if !revoked.is_empty() {
+                                authority.deliver(authority.revoked(&revoked));
+                                inc(&self.counters.revoked);
+                            }
                         }
+                        AfterInvalidate::Complete => {
+                            authority.deliver(authority.completed(&[tenancy]));
+                        }
+                        AfterInvalidate::Nothing => {}
                     }
-                    AfterInvalidate::Complete => {
-                        authority.deliver(authority.completed(&[tenancy]));
-                    }
-                    AfterInvalidate::Nothing => {}
                 }
             }
             Pending::Send { .. } => {}
@@ -226,11 +228,29 @@ impl Inner {
         };
         let Some(entry) = st.pools.get_mut(&pool) else { return };
         let Some(w) = entry.windows[t.slot.0 as usize].as_mut() else { return };
-        if !matches!(w.state(), crate::memory::WindowState::Bound { .. }) {
-            return;
+        match w.state() {
+            crate::memory::WindowState::Bound { .. } => {}
+            crate::memory::WindowState::Invalidating { .. } => {
+                // One is in flight (the ladder's revoke, say, and now the
+                // peer's ABORT_ACK): its completion proves this too.
+                let joined = st.wrs.values_mut().find_map(|p| match p {
+                    Pending::Invalidate { pool: p_pool, tenancy, then: thens, .. }
+                        if *p_pool == pool && tenancy.slot == t.slot =>
+                    {
+                        Some(thens)
+                    }
+                    _ => None,
+                });
+                match joined {
+                    Some(thens) => thens.push(then),
+                    None => tracing::warn!(slot = t.slot.0, "an invalidation in flight that no request owns"),
+                }
+                return;
+            }
+            _ => return,
         }
         let wr = self.next_wr.fetch_add(1, Ordering::Relaxed);
-        st.wrs.insert(wr, Pending::Invalidate { peer, pool, tenancy: t, then });
+        st.wrs.insert(wr, Pending::Invalidate { peer, pool, tenancy: t, then: vec![then] });
         let Some(entry) = st.pools.get_mut(&pool) else { return };
         let Some(w) = entry.windows[t.slot.0 as usize].as_mut() else { return };
         if let Err(e) = qp.post_invalidate(wr, w) {

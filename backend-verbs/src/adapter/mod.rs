@@ -19,7 +19,7 @@
 //!   because the NIC put it there: a rejected access, a broken link) and
 //!   every request posted on it completed flushed.
 //!
-//! - **Drain** (built, not offered yet: see [`CAPABILITIES`]): ABORT (core's
+//! - **Drained** (the ladder's first step): ABORT (core's
 //!   codec, per exposure token) as a SEND; the initiator answers ABORT_ACK
 //!   once every operation of its own on those tenancies is terminal (core's
 //!   `AbortTracker`: admitted before posting, never acknowledged after a
@@ -55,13 +55,11 @@ use crate::error::VerbsError;
 use crate::memory::{MemoryRegion, MemoryWindow, MrAccess, ProtectionDomain};
 use crate::queue::{CompletionQueue, QueuePair};
 
-/// What verbs can prove about an aborted exposure: revoke (`LOCAL_INV`
-/// completed) and fence (QP to ERR, every request flushed). Drain (ABORT /
-/// ABORT_ACK as SENDs) is implemented on both sides, but not offered yet:
-/// with it on, one run in ~8 of the bad-input scenario left an exposure
-/// quarantined after its ABORT_ACK, not yet explained. Until it is, the
-/// ladder revokes first (certain and local).
-pub const CAPABILITIES: Capabilities = Capabilities { drain: false, revoke: true, fence: true };
+/// What verbs can prove about an aborted exposure, in the ladder's order:
+/// drain (ABORT / ABORT_ACK as SENDs; the ACK settles once the windows are
+/// invalidated), revoke (`LOCAL_INV` completed) and fence (QP to ERR, every
+/// request flushed).
+pub const CAPABILITIES: Capabilities = Capabilities::ALL;
 
 /// Remote tenancies remembered as aborted or handed back (per adapter).
 const TOMBSTONES: usize = 4096;
@@ -219,7 +217,10 @@ enum Pending {
         peer: PeerId,
         pool: PoolId,
         tenancy: kv_transfer_core::Tenancy,
-        then: AfterInvalidate,
+        /// What its completion proves: one entry per path that asked for
+        /// it (the ladder's revoke and a peer's ABORT_ACK can race: the
+        /// second joins the invalidation in flight instead of being lost).
+        then: Vec<AfterInvalidate>,
     },
     Send {
         peer: PeerId,
