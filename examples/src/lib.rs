@@ -15,6 +15,7 @@
 //!   [`ReleasePolicy::Safe`](backend_tcp_sim::ReleasePolicy::Safe) (it must not).
 //! - [`wait`]: a bounded `block_on` for futures that may never resolve.
 #![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod payload;
 pub mod race;

@@ -145,6 +145,14 @@ enum PolicyArg {
 
 #[derive(clap::Args, Debug)]
 struct RaceArgs {
+    /// Where the race runs: `tcp-sim` (held writes at a simulated NIC's
+    /// gate) or `verbs` (real RDMA WRITEs; a held round queues a large
+    /// WRITE ahead of its doomed writes).
+    #[arg(long, value_enum, default_value = "tcp-sim")]
+    backend: Backend,
+    /// Verbs: bytes of the WRITE queued ahead of a held round's doomed writes.
+    #[arg(long, default_value = "4MiB", value_parser = units::parse_size)]
+    blocker: usize,
     /// Requests to serve (per policy).
     #[arg(long, default_value_t = 10_000)]
     requests: u64,
@@ -375,6 +383,13 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
 }
 
 fn race_cmd(a: RaceArgs) -> anyhow::Result<bool> {
+    check_backend(a.backend)?;
+    if !matches!(a.backend, Backend::TcpSim | Backend::Verbs) {
+        bail!(
+            "kvt race runs on tcp-sim or verbs (the conformance suite covers {} without scenario 2)",
+            a.backend.name()
+        );
+    }
     let policies = match a.policy {
         PolicyArg::Naive => vec![ReleasePolicy::Naive],
         PolicyArg::Safe => vec![ReleasePolicy::Safe],
@@ -390,11 +405,17 @@ fn race_cmd(a: RaceArgs) -> anyhow::Result<bool> {
             hold_rate: a.hold_rate,
             slots_per_request: a.slots_per_request,
             slot_size: a.slot_size,
+            blocker_bytes: a.blocker,
             ..RaceConfig::default()
         };
         let pb = bar(a.requests.max(1), a.json, "{msg} [{bar:40}] {pos}/{len} requests {per_sec} eta {eta}");
-        pb.set_message(format!("race {}", kv_transfer_examples::race::policy_name(policy)));
-        let r = run_race(&cfg, &mut |done, _| pb.set_position(done));
+        pb.set_message(format!("race {} {}", a.backend.name(), kv_transfer_examples::race::policy_name(policy)));
+        let mut progress = |done, _| pb.set_position(done);
+        let r = match a.backend {
+            #[cfg(feature = "verbs")]
+            Backend::Verbs => kv_transfer_examples::race::verbs::run_verbs_race(&cfg, &mut progress),
+            _ => run_race(&cfg, &mut progress),
+        };
         pb.finish_and_clear();
         reports.push(r?);
     }

@@ -140,7 +140,18 @@ pub trait Backend {
     fn runs_elsewhere_in_ci(&self) -> bool {
         false
     }
+    /// Scenario 2 (the reassignment race) on this backend, if it has its
+    /// own implementation here; the simulator's runs in `tests/race.rs`.
+    fn race(&self) -> Option<RaceRunner> {
+        None
+    }
 }
+
+/// Runs the reassignment race (scenario 2) on one backend.
+pub type RaceRunner = fn(
+    &kv_transfer_examples::race::RaceConfig,
+    &mut dyn FnMut(u64, u64),
+) -> Result<kv_transfer_examples::race::RaceReport, kv_transfer_examples::race::RaceError>;
 
 /// A decode side and a prefill side of one backend, connected.
 ///

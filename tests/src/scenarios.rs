@@ -656,3 +656,63 @@ fn watch_until_free(pool: &SlotPool, n: u64, t0: Instant, min: Duration) -> Resu
         std::thread::sleep(Duration::from_micros(500));
     }
 }
+
+/// Scenario 2's configuration: `KVT_RACE_ITERS` requests per policy
+/// (default 10,000) and `KVT_RACE_SEED` (default `0x5eed`).
+pub fn race_config(policy: kv_transfer_core::drain::ReleasePolicy) -> kv_transfer_examples::race::RaceConfig {
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+    kv_transfer_examples::race::RaceConfig {
+        requests: env("KVT_RACE_ITERS").unwrap_or(10_000),
+        seed: env("KVT_RACE_SEED").unwrap_or(0x5eed),
+        policy,
+        ..kv_transfer_examples::race::RaceConfig::default()
+    }
+}
+
+/// Scenario 2, positive control: under `naive` the race must show stale
+/// writes landing in reassigned slots and consumers reading them, or the
+/// safe run proves nothing.
+pub fn race_positive_control(r: &kv_transfer_examples::race::RaceReport, wanted: u64) -> Result<(), Failure> {
+    eprintln!(
+        "naive: {} requests in {:.1} s ({:.0}/s), {} consumed foreign bytes, {} stale writes landed",
+        r.requests, r.elapsed_s, r.requests_per_s, r.foreign_requests, r.stale_writes_landed
+    );
+    ensure!(r.requests >= wanted, "served {} of {wanted} requests", r.requests);
+    ensure!(
+        r.foreign_requests > 0 && r.stale_writes_landed > 0,
+        "positive control failed: naive showed no corruption: {r:#?}"
+    );
+    Ok(())
+}
+
+/// Scenario 2, the contract: under `safe` no consumer reads a foreign or
+/// torn byte, the NIC refused some stale writes, and the pool comes back
+/// whole.
+pub fn race_safe(r: &kv_transfer_examples::race::RaceReport, wanted: u64) -> Result<(), Failure> {
+    eprintln!(
+        "safe: {} requests in {:.1} s ({:.0}/s), {} rejected at the NIC, {} fences, {} failed transfers, peak \
+         quarantined {}",
+        r.requests, r.elapsed_s, r.requests_per_s, r.rejected_at_nic, r.fences, r.transfer_failures, r.peak_quarantined
+    );
+    ensure!(r.requests >= wanted, "served {} of {wanted} requests", r.requests);
+    ensure!(r.aborted > 0 && r.reassigned > 0, "the schedule exercised nothing: {r:#?}");
+    ensure!(r.foreign_requests == 0 && r.foreign_bytes == 0, "safe policy consumed foreign bytes: {r:#?}");
+    ensure!(r.stale_writes_landed == 0, "a stale write landed in a reassigned slot: {r:#?}");
+    ensure!(r.garbage_requests == 0, "a consumer read torn or missing bytes: {r:#?}");
+    ensure!(r.rejected_at_nic > 0, "stale writes should be rejected at the NIC: {r:#?}");
+    ensure!(r.pool_whole(), "the pool leaked: {r:#?}");
+    ensure!(r.timeouts == 0, "a bounded wait gave up: {r:#?}");
+    Ok(())
+}
+
+/// Scenario 2 through `b`'s own race, under `policy`, checked.
+pub fn reassignment_race(b: &dyn Backend, policy: kv_transfer_core::drain::ReleasePolicy) -> Result<(), Failure> {
+    let run = b.race().ok_or_else(|| Failure(format!("{} has no race of its own here", b.name())))?;
+    let cfg = race_config(policy);
+    let r = run(&cfg, &mut |_, _| {}).map_err(err("race"))?;
+    if policy.is_naive() {
+        race_positive_control(&r, cfg.requests)
+    } else {
+        race_safe(&r, cfg.requests)
+    }
+}

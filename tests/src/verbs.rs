@@ -50,6 +50,9 @@ impl Backend for VerbsBackend {
         // CI runs it in the lab's guest, where a missing device fails.
         !LabEnv::from_env().in_lab
     }
+    fn race(&self) -> Option<crate::harness::RaceRunner> {
+        Some(kv_transfer_examples::race::verbs::run_verbs_race)
+    }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
         if cfg.prefill_process {
             return Err(Failure("the verbs rig has no out-of-process prefill side".into()));

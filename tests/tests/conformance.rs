@@ -21,7 +21,7 @@ fn worker() -> Option<PathBuf> {
 /// A scenario of the matrix.
 type Scenario = fn(&dyn Backend) -> Result<(), Failure>;
 
-/// The scenarios, by test name (scenario 2 is `tests/race.rs`).
+/// The scenarios, by test name (scenario 2: [`RACES`], and `tests/race.rs`).
 const SCENARIOS: &[(&str, Scenario)] = &[
     ("s1_abort_while_writes_in_flight", kv_transfer_tests::scenarios::abort_in_flight),
     ("s3_peer_crash_in_process", |b| kv_transfer_tests::scenarios::peer_crash(b, false)),
@@ -36,6 +36,17 @@ const SCENARIOS: &[(&str, Scenario)] = &[
         "hostile_impersonation_positive_control_settles_unwritten",
         kv_transfer_tests::hostile::impersonation_positive_control,
     ),
+];
+
+/// Scenario 2, for the backends with a race of their own here (the
+/// simulator's is `tests/race.rs`).
+const RACES: &[(&str, Scenario)] = &[
+    ("s2_naive_policy_shows_corruption", |b| {
+        kv_transfer_tests::scenarios::reassignment_race(b, kv_transfer_core::drain::ReleasePolicy::Naive)
+    }),
+    ("s2_safe_policy_zero_foreign_bytes", |b| {
+        kv_transfer_tests::scenarios::reassignment_race(b, kv_transfer_core::drain::ReleasePolicy::Safe)
+    }),
 ];
 
 /// Runs `scenario` against the backend named `backend` (built afresh on
@@ -75,7 +86,8 @@ fn main() {
         let backend = b.name();
         let unavailable = b.available().err();
         let ignore_missing = !ci || b.runs_elsewhere_in_ci();
-        for &(scenario, f) in SCENARIOS {
+        let races: &[(&str, Scenario)] = if b.race().is_some() { RACES } else { &[] };
+        for &(scenario, f) in SCENARIOS.iter().chain(races) {
             let name = test_name(scenario, backend);
             let trial = Trial::test(name.clone(), move || run_one(backend, f))
                 .with_ignored_flag(unavailable.is_some() && ignore_missing);

@@ -7,15 +7,10 @@
 
 use backend_tcp_sim::ReleasePolicy;
 use kv_transfer_examples::race::{run_race, RaceConfig};
+use kv_transfer_tests::scenarios::{race_config, race_positive_control, race_safe};
 
 fn config(policy: ReleasePolicy) -> RaceConfig {
-    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
-    RaceConfig {
-        requests: env("KVT_RACE_ITERS").unwrap_or(10_000),
-        seed: env("KVT_RACE_SEED").unwrap_or(0x5eed),
-        policy,
-        ..RaceConfig::default()
-    }
+    race_config(policy)
 }
 
 /// The positive control: with the naive policy the race must show
@@ -24,15 +19,9 @@ fn config(policy: ReleasePolicy) -> RaceConfig {
 fn s2_naive_policy_shows_corruption() {
     let cfg = config(ReleasePolicy::Naive);
     let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
-    eprintln!(
-        "naive: {} requests in {:.1} s ({:.0}/s), {} consumed foreign bytes, {} stale writes landed",
-        r.requests, r.elapsed_s, r.requests_per_s, r.foreign_requests, r.stale_writes_landed
-    );
-    assert!(r.requests >= cfg.requests, "served {} of {} requests", r.requests, cfg.requests);
-    assert!(
-        r.foreign_requests > 0 && r.stale_writes_landed > 0,
-        "positive control failed: naive showed no corruption: {r:#?}"
-    );
+    if let Err(f) = race_positive_control(&r, cfg.requests) {
+        panic!("{}", f.0);
+    }
 }
 
 /// The contract: with the safe policy no consumer reads a foreign byte, and
@@ -41,19 +30,9 @@ fn s2_naive_policy_shows_corruption() {
 fn s2_safe_policy_zero_foreign_bytes() {
     let cfg = config(ReleasePolicy::Safe);
     let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
-    eprintln!(
-        "safe: {} requests in {:.1} s ({:.0}/s), {} rejected at the NIC, peak quarantined {}",
-        r.requests, r.elapsed_s, r.requests_per_s, r.rejected_at_nic, r.peak_quarantined
-    );
-    assert!(r.requests >= cfg.requests, "served {} of {} requests", r.requests, cfg.requests);
-    assert!(r.aborted > 0 && r.reassigned > 0, "the schedule exercised nothing: {r:#?}");
-    assert_eq!(r.foreign_requests, 0, "safe policy consumed foreign bytes: {r:#?}");
-    assert_eq!(r.foreign_bytes, 0);
-    assert_eq!(r.stale_writes_landed, 0, "a stale write landed in a reassigned slot: {r:#?}");
-    assert_eq!(r.garbage_requests, 0, "a consumer read torn or missing bytes: {r:#?}");
-    assert!(r.rejected_at_nic > 0, "held writes should be rejected at the NIC: {r:#?}");
-    assert!(r.pool_whole(), "the pool leaked: {r:#?}");
-    assert_eq!(r.timeouts, 0, "a bounded wait gave up: {r:#?}");
+    if let Err(f) = race_safe(&r, cfg.requests) {
+        panic!("{}", f.0);
+    }
 }
 
 /// Integrity on consume, as a second line: under the naive policy alone

@@ -30,6 +30,10 @@
 //! which tenants pull or push, the per-WR delays); the interleaving of the
 //! NICs' threads is the race itself.
 
+#[cfg(feature = "verbs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
+pub mod verbs;
+
 use crate::payload::{pattern, verify, SlotCheck, Tag};
 use crate::wait::{poll_until, wait_until};
 use backend_tcp_sim::{block_on, splitmix64, DelayDist, FaultPlan, Gate, NicConfig, ReleasePolicy, SimNic};
@@ -71,6 +75,16 @@ pub struct RaceConfig {
     /// whose bytes changed after that is refused (integrity on consume).
     #[serde(default)]
     pub digest: bool,
+    /// Verbs only ([`verbs`]): bytes of the WRITE prefill 0 queues on its
+    /// queue pair ahead of a held round's doomed writes (RC executes a QP's
+    /// requests in order, so they start only after it: the delay a real
+    /// NIC gives a write behind a large one).
+    #[serde(default = "default_blocker_bytes")]
+    pub blocker_bytes: usize,
+}
+
+fn default_blocker_bytes() -> usize {
+    4 << 20
 }
 
 impl Default for RaceConfig {
@@ -90,6 +104,7 @@ impl Default for RaceConfig {
             drain_us: 300,
             timeout_ms: 5_000,
             digest: false,
+            blocker_bytes: default_blocker_bytes(),
         }
     }
 }
@@ -138,6 +153,11 @@ pub struct RaceReport {
     /// time, nothing handed over.
     #[serde(default)]
     pub integrity_caught: u64,
+    /// Requests not aborted whose transfer failed (its queue pair was put in
+    /// ERR by another request's rejected write, say): not consumed as data,
+    /// as a serving engine would retry them (verbs only).
+    #[serde(default)]
+    pub transfer_failures: u64,
     /// Connections the decode NIC fenced (the ladder's last step, or a lost peer).
     pub fences: u64,
     /// Times prefill 0 reconnected after a fence.
@@ -178,10 +198,10 @@ pub enum RaceError {
     Step(String),
 }
 
-fn setup_err(e: impl std::fmt::Display) -> RaceError {
+pub(crate) fn setup_err(e: impl std::fmt::Display) -> RaceError {
     RaceError::Setup(e.to_string())
 }
-fn step_err(e: impl std::fmt::Display) -> RaceError {
+pub(crate) fn step_err(e: impl std::fmt::Display) -> RaceError {
     RaceError::Step(e.to_string())
 }
 
@@ -306,11 +326,15 @@ struct Next {
     data: NextData,
 }
 
-fn tags_of(id: u64, remote: &RemoteSlots) -> Vec<Tag> {
+pub(crate) fn tags_of(id: u64, remote: &RemoteSlots) -> Vec<Tag> {
     remote.slots.iter().map(|s| Tag::new(id, s.slot.0, s.generation.0)).collect()
 }
 
-fn fill_lease(lease: &mut SlotLease<kv_transfer_core::Reserved>, tags: &[Tag], size: usize) -> Result<(), RaceError> {
+pub(crate) fn fill_lease(
+    lease: &mut SlotLease<kv_transfer_core::Reserved>,
+    tags: &[Tag],
+    size: usize,
+) -> Result<(), RaceError> {
     for (i, t) in tags.iter().enumerate() {
         lease.write_at(i, 0, &pattern(size, *t)).map_err(step_err)?;
     }
@@ -319,7 +343,7 @@ fn fill_lease(lease: &mut SlotLease<kv_transfer_core::Reserved>, tags: &[Tag], s
 
 /// What a consumer found in its settled lease; `None`: the read was
 /// refused for integrity (the bytes changed after their digest was taken).
-fn check_lease(lease: &SlotLease<Settled>, tags: &[Tag], size: usize) -> Option<SlotCheck> {
+pub(crate) fn check_lease(lease: &SlotLease<Settled>, tags: &[Tag], size: usize) -> Option<SlotCheck> {
     let mut c = SlotCheck::default();
     let mut buf = vec![0u8; size];
     for (i, t) in tags.iter().enumerate() {
@@ -330,6 +354,21 @@ fn check_lease(lease: &SlotLease<Settled>, tags: &[Tag], size: usize) -> Option<
         }
     }
     Some(c)
+}
+
+/// Counts one consumer's finding in `rep`.
+pub(crate) fn record_consumed(rep: &mut RaceReport, c: Option<SlotCheck>) {
+    rep.requests += 1;
+    let Some(c) = c else {
+        rep.integrity_caught += 1;
+        return;
+    };
+    if c.foreign_bytes > 0 {
+        rep.foreign_requests += 1;
+        rep.foreign_bytes += c.foreign_bytes as u64;
+    } else if c.garbage_bytes > 0 {
+        rep.garbage_requests += 1;
+    }
 }
 
 struct Run<'a> {
@@ -348,17 +387,7 @@ impl Run<'_> {
     }
 
     fn consumed(&mut self, c: Option<SlotCheck>) {
-        self.rep.requests += 1;
-        let Some(c) = c else {
-            self.rep.integrity_caught += 1;
-            return;
-        };
-        if c.foreign_bytes > 0 {
-            self.rep.foreign_requests += 1;
-            self.rep.foreign_bytes += c.foreign_bytes as u64;
-        } else if c.garbage_bytes > 0 {
-            self.rep.garbage_requests += 1;
-        }
+        record_consumed(&mut self.rep, c);
     }
 
     fn settle_exposed(&mut self, exposed: SlotLease<Exposed>) -> Option<SlotLease<Settled>> {
@@ -560,6 +589,22 @@ impl Run<'_> {
     }
 }
 
+/// Refuses a configuration no run can carry out.
+pub(crate) fn check_config(cfg: &RaceConfig) -> Result<(), RaceError> {
+    if cfg.slots_per_request == 0 || cfg.slot_size == 0 || cfg.round == 0 {
+        return Err(RaceError::Config("slots_per_request, slot_size and round must be non-zero".into()));
+    }
+    if !(0.0..=1.0).contains(&cfg.abort_rate) || !(0.0..=1.0).contains(&cfg.hold_rate) {
+        return Err(RaceError::Config("abort_rate and hold_rate must lie in [0, 1]".into()));
+    }
+    if cfg.slot_size > 16 << 20 || cfg.slots_per_request > 64 || cfg.round > 4096 || cfg.blocker_bytes > 256 << 20 {
+        return Err(RaceError::Config(
+            "slot_size ≤ 16 MiB, slots_per_request ≤ 64, round ≤ 4096, blocker_bytes ≤ 256 MiB".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Runs the race and reports what consumers found. `progress(done, total)`
 /// is called after every round.
 ///
@@ -572,15 +617,7 @@ impl Run<'_> {
 /// assert!(r.pool_whole());
 /// ```
 pub fn run_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
-    if cfg.slots_per_request == 0 || cfg.slot_size == 0 || cfg.round == 0 {
-        return Err(RaceError::Config("slots_per_request, slot_size and round must be non-zero".into()));
-    }
-    if !(0.0..=1.0).contains(&cfg.abort_rate) || !(0.0..=1.0).contains(&cfg.hold_rate) {
-        return Err(RaceError::Config("abort_rate and hold_rate must lie in [0, 1]".into()));
-    }
-    if cfg.slot_size > 16 << 20 || cfg.slots_per_request > 64 || cfg.round > 4096 {
-        return Err(RaceError::Config("slot_size ≤ 16 MiB, slots_per_request ≤ 64, round ≤ 4096".into()));
-    }
+    check_config(cfg)?;
     let rig = Rig::start(cfg)?;
     let t0 = Instant::now();
     let mut run = Run {
