@@ -7,6 +7,7 @@ use std::sync::Arc;
 use ibverbs_sys as ffi;
 
 use crate::error::VerbsError;
+use crate::work::Gid;
 
 /// An open device (`ibv_context`). Everything made from it keeps it alive
 /// through an `Arc`, so it closes last.
@@ -21,10 +22,6 @@ pub struct Context {
 unsafe impl Send for Context {}
 // SAFETY: as above.
 unsafe impl Sync for Context {}
-
-/// A global identifier of a port (RoCE: an IPv6 or IPv4-mapped address).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Gid(pub [u8; 16]);
 
 /// What the device says about itself.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -41,6 +41,7 @@ pub enum VerbsError {
 impl VerbsError {
     /// The OS error of the last call (libibverbs sets `errno`), or `ret` as
     /// an errno where the call returns it instead.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
     pub(crate) fn os(op: &'static str, ret: i32) -> Self {
         let source = if ret > 0 { std::io::Error::from_raw_os_error(ret) } else { std::io::Error::last_os_error() };
         Self::Os { op, source }

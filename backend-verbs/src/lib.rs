@@ -15,19 +15,22 @@
 //! - **Completed**: terminal completions of every work request (or the
 //!   initiator's ABORT_ACK after its own).
 //!
-//! Two layers, both behind the feature `verbs`:
+//! Two layers, split by one trait ([`Engine`]: register, windows, queue
+//! pairs, post, poll, by handle):
 //!
-//! - the engine layer, a safe layer over libibverbs (through `ibverbs-sys`)
-//!   in the style of rust-ibverbs: parents kept alive by `Arc` (a queue pair
-//!   holds its completion queue and protection domain, a region holds its
-//!   memory), one [`VerbsError`] per operation, every `unsafe` private.
-//!   Posted requests hold their memory until their completion is polled, so
-//!   no caller upholds the in-flight rule;
-//! - the adapter (`adapter::VerbsTransfer`: core's `Transfer` and `Target`),
-//!   a window per exposed slot, a TCP side channel for connection setup, a
+//! - the adapter ([`VerbsTransfer`]: core's `Transfer` and `Target`), a
+//!   window per exposed slot, a TCP side channel for connection setup, a
 //!   heartbeat that fences a dead peer, reconnection after a fence; an
-//!   aborted exposure is revoked, then fenced (drain is built but not
-//!   offered yet).
+//!   aborted exposure is drained, then revoked, then fenced. It never
+//!   touches a device itself, so it builds and is tested anywhere;
+//! - the engines: [`DeviceEngine`] (feature `verbs`), a safe layer over
+//!   libibverbs (through `ibverbs-sys`) in the style of rust-ibverbs:
+//!   parents kept alive by `Arc` (a queue pair holds its completion queue
+//!   and protection domain, a region holds its memory), one [`VerbsError`]
+//!   per operation, every `unsafe` private, posted requests holding their
+//!   memory until their completion is polled, so no caller upholds the
+//!   in-flight rule; and [`FakeFabric`], a software NIC with the same rules
+//!   and hardware's bad habits, for tests on hosts without a device.
 //!
 //! ## Why `ibverbs-sys`
 //!
@@ -49,6 +52,10 @@
 
 mod error;
 pub use error::VerbsError;
+mod work;
+pub use work::{
+    Completion, Endpoint, Gid, MrAccess, MrId, MrInfo, MwId, QpId, QpState, WcKind, WcStatus, WorkRequest, ENDPOINT_LEN,
+};
 
 #[cfg(feature = "verbs")]
 #[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
@@ -60,18 +67,20 @@ mod memory;
 #[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
 mod queue;
 
-#[cfg(feature = "verbs")]
-#[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
 pub mod adapter;
+pub mod engine;
 
-#[cfg(feature = "verbs")]
 pub use adapter::{VerbsConfig, VerbsTransfer};
 #[cfg(feature = "verbs")]
-pub use device::{devices, Context, DeviceCaps, Gid};
+pub use device::{devices, Context, DeviceCaps};
+pub use engine::fake::{FakeFabric, FakeNic, FakeStats};
 #[cfg(feature = "verbs")]
-pub use memory::{MemoryRegion, MemoryWindow, MrAccess, ProtectionDomain, WindowState};
+pub use engine::DeviceEngine;
+pub use engine::Engine;
 #[cfg(feature = "verbs")]
-pub use queue::{Completion, CompletionQueue, Endpoint, QpState, QueuePair, WcKind, WcStatus, ENDPOINT_LEN, QP_DEPTH};
+pub use memory::{MemoryRegion, MemoryWindow, ProtectionDomain, WindowState};
+#[cfg(feature = "verbs")]
+pub use queue::{CompletionQueue, QueuePair, QP_DEPTH};
 
 /// The lab's environment: the device and GID index the verbs tests use
 /// (`KVT_VERBS_DEVICE`, `KVT_VERBS_GID_INDEX`, set by `scripts/rdma-lab`),

@@ -16,6 +16,7 @@ use kv_transfer_core::Region;
 
 use crate::device::Context;
 use crate::error::VerbsError;
+use crate::work::MrAccess;
 
 /// A protection domain.
 #[derive(Debug)]
@@ -53,20 +54,6 @@ impl Drop for ProtectionDomain {
             tracing::warn!(ret, "ibv_dealloc_pd failed");
         }
     }
-}
-
-/// What a memory region lets the NIC do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MrAccess {
-    /// Local reads and writes only (a source buffer, a RECV buffer).
-    Local,
-    /// Local access, and memory windows may be bound over it: the safe
-    /// policy's pool memory. The region's rkey grants nothing remote.
-    WindowsOnly,
-    /// The region's own rkey grants remote WRITE and READ for as long as it
-    /// is registered: what the `naive` positive control uses (no key per
-    /// tenancy, so nothing at the NIC tells tenancies apart).
-    RemoteWriteRead,
 }
 
 impl MrAccess {

@@ -14,82 +14,24 @@ use std::time::{Duration, Instant};
 
 use ibverbs_sys as ffi;
 
-use crate::device::Gid;
 use crate::error::VerbsError;
 use crate::memory::{MemoryRegion, MemoryWindow, ProtectionDomain, WindowState};
+use crate::work::{Completion, Endpoint, QpState, WcKind, WcStatus};
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// How a work request ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WcStatus {
-    /// Done.
-    Success,
-    /// The remote side refused the access (a stale or wrong key, out of the
-    /// window's bounds): `IBV_WC_REM_ACCESS_ERR`. The QP is in ERR now.
-    RemoteAccess,
-    /// Flushed: the QP went to ERR with this request posted; it never ran
-    /// (or its outcome at the remote side is unknown): `IBV_WC_WR_FLUSH_ERR`.
-    Flushed,
-    /// A memory-management operation failed (a bind or invalidation):
-    /// `IBV_WC_MW_BIND_ERR` and kin.
-    MemoryManagement(u32),
-    /// Any other status (its `ibv_wc_status` value).
-    Other(u32),
-}
-
-impl WcStatus {
-    fn from_raw(s: u32) -> Self {
-        use ffi::ibv_wc_status as S;
-        match s {
-            S::IBV_WC_SUCCESS => Self::Success,
-            S::IBV_WC_REM_ACCESS_ERR => Self::RemoteAccess,
-            S::IBV_WC_WR_FLUSH_ERR => Self::Flushed,
-            S::IBV_WC_MW_BIND_ERR | S::IBV_WC_LOC_PROT_ERR => Self::MemoryManagement(s),
-            other => Self::Other(other),
-        }
+/// A device's `ibv_wc_status` as a [`WcStatus`].
+fn status_from_raw(s: u32) -> WcStatus {
+    use ffi::ibv_wc_status as S;
+    match s {
+        S::IBV_WC_SUCCESS => WcStatus::Success,
+        S::IBV_WC_REM_ACCESS_ERR => WcStatus::RemoteAccess,
+        S::IBV_WC_WR_FLUSH_ERR => WcStatus::Flushed,
+        S::IBV_WC_MW_BIND_ERR | S::IBV_WC_LOC_PROT_ERR => WcStatus::MemoryManagement(s),
+        other => WcStatus::Other(other),
     }
-
-    /// Whether it is [`WcStatus::Success`].
-    pub fn is_success(self) -> bool {
-        self == Self::Success
-    }
-}
-
-/// What a completion completed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WcKind {
-    /// RDMA WRITE.
-    Write,
-    /// RDMA READ.
-    Read,
-    /// SEND.
-    Send,
-    /// A RECV (an incoming SEND landed in its buffer).
-    Recv,
-    /// A window bind.
-    Bind,
-    /// A local invalidation.
-    LocalInv,
-    /// A flushed or failed request (the opcode is not reported then).
-    Unknown,
-}
-
-/// One completion, matched to its work request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Completion {
-    /// The `wr_id` it was posted with.
-    pub wr_id: u64,
-    /// The queue pair it was posted on.
-    pub qp_num: u32,
-    /// How it ended.
-    pub status: WcStatus,
-    /// What it was (for a successful one).
-    pub kind: WcKind,
-    /// Bytes received (a RECV) or read (a READ).
-    pub byte_len: u32,
 }
 
 /// A completion queue. It holds the memory of every request posted to the
@@ -186,7 +128,7 @@ impl CompletionQueue {
         }
         let mut out = Vec::with_capacity(n as usize);
         for wc in wcs.iter().take(n as usize) {
-            let status = WcStatus::from_raw(wc.error().map_or(ffi::ibv_wc_status::IBV_WC_SUCCESS, |(s, _)| s));
+            let status = status_from_raw(wc.error().map_or(ffi::ibv_wc_status::IBV_WC_SUCCESS, |(s, _)| s));
             let kind = if status.is_success() {
                 use ffi::ibv_wc_opcode as O;
                 match wc.opcode() {
@@ -253,77 +195,6 @@ impl Drop for CompletionQueue {
         if ret != 0 {
             tracing::warn!(ret, "ibv_destroy_cq failed");
         }
-    }
-}
-
-/// An RC queue pair's state, as this side moved it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QpState {
-    /// Created.
-    Reset,
-    /// Has a port and access flags.
-    Init,
-    /// Ready to receive (knows its remote).
-    ReadyToReceive,
-    /// Ready to send.
-    ReadyToSend,
-    /// In error: every posted request flushed, nothing more leaves it.
-    Error,
-}
-
-/// What the peer needs to connect to a queue pair (exchanged over the TCP
-/// side channel).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Endpoint {
-    /// Queue pair number.
-    pub qpn: u32,
-    /// First packet sequence number.
-    pub psn: u32,
-    /// The port's GID.
-    pub gid: Gid,
-    /// Path MTU in bytes (256, 512, 1024, 2048 or 4096).
-    pub mtu: u32,
-}
-
-const ENDPOINT_MAGIC: [u8; 4] = *b"KVQP";
-/// Bytes of an encoded [`Endpoint`].
-pub const ENDPOINT_LEN: usize = 32;
-
-impl Endpoint {
-    /// Its wire form: magic, QPN, PSN, MTU (little-endian), GID.
-    pub fn encode(&self) -> [u8; ENDPOINT_LEN] {
-        let mut b = [0u8; ENDPOINT_LEN];
-        b[0..4].copy_from_slice(&ENDPOINT_MAGIC);
-        b[4..8].copy_from_slice(&self.qpn.to_le_bytes());
-        b[8..12].copy_from_slice(&self.psn.to_le_bytes());
-        b[12..16].copy_from_slice(&self.mtu.to_le_bytes());
-        b[16..32].copy_from_slice(&self.gid.0);
-        b
-    }
-
-    /// Decodes what a peer sent: typed errors for a truncated, oversize or
-    /// foreign message, or values no QP can have.
-    pub fn decode(b: &[u8]) -> Result<Self, VerbsError> {
-        if b.len() != ENDPOINT_LEN {
-            return Err(VerbsError::Endpoint(format!("{} bytes, expected {ENDPOINT_LEN}", b.len())));
-        }
-        if b[0..4] != ENDPOINT_MAGIC {
-            return Err(VerbsError::Endpoint("not a kv-transfer QP descriptor".into()));
-        }
-        let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let (qpn, psn, mtu) = (word(4), word(8), word(12));
-        if qpn == 0 || qpn > 0x00ff_ffff {
-            return Err(VerbsError::Endpoint(format!("QPN {qpn} is not a 24-bit QP number")));
-        }
-        if psn > 0x00ff_ffff {
-            return Err(VerbsError::Endpoint(format!("PSN {psn} is not 24 bits")));
-        }
-        if mtu_enum(mtu).is_none() {
-            return Err(VerbsError::Endpoint(format!("MTU {mtu} is not 256..4096")));
-        }
-        let mut gid = [0u8; 16];
-        gid.copy_from_slice(&b[16..32]);
-        Ok(Self { qpn, psn, gid: Gid(gid), mtu })
     }
 }
 
@@ -737,39 +608,6 @@ impl Drop for QueuePair {
         let ret = unsafe { ffi::ibv_destroy_qp(self.qp.as_ptr()) };
         if ret != 0 {
             tracing::warn!(ret, "ibv_destroy_qp failed");
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn ep() -> Endpoint {
-        Endpoint { qpn: 0x11, psn: 0x22, gid: Gid([7; 16]), mtu: 1024 }
-    }
-
-    #[test]
-    fn an_endpoint_round_trips_through_its_wire_form() {
-        assert_eq!(Endpoint::decode(&ep().encode()).unwrap(), ep());
-    }
-
-    /// Bad input on the side channel: truncated, oversize, foreign, and
-    /// values no QP can have are typed errors, never a connect attempt.
-    #[test]
-    fn a_bad_endpoint_descriptor_is_a_typed_error() {
-        let good = ep().encode();
-        let mut cases: Vec<Vec<u8>> = vec![good[..31].to_vec(), [&good[..], &[0]].concat(), Vec::new()];
-        let mut foreign = good;
-        foreign[0] = b'X';
-        cases.push(foreign.to_vec());
-        for (at, v) in [(4, 0u32), (4, 0x0100_0000), (8, 0x0100_0000), (12, 1000)] {
-            let mut b = good;
-            b[at..at + 4].copy_from_slice(&v.to_le_bytes());
-            cases.push(b.to_vec());
-        }
-        for c in cases {
-            assert!(matches!(Endpoint::decode(&c), Err(VerbsError::Endpoint(_))), "{c:?}");
         }
     }
 }

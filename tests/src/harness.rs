@@ -188,6 +188,14 @@ pub trait Rig {
     fn can_revoke(&self) -> bool {
         true
     }
+    /// Whether a stale write refused by the decode NIC also ends the
+    /// connection it came on (RC verbs: `REM_ACCESS_ERR` puts both ends of
+    /// the queue pair in ERR, so what was posted behind it is flushed and
+    /// every exposure on it settles by the fence). The refusal is then seen
+    /// by the initiator, not counted at the target.
+    fn stale_write_breaks_connection(&self) -> bool {
+        false
+    }
     /// Whether the decode side can settle every exposure to a dead or
     /// stalled peer by fencing it (`Fenced`). A backend that cannot says
     /// `false`; the scenarios then check that the slots stay quarantined.

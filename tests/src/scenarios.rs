@@ -289,12 +289,26 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
         "expected the new tenancy on the same slots"
     );
     rig.release_writes();
-    if let Some(out) = wait_handle(h)? {
-        ensure!(
+    let breaks = rig.stale_write_breaks_connection();
+    match wait_handle(h)? {
+        Some(out) => ensure!(
             out.result == Err(TransferError::Rejected(RejectReason::StaleGeneration)),
             "the old tenancy's write should be rejected as stale, got {:?}",
             out.result
-        );
+        ),
+        None if breaks => return Err(Failure("the refusal is seen at the initiator: no handle".into())),
+        None => {}
+    }
+    if breaks {
+        // RC: the refused WRITE ended the queue pair; the ACK behind it was
+        // flushed, and the new tenancy (exposed on that queue pair) settles
+        // by the fence alone. Nothing landed in it: its bytes are as before.
+        let before = region_bytes(&pool);
+        let s = settle(b_exp).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
+        ensure!(region_bytes(&pool) == before, "the refused write changed the new tenancy's slots");
+        s.release();
+        wait_whole(&pool)?;
+        return stale_notify_replay(rig.as_ref());
     }
     // Two stale WRs rejected at the NIC, then the ABORT_ACK naming two old tenancies.
     ensure!(
@@ -647,10 +661,15 @@ fn watch_until_free(pool: &SlotPool, n: u64, t0: Instant, min: Duration) -> Resu
     let deadline = t0 + Duration::from_secs(20);
     loop {
         let m = pool.metrics();
-        if m.free > m0.free {
+        // A backend may settle slot by slot (one proof per invalidation):
+        // every slot freed so far needs its proof.
+        let freed = m.free.saturating_sub(m0.free);
+        if freed > 0 {
             ensure!(t0.elapsed() >= min, "slots were freed {:?} after the abort, before any escalation", t0.elapsed());
-            ensure!(proofs(&m) >= proofs(&m0) + n, "slots were freed without a proof: {m0:?} -> {m:?}");
-            return Ok(());
+            ensure!(proofs(&m) >= proofs(&m0) + freed, "slots were freed without a proof: {m0:?} -> {m:?}");
+            if freed >= n {
+                return Ok(());
+            }
         }
         ensure!(Instant::now() < deadline, "the quarantined slots were never settled: {m:?}");
         std::thread::sleep(Duration::from_micros(500));

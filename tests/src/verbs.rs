@@ -1,12 +1,18 @@
 //! The verbs backend's harness: a decode and a prefill [`VerbsTransfer`]
-//! on one verbs device (Soft-RoCE in `scripts/rdma-lab`'s guest), connected
-//! over loopback. Writes cannot be held (the NIC places them), raw accesses
-//! are not offered; a raw peer is a third adapter under the test's control,
-//! and its impostor a fourth under the same name.
+//! connected over a loopback side channel, on one of two NICs:
+//!
+//! - `verbs`: a verbs device (Soft-RoCE in `scripts/rdma-lab`'s guest;
+//!   feature `verbs`);
+//! - `verbs-fake`: `backend-verbs`' software NIC ([`FakeFabric`]: keys,
+//!   windows, RC errors and flushes as the device has them), on any host.
+//!
+//! Writes cannot be held (the NIC places them), raw accesses are not
+//! offered; a raw peer is a third adapter under the test's control, and its
+//! impostor a fourth under the same name.
 
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure};
 use crate::sim::post_tagged;
-use backend_verbs::{LabEnv, VerbsConfig, VerbsTransfer};
+use backend_verbs::{FakeFabric, LabEnv, VerbsConfig, VerbsTransfer};
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
     Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
@@ -16,18 +22,71 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// The verbs backend (available where a verbs device opens).
-pub fn backend() -> Option<Box<dyn Backend>> {
-    Some(Box::new(VerbsBackend))
+/// The verbs backends: the device (feature `verbs`) and the software NIC.
+pub fn backends() -> Vec<Box<dyn Backend>> {
+    #[allow(unused_mut)]
+    let mut v: Vec<Box<dyn Backend>> = vec![Box::new(VerbsBackend { nic: Nic::Fake })];
+    #[cfg(feature = "verbs")]
+    v.push(Box::new(VerbsBackend { nic: Nic::Device }));
+    v
 }
 
 static RIGS: AtomicU64 = AtomicU64::new(0);
 
-/// The verbs backend.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct VerbsBackend;
+/// Which NIC a verbs rig runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Nic {
+    /// A verbs device (`LabEnv`: `KVT_VERBS_DEVICE`).
+    #[cfg(feature = "verbs")]
+    Device,
+    /// A [`FakeFabric`] of the rig's own.
+    Fake,
+}
 
-fn adapter(name: &str, cfg: &RigConfig) -> Result<VerbsTransfer, Failure> {
+/// The verbs backend on one kind of NIC.
+#[derive(Clone, Copy, Debug)]
+pub struct VerbsBackend {
+    /// The NIC.
+    pub nic: Nic,
+}
+
+/// Where a rig's adapters get their NIC.
+#[derive(Clone)]
+enum Engines {
+    #[cfg(feature = "verbs")]
+    Device,
+    Fake(FakeFabric),
+}
+
+impl Engines {
+    fn adapter(&self, c: VerbsConfig) -> Result<VerbsTransfer, Failure> {
+        self.adapter_on(c).map(|(t, _)| t)
+    }
+
+    /// The adapter, and its NIC's index on the fake fabric.
+    fn adapter_on(&self, c: VerbsConfig) -> Result<(VerbsTransfer, Option<usize>), Failure> {
+        let t = match self {
+            #[cfg(feature = "verbs")]
+            Engines::Device => VerbsTransfer::new(c).map(|t| (t, None)),
+            Engines::Fake(f) => {
+                let nic = f.fake_nic();
+                let id = nic.id();
+                VerbsTransfer::with_engine(c, Arc::new(nic)).map(|t| (t, Some(id)))
+            }
+        };
+        t.map_err(|e| fail("verbs adapter")(&e))
+    }
+
+    /// The fake fabric's queue pairs of NIC `nic`.
+    fn queue_pairs_of(&self, nic: Option<usize>) -> Vec<u32> {
+        match (self, nic) {
+            (Engines::Fake(f), Some(n)) => f.queue_pairs().into_iter().filter(|q| q.1 == n).map(|q| q.0).collect(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+fn adapter(engines: &Engines, name: &str, cfg: &RigConfig) -> Result<(VerbsTransfer, Option<usize>), Failure> {
     let env = LabEnv::from_env();
     let mut c = VerbsConfig::new(
         format!("{name}-{}-{}", std::process::id(), RIGS.fetch_add(1, Ordering::Relaxed)),
@@ -35,48 +94,84 @@ fn adapter(name: &str, cfg: &RigConfig) -> Result<VerbsTransfer, Failure> {
         env.gid_index,
     );
     c.release_policy = cfg.policy;
-    VerbsTransfer::new(c).map_err(|e| fail("verbs adapter")(&e))
+    engines.adapter_on(c)
 }
 
 impl Backend for VerbsBackend {
     fn name(&self) -> &'static str {
-        "verbs"
+        match self.nic {
+            #[cfg(feature = "verbs")]
+            Nic::Device => "verbs",
+            Nic::Fake => "verbs-fake",
+        }
     }
     fn available(&self) -> Result<(), String> {
-        let env = LabEnv::from_env();
-        backend_verbs::Context::open(&env.device).map(|_| ()).map_err(|e| e.to_string())
+        match self.nic {
+            #[cfg(feature = "verbs")]
+            Nic::Device => {
+                let env = LabEnv::from_env();
+                backend_verbs::Context::open(&env.device).map(|_| ()).map_err(|e| e.to_string())
+            }
+            Nic::Fake => Ok(()),
+        }
     }
     fn runs_elsewhere_in_ci(&self) -> bool {
-        // CI runs it in the lab's guest, where a missing device fails.
-        !LabEnv::from_env().in_lab
+        // CI runs the device column in the lab's guest, where a missing
+        // device fails.
+        match self.nic {
+            #[cfg(feature = "verbs")]
+            Nic::Device => !LabEnv::from_env().in_lab,
+            Nic::Fake => false,
+        }
     }
     fn race(&self) -> Option<crate::harness::RaceRunner> {
-        Some(kv_transfer_examples::race::verbs::run_verbs_race)
+        match self.nic {
+            #[cfg(feature = "verbs")]
+            Nic::Device => Some(kv_transfer_examples::race::verbs::run_verbs_race),
+            // The race's delay is a large WRITE ahead of the doomed ones; the
+            // fake places a WRITE when it is posted.
+            Nic::Fake => None,
+        }
     }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
         if cfg.prefill_process {
             return Err(Failure("the verbs rig has no out-of-process prefill side".into()));
         }
-        let decode = adapter("decode", cfg)?;
+        let engines = match self.nic {
+            #[cfg(feature = "verbs")]
+            Nic::Device => Engines::Device,
+            Nic::Fake => Engines::Fake(FakeFabric::new(0x5eed ^ RIGS.load(Ordering::Relaxed))),
+        };
+        let (decode, _) = adapter(&engines, "decode", cfg)?;
         let region = |n: usize| -> Result<Arc<HostRegion>, Failure> {
             HostRegion::new(n * cfg.slot_size).map(Arc::new).map_err(|e| fail("region")(&e))
         };
         let dpool = decode
             .register_pool(region(cfg.decode_slots)?, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
             .map_err(|e| fail("decode pool")(&e))?;
-        let prefill = adapter("prefill", &RigConfig { policy: Default::default(), ..cfg.clone() })?;
+        let (prefill, prefill_nic) =
+            adapter(&engines, "prefill", &RigConfig { policy: Default::default(), ..cfg.clone() })?;
         let ppool = prefill
             .register_pool(region(cfg.prefill_slots)?, PoolConfig::new(cfg.slot_size))
             .map_err(|e| fail("prefill pool")(&e))?;
         prefill.add_peer(decode.descriptor()).map_err(|e| fail("prefill adds decode")(&e))?;
         decode.add_peer(prefill.descriptor()).map_err(|e| fail("decode adds prefill")(&e))?;
         let prefill_name = prefill.descriptor().rsplit_once('@').map(|(n, _)| n.to_owned()).unwrap_or_default();
-        Ok(Box::new(VerbsRig { decode, dpool, prefill: Some((prefill, ppool)), prefill_name, raw: Mutex::new(None) }))
+        Ok(Box::new(VerbsRig {
+            engines,
+            decode,
+            dpool,
+            prefill: Some((prefill, ppool)),
+            prefill_name,
+            prefill_nic,
+            raw: Mutex::new(None),
+        }))
     }
 }
 
 /// A verbs rig.
 pub struct VerbsRig {
+    engines: Engines,
     decode: VerbsTransfer,
     dpool: SlotPool,
     /// `None` once crashed.
@@ -84,6 +179,9 @@ pub struct VerbsRig {
     /// The prefill adapter's name: the decode side's peer for it is looked
     /// up each time (a rejected access costs a reconnect, under a new id).
     prefill_name: String,
+    /// The prefill adapter's NIC on the fake fabric (its send queues are
+    /// what `hold_writes` holds).
+    prefill_nic: Option<usize>,
     /// The last raw peer: its name and the decode side's id for it.
     raw: Mutex<Option<(String, PeerId)>>,
 }
@@ -107,8 +205,7 @@ impl VerbsRig {
     /// An adapter named `name` (exactly), connected to the decode side.
     fn raw_adapter(&self, name: &str) -> Result<VerbsRawPeer, Failure> {
         let env = LabEnv::from_env();
-        let adapter = VerbsTransfer::new(VerbsConfig::new(name, env.device, env.gid_index))
-            .map_err(|e| fail("raw adapter")(&e))?;
+        let adapter = self.engines.adapter(VerbsConfig::new(name, env.device, env.gid_index))?;
         let decode = adapter.add_peer(self.decode.descriptor()).map_err(|e| fail("raw adds decode")(&e))?;
         Ok(VerbsRawPeer { adapter, decode })
     }
@@ -116,7 +213,11 @@ impl VerbsRig {
 
 impl Rig for VerbsRig {
     fn backend(&self) -> &'static str {
-        "verbs"
+        match self.engines {
+            #[cfg(feature = "verbs")]
+            Engines::Device => "verbs",
+            Engines::Fake(_) => "verbs-fake",
+        }
     }
     fn diagnostics(&self) -> String {
         format!(
@@ -151,12 +252,40 @@ impl Rig for VerbsRig {
         let (t, p) = self.prefill.as_ref().ok_or_else(|| Failure("the prefill side is dead".into()))?;
         post_tagged(t, p, remote, request).map(Some)
     }
-    fn hold_writes(&self) -> bool {
-        false
+    fn stale_write_breaks_connection(&self) -> bool {
+        true
     }
-    fn release_writes(&self) {}
-    fn wait_held(&self, _timeout: Duration) -> bool {
-        false
+    #[allow(irrefutable_let_patterns)]
+    fn hold_writes(&self) -> bool {
+        // The fake fabric holds the prefill side's send queues (its WRITEs
+        // and the DONEs behind them stay posted); a device places them.
+        let Engines::Fake(f) = &self.engines else { return false };
+        for q in self.engines.queue_pairs_of(self.prefill_nic) {
+            f.hold(q);
+        }
+        self.prefill_nic.is_some()
+    }
+    #[allow(irrefutable_let_patterns)]
+    fn release_writes(&self) {
+        if let Engines::Fake(f) = &self.engines {
+            for q in self.engines.queue_pairs_of(self.prefill_nic) {
+                f.release(q);
+            }
+        }
+    }
+    #[allow(irrefutable_let_patterns)]
+    fn wait_held(&self, timeout: Duration) -> bool {
+        let Engines::Fake(f) = &self.engines else { return false };
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if self.engines.queue_pairs_of(self.prefill_nic).iter().any(|q| f.posted(*q) > 0) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
     fn crash_prefill(&mut self) -> Result<(), Failure> {
         // Its QPs go to ERR without a goodbye; the decode side learns it at

@@ -12,7 +12,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use crate::error::VerbsError;
-use crate::queue::{Endpoint, ENDPOINT_LEN};
+use crate::work::{Endpoint, ENDPOINT_LEN};
 
 const MAGIC: [u8; 4] = *b"KVTV";
 const VERSION: u8 = 1;
@@ -98,7 +98,7 @@ pub fn parse_descriptor(d: &[u8]) -> Result<(String, String), VerbsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::Gid;
+    use crate::work::Gid;
 
     fn hello() -> Hello {
         Hello { name: "decode-0".into(), endpoint: Endpoint { qpn: 17, psn: 5, gid: Gid([1; 16]), mtu: 1024 } }

@@ -9,7 +9,8 @@ use kv_transfer_core::drain::{ControlKind, ControlMessage, OpEnd, Outgoing, Plan
 use kv_transfer_core::{PeerId, PoolId, RejectReason, SettlementAuthority, Tenancy, TransferError};
 
 use super::{inc, lock, AfterInvalidate, Inner, OpEntry, OpFailure, PeerState, Pending, State, CAPABILITIES};
-use crate::queue::{Completion, WcStatus};
+use super::{Window, WindowState};
+use crate::work::{Completion, QpId, WcStatus, WorkRequest};
 
 impl Inner {
     /// Polls the completion queue until stopped: busy while completions
@@ -20,7 +21,7 @@ impl Inner {
         let mut idle = Duration::from_micros(20);
         let mut next_tick = Instant::now();
         while !self.stop.load(Ordering::Acquire) {
-            let polled = match self.cq.poll(32) {
+            let polled = match self.engine.poll(32) {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::error!(error = %e, "polling the completion queue failed");
@@ -100,10 +101,10 @@ impl Inner {
             Pending::Bind { done, pool, slot, peer } => {
                 let abandoned = lock(&done.0).is_some();
                 let Some(entry) = st.pools.get_mut(&pool) else { return };
-                let slot_size = entry.pool.slot_size();
-                let addr = entry.mr.addr() + slot as u64 * slot_size as u64;
                 if let Some(w) = entry.windows[slot as usize].as_mut() {
-                    w.bind_completed(ok, addr, slot_size as u32);
+                    if w.state == WindowState::Binding {
+                        w.state = if ok { WindowState::Bound } else { WindowState::Unbound };
+                    }
                 }
                 if ok {
                     entry.window_peer[slot as usize] = Some(peer);
@@ -122,7 +123,9 @@ impl Inner {
                 let Some(entry) = st.pools.get_mut(&pool) else { return };
                 let i = tenancy.slot.0 as usize;
                 if let Some(w) = entry.windows[i].as_mut() {
-                    w.invalidate_completed(ok);
+                    if w.state == WindowState::Invalidating {
+                        w.state = if ok { WindowState::Unbound } else { WindowState::Bound };
+                    }
                 }
                 if !ok {
                     return;
@@ -165,14 +168,15 @@ impl Inner {
     /// A RECV landed: read its control message, post the buffer again.
     fn on_recv(&self, st: &mut State, peer: PeerId, index: u64, len: u32) {
         let Some(p) = st.peers.get(&peer) else { return };
-        let (qp, recv, live) = (Arc::clone(&p.qp), Arc::clone(&p.recv), p.state == PeerState::Live);
+        let (qp, (recv_mr, recv), live) = (p.qp, p.recv.clone(), p.state == PeerState::Live);
         let at = (index * MAX_LEN as u64) as usize;
         let mut bytes = vec![0u8; (len as usize).min(MAX_LEN)];
-        let read = recv.region().read(at, &mut bytes);
+        let read = recv.read(at, &mut bytes);
         if live {
             let wr = self.wr_id();
             st.wrs.insert(wr, Pending::Recv { peer, index });
-            if let Err(e) = qp.post_recv(wr, &recv, at as u64, MAX_LEN as u32) {
+            let buffer = WorkRequest::Recv { local: recv_mr, offset: at as u64, len: MAX_LEN as u32 };
+            if let Err(e) = self.engine.post(qp, wr, buffer) {
                 st.wrs.remove(&wr);
                 tracing::warn!(peer = peer.0, error = %e, "reposting a RECV failed");
             }
@@ -222,15 +226,15 @@ impl Inner {
 
     /// Posts the `LOCAL_INV` of `t`'s window (on the QP it was bound on).
     pub(super) fn invalidate(&self, st: &mut State, pool: PoolId, peer: PeerId, t: Tenancy, then: AfterInvalidate) {
-        let Some(qp) = st.peers.get(&peer).filter(|p| p.state == PeerState::Live).map(|p| Arc::clone(&p.qp)) else {
+        let Some(qp) = st.peers.get(&peer).filter(|p| p.state == PeerState::Live).map(|p| p.qp) else {
             // A peer being fenced: the fence settles it.
             return;
         };
         let Some(entry) = st.pools.get_mut(&pool) else { return };
         let Some(w) = entry.windows[t.slot.0 as usize].as_mut() else { return };
-        match w.state() {
-            crate::memory::WindowState::Bound { .. } => {}
-            crate::memory::WindowState::Invalidating { .. } => {
+        match w.state {
+            WindowState::Bound => {}
+            WindowState::Invalidating => {
                 // One is in flight (the ladder's revoke, say, and now the
                 // peer's ABORT_ACK): its completion proves this too.
                 let joined = st.wrs.values_mut().find_map(|p| match p {
@@ -253,10 +257,13 @@ impl Inner {
         st.wrs.insert(wr, Pending::Invalidate { peer, pool, tenancy: t, then: vec![then] });
         let Some(entry) = st.pools.get_mut(&pool) else { return };
         let Some(w) = entry.windows[t.slot.0 as usize].as_mut() else { return };
-        if let Err(e) = qp.post_invalidate(wr, w) {
-            st.wrs.remove(&wr);
-            tracing::warn!(slot = t.slot.0, error = %e, "posting LOCAL_INV failed: the fence settles it");
-            self.start_fence(st, peer);
+        match self.engine.post(qp, wr, WorkRequest::Invalidate { window: w.id }) {
+            Ok(_) => w.state = WindowState::Invalidating,
+            Err(e) => {
+                st.wrs.remove(&wr);
+                tracing::warn!(slot = t.slot.0, error = %e, "posting LOCAL_INV failed: the fence settles it");
+                self.start_fence(st, peer);
+            }
         }
     }
 
@@ -297,17 +304,17 @@ impl Inner {
             return;
         }
         let mut st = lock(&self.state);
-        let due: Vec<(PeerId, Arc<crate::queue::QueuePair>)> = st
+        let due: Vec<(PeerId, QpId)> = st
             .peers
             .iter()
             .filter(|(_, p)| p.state == PeerState::Live && !p.probing && p.probed.elapsed() >= self.cfg.heartbeat)
-            .map(|(id, p)| (*id, Arc::clone(&p.qp)))
+            .map(|(id, p)| (*id, p.qp))
             .collect();
         for (peer, qp) in due {
             let wr = self.wr_id();
             st.wrs.insert(wr, Pending::Heartbeat { peer });
-            match qp.post_heartbeat(wr) {
-                Ok(()) => {
+            match self.engine.post(qp, wr, WorkRequest::Heartbeat) {
+                Ok(_) => {
                     inc(&self.counters.heartbeats);
                     if let Some(p) = st.peers.get_mut(&peer) {
                         p.probing = true;
@@ -330,7 +337,7 @@ impl Inner {
         }
         p.state = PeerState::Fencing;
         inc(&self.counters.fences);
-        if let Err(e) = p.qp.to_error() {
+        if let Err(e) = self.engine.to_error(p.qp) {
             tracing::error!(peer = peer.0, error = %e, "moving the QP to ERR failed");
         }
         tracing::info!(peer = peer.0, name = %p.name, "fencing the peer: its QP is in ERR");
@@ -383,7 +390,9 @@ impl Inner {
                 for (i, bound) in entry.window_peer.iter_mut().enumerate() {
                     if *bound == Some(peer) {
                         *bound = None;
-                        entry.windows[i] = None;
+                        if let Some(Window { id, .. }) = entry.windows[i].take() {
+                            self.engine.free_window(id);
+                        }
                     }
                 }
                 authorities.push(entry.authority.clone());

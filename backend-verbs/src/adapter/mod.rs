@@ -50,10 +50,9 @@ use kv_transfer_core::{
 
 pub use channel::{parse_descriptor, Hello, MAX_NAME};
 
-use crate::device::Context;
+use crate::engine::Engine;
 use crate::error::VerbsError;
-use crate::memory::{MemoryRegion, MemoryWindow, MrAccess, ProtectionDomain};
-use crate::queue::{CompletionQueue, QueuePair};
+use crate::work::{MrAccess, MrId, MrInfo, MwId, QpId, QpState, WorkRequest};
 
 /// What verbs can prove about an aborted exposure, in the ladder's order:
 /// drain (ABORT / ABORT_ACK as SENDs; the ACK settles once the windows are
@@ -168,21 +167,39 @@ struct Peer {
     name: String,
     /// Its side channel, where we dialed it (we redial after a fence).
     addr: Option<String>,
-    qp: Arc<QueuePair>,
+    qp: QpId,
     state: PeerState,
     /// When it was last probed, and whether a probe is out.
     probed: Instant,
     probing: bool,
     /// Its RECV ring: `RECVS` buffers of `MAX_LEN` bytes.
-    recv: Arc<MemoryRegion>,
+    recv: (MrId, Arc<dyn Region>),
+}
+
+/// A slot's memory window, as this side moved it (the engine enforces the
+/// same order: a type-2 window binds only when unbound).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WindowState {
+    Unbound,
+    /// A bind was posted; its key grants nothing yet.
+    Binding,
+    /// The key grants the slot, through the peer's QP only.
+    Bound,
+    /// A `LOCAL_INV` was posted; the key grants access until it completes.
+    Invalidating,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Window {
+    id: MwId,
+    state: WindowState,
 }
 
 struct PoolEntry {
-    pool: SlotPool,
     authority: SettlementAuthority,
-    mr: Arc<MemoryRegion>,
+    mr: MrInfo,
     /// One window per slot (allocated on first use).
-    windows: Vec<Option<MemoryWindow>>,
+    windows: Vec<Option<Window>>,
     /// The peer each slot's window is bound to (on that peer's QP).
     window_peer: Vec<Option<PeerId>>,
 }
@@ -253,7 +270,7 @@ enum OpFailure {
     /// A later WR of it could not be posted.
     Post(String),
     /// A WR of it completed with this status.
-    Status(crate::queue::WcStatus),
+    Status(crate::work::WcStatus),
 }
 
 impl std::fmt::Display for OpFailure {
@@ -303,8 +320,7 @@ impl Default for State {
 
 struct Inner {
     cfg: VerbsConfig,
-    pd: Arc<ProtectionDomain>,
-    cq: Arc<CompletionQueue>,
+    engine: Arc<dyn Engine>,
     descriptor: String,
     state: Mutex<State>,
     exposures: Mutex<ExposureTable>,
@@ -326,22 +342,28 @@ impl std::fmt::Debug for VerbsTransfer {
 }
 
 impl VerbsTransfer {
-    /// Opens the device, starts the side channel and the driver thread.
+    /// Opens the device `cfg` names and starts the adapter on it.
+    #[cfg(feature = "verbs")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
     pub fn new(cfg: VerbsConfig) -> Result<Self, AdapterError> {
+        let engine = crate::engine::DeviceEngine::open(&cfg.device, cfg.port, cfg.gid_index)?;
+        Self::with_engine(cfg, engine)
+    }
+
+    /// Starts the adapter on `engine` (a device, or a
+    /// [`FakeFabric`](crate::FakeFabric)'s NIC): the side channel and the
+    /// driver thread.
+    pub fn with_engine(cfg: VerbsConfig, engine: Arc<dyn Engine>) -> Result<Self, AdapterError> {
         if cfg.name.is_empty() || cfg.name.len() > MAX_NAME || cfg.name.contains('@') {
             return Err(VerbsError::invalid("VerbsTransfer::new", "a name of 1..=256 bytes without '@'").into());
         }
-        let ctx = Context::open(&cfg.device)?;
-        let pd = ProtectionDomain::new(&ctx)?;
-        let cq = CompletionQueue::new(&pd, 4096)?;
         let listener = TcpListener::bind(&cfg.listen)?;
         listener.set_nonblocking(true)?;
         let descriptor = format!("{}@{}", cfg.name, listener.local_addr()?);
         let exposures = Mutex::new(ExposureTable::with_policy(cfg.release_policy));
         let inner = Arc::new(Inner {
             cfg,
-            pd,
-            cq,
+            engine,
             descriptor,
             state: Mutex::default(),
             exposures,
@@ -366,11 +388,11 @@ impl VerbsTransfer {
     pub fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, AdapterError> {
         let access =
             if self.inner.cfg.release_policy.is_naive() { MrAccess::RemoteWriteRead } else { MrAccess::WindowsOnly };
-        let mr = MemoryRegion::register(&self.inner.pd, Arc::clone(&region), access)?;
+        let mr = self.inner.engine.register(Arc::clone(&region), access)?;
         let (pool, authority) = SlotPool::new(region, config.with_capabilities(CAPABILITIES))?;
         let slots = pool.metrics().capacity as usize;
         let windows = (0..slots).map(|_| None).collect();
-        let entry = PoolEntry { pool: pool.clone(), authority, mr, windows, window_peer: vec![None; slots] };
+        let entry = PoolEntry { authority, mr, windows, window_peer: vec![None; slots] };
         lock(&self.inner.state).pools.insert(pool.id(), entry);
         Ok(pool)
     }
@@ -420,9 +442,9 @@ impl VerbsTransfer {
             .peers
             .get(&peer)
             .filter(|p| p.state == PeerState::Live)
-            .map(|p| Arc::clone(&p.qp))
+            .map(|p| p.qp)
             .ok_or_else(|| VerbsError::invalid("send_control", format!("peer {} is not live", peer.0)))?;
-        Ok(self.inner.send_control(&mut st, peer, &qp, msg)?)
+        Ok(self.inner.send_control(&mut st, peer, qp, msg)?)
     }
 
     /// The peer a descriptor's name maps to, if connected.
@@ -481,8 +503,9 @@ impl Inner {
     /// dialed descriptor gave, and its address (a different answer is refused).
     pub(super) fn handshake(&self, s: &mut TcpStream, dialed: Option<(&str, &str)>) -> Result<PeerId, AdapterError> {
         let expect = dialed.map(|(n, _)| n);
-        let qp = Arc::new(QueuePair::new(&self.pd, &self.cq, self.cfg.port, self.cfg.gid_index)?);
-        let ours = Hello { name: self.cfg.name.clone(), endpoint: qp.endpoint(self.cfg.mtu)? };
+        let endpoint = self.engine.create_qp(self.cfg.mtu)?;
+        let qp = QpId(endpoint.qpn);
+        let ours = Hello { name: self.cfg.name.clone(), endpoint };
         // The dialer speaks first. The side that accepts records the peer
         // before it answers, so when the dialer's `add_peer` returns, this
         // side's `add_peer` of it finds the connection instead of dialing a
@@ -496,11 +519,11 @@ impl Inner {
                 return Err(VerbsError::Endpoint(format!("dialed {want}, {} answered", theirs.name)).into());
             }
         }
-        qp.connect(&theirs.endpoint)?;
+        self.engine.connect(qp, &theirs.endpoint)?;
         let ring = kv_transfer_core::drain::MAX_LEN as u64 * RECVS;
         let region: Arc<dyn Region> =
             Arc::new(HostRegion::new(ring as usize).map_err(|e| VerbsError::invalid("recv ring", e.to_string()))?);
-        let recv = MemoryRegion::register(&self.pd, region, MrAccess::Local)?;
+        let recv = (self.engine.register(Arc::clone(&region), MrAccess::Local)?.id, region);
         let mut st = lock(&self.state);
         st.next_peer += 1;
         let id = PeerId(st.next_peer);
@@ -508,7 +531,8 @@ impl Inner {
             let wr = self.wr_id();
             st.wrs.insert(wr, Pending::Recv { peer: id, index });
             let len = kv_transfer_core::drain::MAX_LEN as u32;
-            if let Err(e) = qp.post_recv(wr, &recv, index * u64::from(len), len) {
+            let buffer = WorkRequest::Recv { local: recv.0, offset: index * u64::from(len), len };
+            if let Err(e) = self.engine.post(qp, wr, buffer) {
                 st.wrs.remove(&wr);
                 return Err(e.into());
             }
@@ -521,7 +545,7 @@ impl Inner {
         // ERR, which this side may not have polled yet) takes the name over.
         let old = st.by_name.get(&theirs.name).copied();
         let old_live = old.and_then(|o| st.peers.get(&o)).filter(|p| p.state == PeerState::Live);
-        let old_dead = old_live.is_some_and(|p| p.qp.query_state().map_or(true, |s| s == crate::queue::QpState::Error));
+        let old_dead = old_live.is_some_and(|p| self.engine.qp_state(p.qp).map_or(true, |s| s == QpState::Error));
         let taken = old_live.is_some() && !old_dead;
         if old_dead {
             if let Some(o) = old {
@@ -558,7 +582,7 @@ impl Inner {
         let pool_id = lease.pool().id();
         let naive = self.cfg.release_policy.is_naive();
         let mut st = lock(&self.state);
-        let Some(qp) = st.peers.get(&peer).filter(|p| p.state == PeerState::Live).map(|p| Arc::clone(&p.qp)) else {
+        let Some(qp) = st.peers.get(&peer).filter(|p| p.state == PeerState::Live).map(|p| p.qp) else {
             drop(st);
             return fail(lease, ExposeErrorKind::UnknownPeer(peer));
         };
@@ -582,8 +606,8 @@ impl Inner {
                     let i = t.slot.0 as usize;
                     let w = match &mut entry.windows[i] {
                         Some(w) => w,
-                        slot @ None => match MemoryWindow::new(&self.pd) {
-                            Ok(w) => slot.insert(w),
+                        slot @ None => match self.engine.alloc_window() {
+                            Ok(id) => slot.insert(Window { id, state: WindowState::Unbound }),
                             Err(e) => {
                                 drop(st);
                                 return fail(lease, engine(&e));
@@ -593,8 +617,18 @@ impl Inner {
                     let wr = self.next_wr.fetch_add(1, Ordering::Relaxed);
                     let done: BindWaiter = Arc::new((Mutex::new(None), Condvar::new()));
                     wrs.insert(wr, Pending::Bind { peer, done: Arc::clone(&done), pool: pool_id, slot: t.slot.0 });
-                    match qp.post_bind(wr, w, &entry.mr, i as u64 * slot_size as u64, len) {
+                    let bind =
+                        WorkRequest::Bind { window: w.id, mr: entry.mr.id, offset: i as u64 * slot_size as u64, len };
+                    let posted = if w.state == WindowState::Unbound {
+                        self.engine.post(qp, wr, bind).and_then(|k| {
+                            k.ok_or_else(|| VerbsError::invalid("post BIND_MW", "the engine returned no key"))
+                        })
+                    } else {
+                        Err(VerbsError::invalid("post BIND_MW", format!("the window is {:?}, not unbound", w.state)))
+                    };
+                    match posted {
                         Ok(k) => {
+                            w.state = WindowState::Binding;
                             keys.push(Some(u64::from(k)));
                             waiters.push((t.slot.0, done));
                         }
@@ -632,7 +666,7 @@ impl Inner {
             return fail(lease, ExposeErrorKind::ForeignPool);
         };
         let token = lock(&self.exposures).expose(pool_id, lease.tenancies(), peer, Trust::Proving);
-        let key = if naive { u64::from(entry.mr.rkey()) } else { 0 };
+        let key = if naive { u64::from(entry.mr.rkey) } else { 0 };
         let (exposed, mut remote) = entry.authority.expose(lease, peer, key, self.descriptor.clone(), token);
         for (s, k) in remote.slots.iter_mut().zip(keys) {
             s.key = k;
@@ -703,7 +737,7 @@ impl Inner {
                 return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is gone")) });
             };
             if p.state == PeerState::Live {
-                let qp = Arc::clone(&p.qp);
+                let qp = p.qp;
                 break (st, peer, qp);
             }
             if p.addr.is_none() || Instant::now() >= deadline {
@@ -714,7 +748,7 @@ impl Inner {
             std::thread::sleep(Duration::from_millis(2));
         };
         let pool_id = local.pool().id();
-        let Some((mr, authority)) = st.pools.get(&pool_id).map(|e| (Arc::clone(&e.mr), e.authority.clone())) else {
+        let Some((mr, authority)) = st.pools.get(&pool_id).map(|e| (e.mr.id, e.authority.clone())) else {
             drop(st);
             return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
         };
@@ -738,11 +772,12 @@ impl Inner {
             st.wrs.insert(wr, Pending::OpWr { op: op_id, peer });
             let rkey = remote.key_of(i) as u32;
             let r = match op {
-                Op::Write => qp.post_write(wr, &mr, *off, len, rs.addr, rkey),
-                Op::Read => qp.post_read(wr, &mr, *off, len, rs.addr, rkey),
+                Op::Write => WorkRequest::Write { local: mr, offset: *off, len, remote_addr: rs.addr, rkey },
+                Op::Read => WorkRequest::Read { local: mr, offset: *off, len, remote_addr: rs.addr, rkey },
             };
+            let r = self.engine.post(qp, wr, r);
             match r {
-                Ok(()) => posted += 1,
+                Ok(_) => posted += 1,
                 Err(e) => {
                     st.wrs.remove(&wr);
                     error = Some(OpFailure::Post(e.to_string()));
@@ -764,7 +799,7 @@ impl Inner {
         if op == Op::Write && opts.notify && error.is_none() {
             // Behind the WRITEs on the same RC QP: placed before it arrives.
             let msg = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies());
-            match self.send_control(&mut st, peer, &qp, &msg) {
+            match self.send_control(&mut st, peer, qp, &msg) {
                 // Handed back: no later post may use these tenancies.
                 Ok(()) => st.aborts.tombstone(&peer, remote.pool, remote.token, &remote.tenancies()),
                 Err(e) => tracing::warn!(peer = peer.0, error = %e, "DONE not sent"),
@@ -777,30 +812,27 @@ impl Inner {
     /// Sends each message (ABORT_ACKs now due) to its peer, if live.
     pub(super) fn send_all(&self, st: &mut State, out: Vec<kv_transfer_core::drain::Outgoing<PeerId>>) {
         for o in out {
-            let Some(qp) = st.peers.get(&o.to).filter(|p| p.state == PeerState::Live).map(|p| Arc::clone(&p.qp)) else {
+            let Some(qp) = st.peers.get(&o.to).filter(|p| p.state == PeerState::Live).map(|p| p.qp) else {
                 continue;
             };
-            if let Err(e) = self.send_control(st, o.to, &qp, &o.msg) {
+            if let Err(e) = self.send_control(st, o.to, qp, &o.msg) {
                 tracing::warn!(peer = o.to.0, error = %e, "control message not sent");
             }
         }
     }
 
     /// Posts `msg` as a SEND on `qp` (its buffer is held until the SEND completes).
-    fn send_control(
-        &self,
-        st: &mut State,
-        peer: PeerId,
-        qp: &QueuePair,
-        msg: &ControlMessage,
-    ) -> Result<(), VerbsError> {
+    fn send_control(&self, st: &mut State, peer: PeerId, qp: QpId, msg: &ControlMessage) -> Result<(), VerbsError> {
         let bytes = msg.encode().map_err(|e| VerbsError::invalid("encode", e.to_string()))?;
         let region = HostRegion::new(bytes.len()).map_err(|e| VerbsError::invalid("send buffer", e.to_string()))?;
         region.write(0, &bytes).map_err(|e| VerbsError::invalid("send buffer", e.to_string()))?;
-        let mr = MemoryRegion::register(&self.pd, Arc::new(region), MrAccess::Local)?;
+        let mr = self.engine.register(Arc::new(region), MrAccess::Local)?.id;
         let wr = self.wr_id();
         st.wrs.insert(wr, Pending::Send { peer });
-        if let Err(e) = qp.post_send(wr, &mr, 0, bytes.len() as u32) {
+        let posted = self.engine.post(qp, wr, WorkRequest::Send { local: mr, offset: 0, len: bytes.len() as u32 });
+        // The engine keeps it registered until the SEND completes.
+        self.engine.deregister(mr);
+        if let Err(e) = posted {
             st.wrs.remove(&wr);
             return Err(e);
         }
@@ -862,7 +894,10 @@ impl Drop for VerbsTransfer {
         // memory itself lives until the last QP, window and request that
         // names it is gone (each holds its region).
         for p in lock(&self.inner.state).peers.values() {
-            let _ = p.qp.to_error();
+            let _ = self.inner.engine.to_error(p.qp);
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
