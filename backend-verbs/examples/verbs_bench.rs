@@ -35,8 +35,10 @@ fn raw_loop(pd: &Arc<ProtectionDomain>, gid: u8, size: usize, iters: usize) -> f
     let cq_b = CompletionQueue::new(pd, 1024).expect("cq");
     let a = QueuePair::new(pd, &cq_a, 1, gid).expect("qp");
     let b = QueuePair::new(pd, &cq_b, 1, gid).expect("qp");
-    a.connect(&b.endpoint(1024).expect("ep")).expect("connect");
-    b.connect(&a.endpoint(1024).expect("ep")).expect("connect");
+    // The MTU the adapter runs at: the port's, at most 4096.
+    let mtu = pd.context().active_mtu(1).expect("port").min(VerbsConfig::new("x", "y", 1).mtu);
+    a.connect(&b.endpoint(mtu).expect("ep")).expect("connect");
+    b.connect(&a.endpoint(mtu).expect("ep")).expect("connect");
     let src = MemoryRegion::register(pd, region(size), MrAccess::Local).expect("src");
     let dst = MemoryRegion::register(pd, region(size), MrAccess::WindowsOnly).expect("dst");
     let mut w = MemoryWindow::new(pd).expect("mw");
@@ -53,8 +55,12 @@ fn raw_loop(pd: &Arc<ProtectionDomain>, gid: u8, size: usize, iters: usize) -> f
 }
 
 /// µs per WRITE of `size` through the adapter (reserve, post, await, release).
-fn adapter_loop(env: &LabEnv, size: usize, iters: usize) -> f64 {
-    let mk = |n: &str| VerbsTransfer::new(VerbsConfig::new(n, &env.device, env.gid_index)).expect("adapter");
+fn adapter_loop(env: &LabEnv, size: usize, iters: usize, busy_poll: bool) -> f64 {
+    let mk = |n: &str| {
+        let mut c = VerbsConfig::new(n, &env.device, env.gid_index);
+        c.busy_poll = busy_poll;
+        VerbsTransfer::new(c).expect("adapter")
+    };
     let (prefill, decode) = (mk("bench-prefill"), mk("bench-decode"));
     let dpool = decode.register_pool(region(size), PoolConfig::new(size)).expect("pool");
     let ppool = prefill.register_pool(region(size), PoolConfig::new(size)).expect("pool");
@@ -65,7 +71,10 @@ fn adapter_loop(env: &LabEnv, size: usize, iters: usize) -> f64 {
     for _ in 0..iters {
         let src = ppool.reserve(1).expect("reserve");
         let h = block_on(prefill.write(src, &remote, TransferOptions::notify(false))).expect("post");
-        let out = block_on(h).expect("outcome");
+        let mut h = h;
+        let out = kv_transfer_core::poll_until(std::pin::Pin::new(&mut h), WAIT)
+            .expect("completes in 30 s")
+            .expect("outcome");
         out.result.expect("write");
         out.lease.release();
     }
@@ -118,24 +127,33 @@ fn main() {
     let pd = ProtectionDomain::new(&ctx).expect("pd");
     println!("verbs_bench on {} (GID index {}), {iters} iterations x {rounds} rounds", env.device, env.gid_index);
     for size in [64 << 10, 1 << 20] {
-        let (mut raw, mut adapter) = (Vec::new(), Vec::new());
+        // Interleaved, order alternating by round: drift on a shared
+        // machine hits all three alike.
+        let (mut raw, mut busy, mut backoff) = (Vec::new(), Vec::new(), Vec::new());
         for r in 0..rounds {
             if r % 2 == 0 {
                 raw.push(raw_loop(&pd, env.gid_index, size, iters));
-                adapter.push(adapter_loop(&env, size, iters));
+                busy.push(adapter_loop(&env, size, iters, true));
+                backoff.push(adapter_loop(&env, size, iters, false));
             } else {
-                adapter.push(adapter_loop(&env, size, iters));
+                backoff.push(adapter_loop(&env, size, iters, false));
+                busy.push(adapter_loop(&env, size, iters, true));
                 raw.push(raw_loop(&pd, env.gid_index, size, iters));
             }
         }
-        let ratios: Vec<f64> = raw.iter().zip(&adapter).map(|(r, a)| r / a).collect();
+        let ratio = |a: &[f64]| -> Vec<f64> { raw.iter().zip(a).map(|(r, a)| r / a).collect() };
+        let (rb, ro) = (ratio(&busy), ratio(&backoff));
         println!(
-            "WRITE {:>5} KiB: raw {:8.1} us, adapter {:8.1} us per op; adapter/raw throughput {:.2} (rounds {:.2?})",
+            "WRITE {:>5} KiB: raw {:8.1} us, adapter {:8.1} us (busy poll) / {:8.1} us (backoff) per op; \
+             adapter/raw throughput {:.2} busy (rounds {:.2?}), {:.2} backoff (rounds {:.2?})",
             size >> 10,
             median(raw.clone()),
-            median(adapter.clone()),
-            median(ratios.clone()),
-            ratios
+            median(busy.clone()),
+            median(backoff.clone()),
+            median(rb.clone()),
+            rb,
+            median(ro.clone()),
+            ro
         );
     }
     let (mut win, mut reg) = (Vec::new(), Vec::new());

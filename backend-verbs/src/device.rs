@@ -110,6 +110,28 @@ impl Context {
         })
     }
 
+    /// The path MTU `port` runs at now, in bytes (256..=4096): a queue
+    /// pair's MTU can be no larger.
+    pub fn active_mtu(&self, port: u8) -> Result<u32, VerbsError> {
+        // SAFETY: plain C struct, zero is a valid value.
+        let mut attr: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: `ctx` is open; `attr` is a valid out-pointer at least as
+        // large as the compat struct the exported symbol fills.
+        let ret =
+            unsafe { ffi::ibv_query_port(self.ctx.as_ptr(), port, (&mut attr as *mut ffi::ibv_port_attr).cast()) };
+        if ret != 0 {
+            return Err(VerbsError::os("ibv_query_port", ret));
+        }
+        Ok(match attr.active_mtu {
+            ffi::IBV_MTU_256 => 256,
+            ffi::IBV_MTU_512 => 512,
+            ffi::IBV_MTU_1024 => 1024,
+            ffi::IBV_MTU_2048 => 2048,
+            ffi::IBV_MTU_4096 => 4096,
+            other => return Err(VerbsError::invalid("ibv_query_port", format!("active MTU code {other}"))),
+        })
+    }
+
     /// The GID at `index` of `port`.
     pub fn gid(&self, port: u8, index: u8) -> Result<Gid, VerbsError> {
         // SAFETY: plain C union, zero is a valid value.

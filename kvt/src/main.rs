@@ -4,7 +4,9 @@
 //!   in one process (`--mode loopback`) or across two (`--mode target` and
 //!   `--mode initiator`), with a sweep over block sizes and an SVG plot.
 //! - `kvt race`: the randomized abort/reassignment race of the conformance
-//!   suite's scenario 2, with a progress bar and a report.
+//!   suite's scenario 2, with a progress bar and a report, on the TCP
+//!   simulator (`--backend tcp-sim`) or real RDMA verbs (`--backend verbs`,
+//!   feature `verbs`, where a verbs device exists).
 
 mod backends;
 mod bench;
@@ -307,6 +309,20 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
         }
         pb.finish_and_clear();
         let mut r = job.join().map_err(|_| anyhow!("the bench thread panicked"))??;
+        if r.batches == 0 {
+            // Every batch that started after the warm-up outlived the run: a
+            // figure of 0 GB/s would be a lie, not a measurement.
+            bail!(
+                "{} {}: no batch of {} x {} x {} finished inside --duration {:?} (a batch takes longer than the run \
+                 on this device); raise --duration, or lower --batch / --threads",
+                backend.name(),
+                units::fmt_size(bs),
+                a.threads,
+                a.batch,
+                units::fmt_size(bs),
+                a.duration
+            );
+        }
         r.round = round;
         results.push(r);
     }

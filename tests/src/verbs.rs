@@ -237,16 +237,28 @@ impl Rig for VerbsRig {
         self.prefill.as_ref().map(|(t, _)| t as &dyn Transfer)
     }
     fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
-        // Bounded: a reconnect after a fence takes a few milliseconds.
+        // Bounded: a reconnect after a fence takes a few milliseconds. An
+        // exposure refused because the connection just died is tried again
+        // on the new one, as a serving engine would.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let peer = loop {
-            match self.decode.peer_named(&self.prefill_name) {
-                Some(p) => break p,
-                None if std::time::Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-                None => return Err(Failure(format!("the prefill side is not connected: {}", self.diagnostics()))),
+        let mut lease = lease;
+        loop {
+            let Some(peer) = self.decode.peer_named(&self.prefill_name) else {
+                if std::time::Instant::now() >= deadline {
+                    return Err(Failure(format!("the prefill side is not connected: {}", self.diagnostics())));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            };
+            match self.decode.expose(lease, peer) {
+                Ok(x) => return Ok(x),
+                Err(e) if std::time::Instant::now() < deadline => {
+                    lease = e.lease;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(Failure(format!("expose: {}; {}", e.kind, self.diagnostics()))),
             }
-        };
-        self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
+        }
     }
     fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
         let (t, p) = self.prefill.as_ref().ok_or_else(|| Failure("the prefill side is dead".into()))?;

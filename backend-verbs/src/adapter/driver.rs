@@ -14,9 +14,9 @@ use crate::work::{Completion, QpId, WcStatus, WorkRequest};
 
 impl Inner {
     /// Polls the completion queue until stopped: busy while completions
-    /// come, then sleeping with backoff (20 µs, up to 50 µs while operations
-    /// are in flight and 1 ms when idle); the ladder and fences are looked
-    /// at every millisecond.
+    /// come or operations are in flight (`busy_poll`; else sleeping 20 µs
+    /// up to 50 µs), backing off to 1 ms when idle; the ladder and fences
+    /// are looked at every millisecond.
     pub(super) fn drive(self: Arc<Self>) {
         let mut idle = Duration::from_micros(20);
         let mut next_tick = Instant::now();
@@ -42,11 +42,15 @@ impl Inner {
             if busy {
                 idle = Duration::from_micros(20);
             } else {
+                let in_flight = !lock(&self.state).ops.is_empty();
+                if in_flight && self.cfg.busy_poll {
+                    std::thread::yield_now();
+                    continue;
+                }
                 std::thread::sleep(idle);
                 // While operations are in flight, poll as often as a raw
                 // loop would (50 µs); otherwise back off to 1 ms.
-                let cap =
-                    if lock(&self.state).ops.is_empty() { Duration::from_millis(1) } else { Duration::from_micros(50) };
+                let cap = if in_flight { Duration::from_micros(50) } else { Duration::from_millis(1) };
                 idle = (idle * 2).min(cap);
             }
         }

@@ -80,6 +80,24 @@ fn adapter(name: &str, engine: Arc<MockEngine>, policy: ReleasePolicy) -> (Verbs
     (t, pool)
 }
 
+/// A decode and a prefill adapter on their mocks, connected: the decode
+/// side's id for the prefill side.
+fn connected(decode: &VerbsTransfer, prefill: &VerbsTransfer) -> kv_transfer_core::PeerId {
+    prefill.add_peer(decode.descriptor()).expect("peer");
+    decode.add_peer(prefill.descriptor()).expect("the same connection")
+}
+
+/// A one-slot WRITE from `prefill` into `remote`, awaited (bounded).
+fn write_one(
+    prefill: &VerbsTransfer,
+    ppool: &SlotPool,
+    remote: &kv_transfer_core::RemoteSlots,
+) -> kv_transfer_core::TransferOutcome {
+    let src = ppool.reserve(1).expect("reserve");
+    let mut h = block_on(prefill.write(src, remote, TransferOptions::notify(false))).expect("post");
+    poll_until(std::pin::Pin::new(&mut h), WAIT).expect("terminal").expect("outcome")
+}
+
 fn whole(pool: &SlotPool) -> bool {
     let m = pool.metrics();
     m.quarantined == 0 && m.free == m.capacity
@@ -97,12 +115,9 @@ fn a_write_the_nic_refuses_to_post_fails_with_a_typed_error_and_the_lease_comes_
     }
     let (decode, dpool) = adapter("decode", mock(0x101, all_succeed, vec![]), ReleasePolicy::Naive);
     let (prefill, ppool) = adapter("prefill", mock(0x102, refuse_writes, vec![]), ReleasePolicy::Safe);
-    prefill.add_peer(decode.descriptor()).expect("peer");
-    let peer = decode.add_peer(prefill.descriptor()).expect("the same connection");
+    let peer = connected(&decode, &prefill);
     let (exposed, remote) = decode.expose(dpool.reserve(1).expect("reserve"), peer).expect("expose");
-    let mut h = block_on(prefill.write(ppool.reserve(1).expect("reserve"), &remote, TransferOptions::notify(false)))
-        .expect("post");
-    let out = poll_until(std::pin::Pin::new(&mut h), WAIT).expect("terminal").expect("outcome");
+    let out = write_one(&prefill, &ppool, &remote);
     assert!(
         matches!(out.result, Err(TransferError::Transport(ref m)) if m.contains("send queue full")),
         "{:?}",
@@ -125,8 +140,7 @@ fn a_window_bind_the_nic_fails_refuses_the_exposure_and_hands_the_lease_back() {
     }
     let (decode, dpool) = adapter("decode", mock(0x201, fail_binds, vec![]), ReleasePolicy::Safe);
     let (prefill, _ppool) = adapter("prefill", mock(0x202, all_succeed, vec![]), ReleasePolicy::Safe);
-    prefill.add_peer(decode.descriptor()).expect("peer");
-    let peer = decode.add_peer(prefill.descriptor()).expect("the same connection");
+    let peer = connected(&decode, &prefill);
     let e = decode.expose(dpool.reserve(2).expect("reserve"), peer).expect_err("the bind failed");
     assert!(matches!(e.kind, kv_transfer_core::ExposeErrorKind::Engine(_)), "{:?}", e.kind);
     e.lease.release();
@@ -146,12 +160,9 @@ fn completions_of_unknown_requests_and_failing_polls_leave_the_driver_running() 
     ];
     let (decode, dpool) = adapter("decode", mock(0x301, all_succeed, vec![]), ReleasePolicy::Naive);
     let (prefill, ppool) = adapter("prefill", mock(0x302, all_succeed, script), ReleasePolicy::Safe);
-    prefill.add_peer(decode.descriptor()).expect("peer");
-    let peer = decode.add_peer(prefill.descriptor()).expect("the same connection");
+    let peer = connected(&decode, &prefill);
     let (exposed, remote) = decode.expose(dpool.reserve(1).expect("reserve"), peer).expect("expose");
-    let mut h = block_on(prefill.write(ppool.reserve(1).expect("reserve"), &remote, TransferOptions::notify(false)))
-        .expect("post");
-    let out = poll_until(std::pin::Pin::new(&mut h), WAIT).expect("terminal").expect("outcome");
+    let out = write_one(&prefill, &ppool, &remote);
     assert_eq!(out.result, Ok(()));
     out.lease.release();
     assert!(whole(&ppool));

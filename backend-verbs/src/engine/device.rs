@@ -33,12 +33,16 @@ struct Tables {
     next_mw: u32,
     /// `(qp, wr_id)` of each bind and invalidation posted.
     window_ops: HashMap<(u32, u64), WindowOp>,
+    /// The MTU each queue pair offered its peer.
+    mtus: HashMap<QpId, u32>,
 }
 
 /// The real NIC: a verbs device opened by name (`rxe_lo` in the lab).
 /// Teardown order is the handles': queue pairs, windows and regions hold
 /// the protection domain and context they were made from.
 pub struct DeviceEngine {
+    /// The port's active MTU when opened.
+    port_mtu: u32,
     pd: Arc<ProtectionDomain>,
     cq: Arc<CompletionQueue>,
     port: u8,
@@ -56,9 +60,10 @@ impl DeviceEngine {
     /// Opens `device`; queue pairs use `port` and GID `gid_index`.
     pub fn open(device: &str, port: u8, gid_index: u8) -> Result<Arc<Self>, VerbsError> {
         let ctx = Context::open(device)?;
+        let port_mtu = ctx.active_mtu(port)?;
         let pd = ProtectionDomain::new(&ctx)?;
         let cq = CompletionQueue::new(&pd, 4096)?;
-        Ok(Arc::new(Self { pd, cq, port, gid_index, tables: Mutex::default() }))
+        Ok(Arc::new(Self { port_mtu, pd, cq, port, gid_index, tables: Mutex::default() }))
     }
 
     fn qp(&self, qp: QpId) -> Result<Arc<QueuePair>, VerbsError> {
@@ -104,13 +109,19 @@ impl Engine for DeviceEngine {
 
     fn create_qp(&self, mtu: u32) -> Result<Endpoint, VerbsError> {
         let qp = QueuePair::new(&self.pd, &self.cq, self.port, self.gid_index)?;
-        let ep = qp.endpoint(mtu)?;
-        lock(&self.tables).qps.insert(QpId(ep.qpn), Arc::new(qp));
+        // No larger than the port runs at (1024 on a 1500-byte Ethernet
+        // RoCE port, 4096 on Soft-RoCE over loopback).
+        let ep = qp.endpoint(mtu.min(self.port_mtu))?;
+        let mut t = lock(&self.tables);
+        t.mtus.insert(QpId(ep.qpn), ep.mtu);
+        t.qps.insert(QpId(ep.qpn), Arc::new(qp));
         Ok(ep)
     }
 
     fn connect(&self, qp: QpId, remote: &Endpoint) -> Result<(), VerbsError> {
-        self.qp(qp)?.connect(remote)
+        let ours = lock(&self.tables).mtus.get(&qp).copied().unwrap_or(remote.mtu);
+        // Both ends use the smaller of the two offers.
+        self.qp(qp)?.connect(&Endpoint { mtu: ours.min(remote.mtu), ..*remote })
     }
 
     fn post(&self, qp: QpId, wr_id: u64, wr: WorkRequest) -> Result<Option<u32>, VerbsError> {

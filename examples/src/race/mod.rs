@@ -242,21 +242,32 @@ struct Rig {
     p0name: String,
 }
 
-fn pool(nic: &SimNic, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
+/// Memory for `slots` slots of `slot_size` bytes.
+pub(crate) fn pool_region(slots: usize, slot_size: usize) -> Result<Arc<HostRegion>, RaceError> {
     let bytes = slots.checked_mul(slot_size).ok_or_else(|| RaceError::Config("pool too large".into()))?;
-    let region = HostRegion::new(bytes).map_err(setup_err)?;
-    nic.register_pool(Arc::new(region), PoolConfig::new(slot_size).with_ladder(ladder)).map_err(setup_err)
+    HostRegion::new(bytes).map(Arc::new).map_err(setup_err)
+}
+
+/// The decode pool's ladder: `drain_us` to drain, then 1 s to revoke, 5 s
+/// to fence.
+pub(crate) fn race_ladder(cfg: &RaceConfig) -> EscalationLadder {
+    EscalationLadder {
+        drain: Duration::from_micros(cfg.drain_us),
+        revoke: Duration::from_secs(1),
+        fence: Duration::from_secs(5),
+    }
+}
+
+fn pool(nic: &SimNic, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
+    let region = pool_region(slots, slot_size)?;
+    nic.register_pool(region, PoolConfig::new(slot_size).with_ladder(ladder)).map_err(setup_err)
 }
 
 impl Rig {
     fn start(cfg: &RaceConfig) -> Result<Self, RaceError> {
         let gate = Gate::new();
         let k = cfg.slots_per_request;
-        let ladder = EscalationLadder {
-            drain: Duration::from_micros(cfg.drain_us),
-            revoke: Duration::from_secs(1),
-            fence: Duration::from_secs(5),
-        };
+        let ladder = race_ladder(cfg);
         let tag = splitmix64(cfg.seed) % 1_000_000;
         let dname = format!("race-decode-{tag}");
         let decode = SimNic::start(NicConfig::new(dname.clone()).with_policy(cfg.policy).with_faults(FaultPlan {
@@ -605,6 +616,61 @@ pub(crate) fn check_config(cfg: &RaceConfig) -> Result<(), RaceError> {
     Ok(())
 }
 
+/// A race's rounds, on whatever backend.
+pub(crate) trait Rounds {
+    /// Runs one round.
+    fn round(&mut self) -> Result<(), RaceError>;
+    /// The report so far.
+    fn report(&self) -> &RaceReport;
+}
+
+/// Runs rounds until `cfg.requests` are served or refused (bounded: each
+/// round serves at least `round` of them), calling `progress` after each;
+/// returns the wall time.
+pub(crate) fn run_rounds(
+    cfg: &RaceConfig,
+    run: &mut impl Rounds,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Duration, RaceError> {
+    let t0 = Instant::now();
+    let max_rounds = cfg.requests / cfg.round as u64 + 2;
+    let mut rounds = 0;
+    let left = |r: &RaceReport| r.requests + r.admission_rejected < cfg.requests;
+    while left(run.report()) && rounds < max_rounds {
+        run.round()?;
+        rounds += 1;
+        progress(run.report().requests.min(cfg.requests), cfg.requests);
+    }
+    Ok(t0.elapsed())
+}
+
+/// Waits (bounded) for the decode pool to come back whole, and fills the
+/// report's pool figures and rates.
+pub(crate) fn finish_report(rep: &mut RaceReport, dpool: &SlotPool, wait: Duration, elapsed: Duration) {
+    if !wait_until(wait, || {
+        let m = dpool.metrics();
+        m.quarantined == 0 && m.free == m.capacity
+    }) {
+        rep.timeouts += 1;
+    }
+    let m = dpool.metrics();
+    rep.abort_to_reclaim = m.abort_to_reclaim;
+    rep.settled = [m.settled_completed, m.settled_revoked, m.settled_fenced];
+    rep.capacity = m.capacity;
+    rep.final_free = m.free;
+    rep.elapsed_s = elapsed.as_secs_f64();
+    rep.requests_per_s = if rep.elapsed_s > 0.0 { rep.requests as f64 / rep.elapsed_s } else { 0.0 };
+}
+
+impl Rounds for Run<'_> {
+    fn round(&mut self) -> Result<(), RaceError> {
+        Run::round(self)
+    }
+    fn report(&self) -> &RaceReport {
+        &self.rep
+    }
+}
+
 /// Runs the race and reports what consumers found. `progress(done, total)`
 /// is called after every round.
 ///
@@ -619,7 +685,6 @@ pub(crate) fn check_config(cfg: &RaceConfig) -> Result<(), RaceError> {
 pub fn run_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
     check_config(cfg)?;
     let rig = Rig::start(cfg)?;
-    let t0 = Instant::now();
     let mut run = Run {
         cfg,
         rig,
@@ -628,37 +693,15 @@ pub fn run_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<
         next_id: 0,
         wait: Duration::from_millis(cfg.timeout_ms.max(1)),
     };
-    // Bounded: every round serves at least `round` requests (or counts them refused).
-    let max_rounds = cfg.requests / cfg.round as u64 + 2;
-    let mut rounds = 0;
-    while run.rep.requests + run.rep.admission_rejected < cfg.requests && rounds < max_rounds {
-        run.round()?;
-        rounds += 1;
-        progress(run.rep.requests.min(cfg.requests), cfg.requests);
-    }
-    let elapsed = t0.elapsed();
-    let mut rep = run.rep;
-    let rig = run.rig;
+    let elapsed = run_rounds(cfg, &mut run, progress)?;
+    let Run { mut rep, rig, wait, .. } = run;
     rig.gate.open();
-    let dpool = rig.dpool.clone();
-    if !wait_until(run.wait, || {
-        let m = dpool.metrics();
-        m.quarantined == 0 && m.free == m.capacity
-    }) {
-        rep.timeouts += 1;
-    }
-    let m = rig.dpool.metrics();
+    finish_report(&mut rep, &rig.dpool, wait, elapsed);
     let s = rig.decode.stats();
     rep.rejected_at_nic = s.rejected_stale_generation + s.rejected_wrong_peer;
     rep.stale_notifications = s.notifications_stale;
     rep.naive_releases = s.naive_releases;
     rep.fences = s.fences;
-    rep.abort_to_reclaim = m.abort_to_reclaim;
-    rep.settled = [m.settled_completed, m.settled_revoked, m.settled_fenced];
-    rep.capacity = m.capacity;
-    rep.final_free = m.free;
-    rep.elapsed_s = elapsed.as_secs_f64();
-    rep.requests_per_s = if rep.elapsed_s > 0.0 { rep.requests as f64 / rep.elapsed_s } else { 0.0 };
     drop(rig);
     Ok(rep)
 }

@@ -32,19 +32,18 @@
 //! fence is a failed transfer ([`RaceReport::transfer_failures`]), not data.
 
 use super::{
-    check_config, check_lease, fill_lease, record_consumed, setup_err, step_err, tags_of, RaceConfig, RaceError,
-    RaceReport, Rng,
+    check_config, check_lease, fill_lease, finish_report, record_consumed, run_rounds, setup_err, step_err, tags_of,
+    RaceConfig, RaceError, RaceReport, Rng,
 };
 use crate::payload::Tag;
 use crate::wait::{poll_until, wait_until};
 use backend_tcp_sim::block_on;
 use backend_verbs::{LabEnv, VerbsConfig, VerbsTransfer};
 use kv_transfer_core::{
-    EscalationLadder, Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, SlotLease, SlotPool, Transfer,
-    TransferHandle, TransferOptions,
+    EscalationLadder, Exposed, PeerId, PoolConfig, RemoteSlots, SlotLease, SlotPool, Transfer, TransferHandle,
+    TransferOptions,
 };
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 struct Rig {
     decode: VerbsTransfer,
@@ -68,20 +67,15 @@ fn adapter(name: String, env: &LabEnv, policy: backend_tcp_sim::ReleasePolicy) -
 }
 
 fn pool(t: &VerbsTransfer, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
-    let bytes = slots.checked_mul(slot_size).ok_or_else(|| RaceError::Config("pool too large".into()))?;
-    let region = HostRegion::new(bytes).map_err(setup_err)?;
-    t.register_pool(Arc::new(region), PoolConfig::new(slot_size).with_ladder(ladder)).map_err(setup_err)
+    let region = super::pool_region(slots, slot_size)?;
+    t.register_pool(region, PoolConfig::new(slot_size).with_ladder(ladder)).map_err(setup_err)
 }
 
 impl Rig {
     fn start(cfg: &RaceConfig) -> Result<Self, RaceError> {
         let env = LabEnv::from_env();
         let k = cfg.slots_per_request;
-        let ladder = EscalationLadder {
-            drain: Duration::from_micros(cfg.drain_us),
-            revoke: Duration::from_secs(1),
-            fence: Duration::from_secs(5),
-        };
+        let ladder = super::race_ladder(cfg);
         let tag = format!("{}-{}", std::process::id(), backend_tcp_sim::splitmix64(cfg.seed) % 1_000_000);
         let decode = adapter(format!("race-decode-{tag}"), &env, cfg.policy)?;
         let dpool = pool(&decode, cfg.round * k * 2, cfg.slot_size, ladder)?;
@@ -159,7 +153,41 @@ struct Run<'a> {
     wait: Duration,
 }
 
+impl super::Rounds for Run<'_> {
+    fn round(&mut self) -> Result<(), RaceError> {
+        Run::round(self)
+    }
+    fn report(&self) -> &RaceReport {
+        &self.rep
+    }
+}
+
 impl Run<'_> {
+    /// A consumer: settles `exposed` and, if its transfer succeeded, checks
+    /// every byte against `tags` (and, for a reassigned slot, counts the
+    /// slots an old write landed in).
+    fn consume(&mut self, exposed: SlotLease<Exposed>, written: bool, tags: &[Tag], reassigned: bool) {
+        let size = self.cfg.slot_size;
+        match self.settle(exposed) {
+            Some(settled) if written => {
+                if reassigned {
+                    // Foreign bytes in a reassigned slot came from an old
+                    // write that landed after the reassignment.
+                    self.rep.stale_writes_landed += slots_with_foreign_bytes(&settled, tags, size);
+                }
+                let c = check_lease(&settled, tags, size);
+                record_consumed(&mut self.rep, c);
+                settled.release();
+            }
+            Some(settled) => {
+                self.rep.requests += 1;
+                self.rep.transfer_failures += 1;
+                settled.release();
+            }
+            None => self.rep.requests += 1,
+        }
+    }
+
     fn settle(&mut self, exposed: SlotLease<Exposed>) -> Option<SlotLease<kv_transfer_core::Settled>> {
         let mut fut = Box::pin(exposed.settled());
         let out = poll_until(fut.as_mut(), self.wait);
@@ -295,42 +323,14 @@ impl Run<'_> {
         }
         // Consumers read and check every byte of what was written.
         for mut f in firsts {
-            let Some(exposed) = f.exposed.take() else {
-                self.rep.requests += 1;
-                continue;
-            };
-            match self.settle(exposed) {
-                Some(settled) if f.written => {
-                    let c = check_lease(&settled, &tags_of(f.id, &f.remote), size);
-                    record_consumed(&mut self.rep, c);
-                    settled.release();
-                }
-                Some(settled) => {
-                    self.rep.requests += 1;
-                    self.rep.transfer_failures += 1;
-                    settled.release();
-                }
+            match f.exposed.take() {
+                Some(exposed) => self.consume(exposed, f.written, &tags_of(f.id, &f.remote), false),
                 None => self.rep.requests += 1,
             }
         }
         for ((tags, exposed, _), written) in nexts.into_iter().zip(next_written) {
             self.rep.reassigned += 1;
-            match self.settle(exposed) {
-                Some(settled) if written => {
-                    // Foreign bytes in a reassigned slot came from an old
-                    // write that landed after the reassignment.
-                    self.rep.stale_writes_landed += slots_with_foreign_bytes(&settled, &tags, size);
-                    let c = check_lease(&settled, &tags, size);
-                    record_consumed(&mut self.rep, c);
-                    settled.release();
-                }
-                Some(settled) => {
-                    self.rep.requests += 1;
-                    self.rep.transfer_failures += 1;
-                    settled.release();
-                }
-                None => self.rep.requests += 1,
-            }
+            self.consume(exposed, written, &tags, true);
         }
         // Prefill 0's flushed leases come back with its own fence.
         let p0pool = self.rig.p0pool.clone();
@@ -348,7 +348,6 @@ impl Run<'_> {
 pub fn run_verbs_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
     check_config(cfg)?;
     let rig = Rig::start(cfg)?;
-    let t0 = Instant::now();
     let mut run = Run {
         cfg,
         rig,
@@ -357,35 +356,14 @@ pub fn run_verbs_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> R
         next_id: 0,
         wait: Duration::from_millis(cfg.timeout_ms.max(1)),
     };
-    // Bounded: every round serves at least `round` requests (or counts them refused).
-    let max_rounds = cfg.requests / cfg.round as u64 + 2;
-    let mut rounds = 0;
-    while run.rep.requests + run.rep.admission_rejected < cfg.requests && rounds < max_rounds {
-        run.round()?;
-        rounds += 1;
-        progress(run.rep.requests.min(cfg.requests), cfg.requests);
-    }
-    let elapsed = t0.elapsed();
+    let elapsed = run_rounds(cfg, &mut run, progress)?;
     let Run { mut rep, rig, wait, .. } = run;
-    let dpool = rig.dpool.clone();
-    if !wait_until(wait, || {
-        let m = dpool.metrics();
-        m.quarantined == 0 && m.free == m.capacity
-    }) {
-        rep.timeouts += 1;
-    }
-    let m = rig.dpool.metrics();
+    finish_report(&mut rep, &rig.dpool, wait, elapsed);
     rep.rejected_at_nic = rig.p0.counter("remote_access_errors") + rig.p1.counter("remote_access_errors");
-    rep.stale_notifications = m.stale_rejected;
+    rep.stale_notifications = rig.dpool.metrics().stale_rejected;
     rep.naive_releases = rig.decode.counter("naive_releases");
     rep.fences = rig.decode.counter("fences");
     rep.reconnects = rig.p0.counter("fences");
-    rep.abort_to_reclaim = m.abort_to_reclaim;
-    rep.settled = [m.settled_completed, m.settled_revoked, m.settled_fenced];
-    rep.capacity = m.capacity;
-    rep.final_free = m.free;
-    rep.elapsed_s = elapsed.as_secs_f64();
-    rep.requests_per_s = if rep.elapsed_s > 0.0 { rep.requests as f64 / rep.elapsed_s } else { 0.0 };
     drop(rig);
     Ok(rep)
 }
