@@ -37,6 +37,18 @@ struct Tables {
     mtus: HashMap<QpId, u32>,
 }
 
+impl Drop for Tables {
+    fn drop(&mut self) {
+        // Windows first: a bound type-2 window holds a reference on its
+        // queue pair, and Soft-RoCE's destroy_qp waits for every reference
+        // to go (it hung a teardown with an exposure still bound). Then the
+        // queue pairs (their requests flush), then the regions.
+        self.mws.clear();
+        self.qps.clear();
+        self.mrs.clear();
+    }
+}
+
 /// The real NIC: a verbs device opened by name (`rxe_lo` in the lab).
 /// Teardown order is the handles': queue pairs, windows and regions hold
 /// the protection domain and context they were made from.
