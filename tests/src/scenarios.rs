@@ -288,6 +288,8 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
         same_slots_newer(&remote_a.tenancies(), &remote_b.tenancies()),
         "expected the new tenancy on the same slots"
     );
+    // What the new tenancy's slots hold before the old write is let go.
+    let before = region_bytes(&pool);
     rig.release_writes();
     let breaks = rig.stale_write_breaks_connection();
     match wait_handle(h)? {
@@ -303,7 +305,6 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
         // RC: the refused WRITE ended the queue pair; the ACK behind it was
         // flushed, and the new tenancy (exposed on that queue pair) settles
         // by the fence alone. Nothing landed in it: its bytes are as before.
-        let before = region_bytes(&pool);
         let s = settle(b_exp).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
         ensure!(region_bytes(&pool) == before, "the refused write changed the new tenancy's slots");
         s.release();

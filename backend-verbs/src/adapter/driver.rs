@@ -78,7 +78,10 @@ impl Inner {
                 let done = match st.ops.get_mut(&op) {
                     Some(e) => {
                         e.remaining -= 1;
-                        if !ok && e.error.is_none() {
+                        // The first failed completion decides; it outranks a
+                        // failed post of a later WR (a flushed WR proves
+                        // nothing about the remote side, whatever came before).
+                        if !ok && !matches!(e.error, Some(OpFailure::Status(_))) {
                             e.error = Some(OpFailure::Status(c.status));
                         }
                         e.remaining == 0
@@ -123,22 +126,27 @@ impl Inner {
                     cv.notify_all();
                 }
             }
-            Pending::Invalidate { peer, pool, tenancy, then } => {
+            Pending::Invalidate { peer, pool, slot } => {
                 let Some(entry) = st.pools.get_mut(&pool) else { return };
-                let i = tenancy.slot.0 as usize;
-                if let Some(w) = entry.windows[i].as_mut() {
-                    if w.state == WindowState::Invalidating {
-                        w.state = if ok { WindowState::Unbound } else { WindowState::Bound };
+                let i = slot as usize;
+                let Some(w) = entry.windows[i].as_mut() else { return };
+                let after = if ok { WindowState::Unbound } else { WindowState::Bound };
+                let proves = match std::mem::replace(&mut w.state, after) {
+                    WindowState::Invalidating(proves) => proves,
+                    other => {
+                        w.state = other;
+                        return;
                     }
-                }
+                };
                 if !ok {
+                    // The QP is in ERR (fenced above): the fence settles it.
                     return;
                 }
                 entry.window_peer[i] = None;
                 inc(&self.counters.invalidations);
                 let authority = entry.authority.clone();
                 drop(st);
-                for then in then {
+                for (then, tenancy) in proves {
                     match then {
                         AfterInvalidate::Revoke => {
                             let revoked = lock(&self.exposures).revoked(pool, peer, &[tenancy]);
@@ -154,7 +162,7 @@ impl Inner {
                     }
                 }
             }
-            Pending::Send { .. } => {}
+            Pending::Send { peer, slot } => self.send_done(&mut st, peer, slot),
             Pending::Heartbeat { peer } => {
                 if let Some(p) = st.peers.get_mut(&peer) {
                     p.probing = false;
@@ -236,35 +244,20 @@ impl Inner {
         };
         let Some(entry) = st.pools.get_mut(&pool) else { return };
         let Some(w) = entry.windows[t.slot.0 as usize].as_mut() else { return };
-        match w.state {
+        match &mut w.state {
             WindowState::Bound => {}
-            WindowState::Invalidating => {
-                // One is in flight (the ladder's revoke, say, and now the
-                // peer's ABORT_ACK): its completion proves this too.
-                let joined = st.wrs.values_mut().find_map(|p| match p {
-                    Pending::Invalidate { pool: p_pool, tenancy, then: thens, .. }
-                        if *p_pool == pool && tenancy.slot == t.slot =>
-                    {
-                        Some(thens)
-                    }
-                    _ => None,
-                });
-                match joined {
-                    Some(thens) => thens.push(then),
-                    None => tracing::warn!(slot = t.slot.0, "an invalidation in flight that no request owns"),
-                }
-                return;
-            }
+            // One is in flight (the ladder's revoke, say, and now the peer's
+            // ABORT_ACK): its completion proves this too.
+            WindowState::Invalidating(proves) => return proves.push((then, t)),
             _ => return,
         }
-        let wr = self.next_wr.fetch_add(1, Ordering::Relaxed);
-        st.wrs.insert(wr, Pending::Invalidate { peer, pool, tenancy: t, then: vec![then] });
-        let Some(entry) = st.pools.get_mut(&pool) else { return };
-        let Some(w) = entry.windows[t.slot.0 as usize].as_mut() else { return };
+        let wr = self.wr_id();
         match self.engine.post(qp, wr, WorkRequest::Invalidate { window: w.id }) {
-            Ok(_) => w.state = WindowState::Invalidating,
+            Ok(_) => {
+                w.state = WindowState::Invalidating(vec![(then, t)]);
+                st.wrs.insert(wr, Pending::Invalidate { peer, pool, slot: t.slot.0 });
+            }
             Err(e) => {
-                st.wrs.remove(&wr);
                 tracing::warn!(slot = t.slot.0, error = %e, "posting LOCAL_INV failed: the fence settles it");
                 self.start_fence(st, peer);
             }

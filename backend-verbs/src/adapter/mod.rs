@@ -69,6 +69,10 @@ pub const BACKEND: &str = "verbs";
 /// RECV buffers kept posted per peer (control messages).
 const RECVS: u64 = 16;
 
+/// Pre-registered SEND buffers per peer (control messages); past that many
+/// SENDs in flight, a message gets a buffer registered for it alone.
+const SENDS: u32 = 64;
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -184,11 +188,15 @@ struct Peer {
     probing: bool,
     /// Its RECV ring: `RECVS` buffers of `MAX_LEN` bytes.
     recv: (MrId, Arc<dyn Region>),
+    /// Its SEND ring: `SENDS` buffers of `MAX_LEN` bytes, and those not in
+    /// flight (a buffer is reused only once its SEND completed).
+    send: (MrId, Arc<dyn Region>),
+    send_free: Vec<u32>,
 }
 
 /// A slot's memory window, as this side moved it (the engine enforces the
 /// same order: a type-2 window binds only when unbound).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum WindowState {
     Unbound,
     /// A bind was posted; its key grants nothing yet.
@@ -196,10 +204,13 @@ enum WindowState {
     /// The key grants the slot, through the peer's QP only.
     Bound,
     /// A `LOCAL_INV` was posted; the key grants access until it completes.
-    Invalidating,
+    /// What its completion proves, one entry per path that asked for it
+    /// (the ladder's revoke and the peer's ABORT_ACK can race: the second
+    /// joins the invalidation in flight).
+    Invalidating(Vec<(AfterInvalidate, kv_transfer_core::Tenancy)>),
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Window {
     id: MwId,
     state: WindowState,
@@ -240,17 +251,17 @@ enum Pending {
         pool: PoolId,
         slot: u32,
     },
+    /// A `LOCAL_INV` of `slot`'s window (what it proves is in the
+    /// window's state).
     Invalidate {
         peer: PeerId,
         pool: PoolId,
-        tenancy: kv_transfer_core::Tenancy,
-        /// What its completion proves: one entry per path that asked for
-        /// it (the ladder's revoke and a peer's ABORT_ACK can race: the
-        /// second joins the invalidation in flight instead of being lost).
-        then: Vec<AfterInvalidate>,
+        slot: u32,
     },
+    /// A control message; `slot`: its buffer in the peer's SEND ring.
     Send {
         peer: PeerId,
+        slot: Option<u32>,
     },
     Heartbeat {
         peer: PeerId,
@@ -267,7 +278,7 @@ impl Pending {
             Self::OpWr { peer, .. }
             | Self::Bind { peer, .. }
             | Self::Invalidate { peer, .. }
-            | Self::Send { peer }
+            | Self::Send { peer, .. }
             | Self::Heartbeat { peer }
             | Self::Recv { peer, .. } => *peer,
         }
@@ -530,10 +541,14 @@ impl Inner {
             }
         }
         self.engine.connect(qp, &theirs.endpoint)?;
-        let ring = kv_transfer_core::drain::MAX_LEN as u64 * RECVS;
-        let region: Arc<dyn Region> =
-            Arc::new(HostRegion::new(ring as usize).map_err(|e| VerbsError::invalid("recv ring", e.to_string()))?);
-        let recv = (self.engine.register(Arc::clone(&region), MrAccess::Local)?.id, region);
+        let ring = |n: u64| -> Result<(MrId, Arc<dyn Region>), AdapterError> {
+            let bytes = kv_transfer_core::drain::MAX_LEN as u64 * n;
+            let region: Arc<dyn Region> = Arc::new(
+                HostRegion::new(bytes as usize).map_err(|e| VerbsError::invalid("control ring", e.to_string()))?,
+            );
+            Ok((self.engine.register(Arc::clone(&region), MrAccess::Local)?.id, region))
+        };
+        let (recv, send) = (ring(RECVS)?, ring(u64::from(SENDS))?);
         let mut st = lock(&self.state);
         st.next_peer += 1;
         let id = PeerId(st.next_peer);
@@ -570,7 +585,17 @@ impl Inner {
         let addr = dialed.map(|(_, a)| a.to_owned());
         st.peers.insert(
             id,
-            Peer { name: theirs.name, addr, qp, state: PeerState::Live, probed: Instant::now(), probing: false, recv },
+            Peer {
+                name: theirs.name,
+                addr,
+                qp,
+                state: PeerState::Live,
+                probed: Instant::now(),
+                probing: false,
+                recv,
+                send,
+                send_free: (0..SENDS).rev().collect(),
+            },
         );
         if dialed.is_none() {
             if let Err(e) = channel::send(s, &ours, self.cfg.timeout) {
@@ -596,16 +621,6 @@ impl Inner {
             drop(st);
             return fail(lease, ExposeErrorKind::UnknownPeer(peer));
         };
-        // The NIC may have put the QP in ERR (a rejected access) before the
-        // driver saw a flushed completion: binds there would only flush.
-        if self.engine.qp_state(qp).is_ok_and(|s| s == QpState::Error) {
-            self.start_fence(&mut st, peer);
-            drop(st);
-            return fail(
-                lease,
-                ExposeErrorKind::Engine("the peer's queue pair is in ERR: fenced, reconnecting".into()),
-            );
-        }
         let slot_size = lease.pool().slot_size();
         let Ok(len) = u32::try_from(slot_size) else {
             drop(st);
@@ -654,6 +669,13 @@ impl Inner {
                         }
                         Err(e) => {
                             wrs.remove(&wr);
+                            // The NIC may have put the QP in ERR (a rejected
+                            // access) before the driver saw a flushed
+                            // completion: fence it now, so the next exposure
+                            // goes to the new connection.
+                            if self.engine.qp_state(qp).is_ok_and(|s| s == QpState::Error) {
+                                self.start_fence(&mut st, peer);
+                            }
                             drop(st);
                             // Binds already posted finish in the driver; their
                             // windows are invalidated there (nothing exposed).
@@ -841,23 +863,46 @@ impl Inner {
         }
     }
 
-    /// Posts `msg` as a SEND on `qp` (its buffer is held until the SEND completes).
+    /// Posts `msg` as a SEND on `qp`, from a free buffer of the peer's
+    /// SEND ring (held until the SEND completes), or, with all of them in
+    /// flight, from one registered for it alone.
     fn send_control(&self, st: &mut State, peer: PeerId, qp: QpId, msg: &ControlMessage) -> Result<(), VerbsError> {
         let bytes = msg.encode().map_err(|e| VerbsError::invalid("encode", e.to_string()))?;
-        let region = HostRegion::new(bytes.len()).map_err(|e| VerbsError::invalid("send buffer", e.to_string()))?;
-        region.write(0, &bytes).map_err(|e| VerbsError::invalid("send buffer", e.to_string()))?;
-        let mr = self.engine.register(Arc::new(region), MrAccess::Local)?.id;
+        let len = bytes.len() as u32;
+        let ring = st.peers.get_mut(&peer).and_then(|p| p.send_free.pop().map(|i| (i, p.send.clone())));
+        let (slot, mr, offset) = match ring {
+            Some((i, (mr, region))) => {
+                let at = i as usize * kv_transfer_core::drain::MAX_LEN;
+                region.write(at, &bytes).map_err(|e| VerbsError::invalid("send buffer", e.to_string()))?;
+                (Some(i), mr, at as u64)
+            }
+            None => {
+                let region =
+                    HostRegion::new(bytes.len()).map_err(|e| VerbsError::invalid("send buffer", e.to_string()))?;
+                region.write(0, &bytes).map_err(|e| VerbsError::invalid("send buffer", e.to_string()))?;
+                (None, self.engine.register(Arc::new(region), MrAccess::Local)?.id, 0)
+            }
+        };
         let wr = self.wr_id();
-        st.wrs.insert(wr, Pending::Send { peer });
-        let posted = self.engine.post(qp, wr, WorkRequest::Send { local: mr, offset: 0, len: bytes.len() as u32 });
-        // The engine keeps it registered until the SEND completes.
-        self.engine.deregister(mr);
+        let posted = self.engine.post(qp, wr, WorkRequest::Send { local: mr, offset, len });
+        if slot.is_none() {
+            // The engine keeps it registered until the SEND completes.
+            self.engine.deregister(mr);
+        }
         if let Err(e) = posted {
-            st.wrs.remove(&wr);
+            self.send_done(st, peer, slot);
             return Err(e);
         }
+        st.wrs.insert(wr, Pending::Send { peer, slot });
         inc(&self.counters.control_sent);
         Ok(())
+    }
+
+    /// A SEND's buffer is free again (its SEND completed, or never went).
+    pub(super) fn send_done(&self, st: &mut State, peer: PeerId, slot: Option<u32>) {
+        if let (Some(i), Some(p)) = (slot, st.peers.get_mut(&peer)) {
+            p.send_free.push(i);
+        }
     }
 }
 
