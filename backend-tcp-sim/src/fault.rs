@@ -134,6 +134,10 @@ impl FaultPlan {
 #[derive(Debug, Default)]
 struct GateState {
     held: bool,
+    /// Writes still to be held by `hold_next` (each until the next `open`).
+    hold_budget: usize,
+    /// Bumped by every `open`: a write held by the budget waits for it.
+    opened: u64,
     waiting: usize,
     passed: u64,
 }
@@ -173,9 +177,26 @@ impl Gate {
     pub fn hold(&self) {
         lock(&self.inner.0).held = true;
     }
+    /// Holds only the next `n` WRITEs to arrive (each until the next
+    /// [`open`](Self::open)); later ones pass. A stale write can so be kept
+    /// in flight while the slot's next tenant is written through the same NIC.
+    ///
+    /// ```
+    /// use backend_tcp_sim::Gate;
+    /// let g = Gate::new();
+    /// g.hold_next(1);
+    /// assert!(g.is_open()); // new writes pass once the budget is spent
+    /// ```
+    pub fn hold_next(&self, n: usize) {
+        lock(&self.inner.0).hold_budget = n;
+    }
     /// Let every held write (and later ones) through.
     pub fn open(&self) {
-        lock(&self.inner.0).held = false;
+        let mut st = lock(&self.inner.0);
+        st.held = false;
+        st.hold_budget = 0;
+        st.opened += 1;
+        drop(st);
         self.inner.1.notify_all();
     }
     /// Whether writes pass.
@@ -210,13 +231,18 @@ impl Gate {
     /// Waits are bounded (10 ms) so cancellation is noticed.
     pub(crate) fn pass(&self, cancel: impl Fn() -> bool) -> bool {
         let mut st = lock(&self.inner.0);
-        if !st.held {
+        let by_budget = !st.held && st.hold_budget > 0;
+        if !st.held && !by_budget {
             st.passed += 1;
             return true;
         }
+        if by_budget {
+            st.hold_budget -= 1;
+        }
+        let opened = st.opened;
         st.waiting += 1;
         self.inner.1.notify_all();
-        while st.held {
+        while if by_budget { st.opened == opened } else { st.held } {
             if cancel() {
                 st.waiting -= 1;
                 self.inner.1.notify_all();

@@ -10,7 +10,7 @@ use crate::lease::{Reserved, SlotLease, Tenancies};
 use crate::metrics::{report_counter, Counters, MetricsSnapshot};
 use crate::proof::{ProofScope, Settlement, SettlementKind};
 use crate::region::Region;
-use crate::sync::{lock, Mutex};
+use crate::sync::{lock, Mutex, MutexGuard};
 use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::fmt;
@@ -42,7 +42,8 @@ pub enum PoolError {
     },
 }
 
-/// Why `reserve` refused. A refused request never owns a slot (rule 6).
+/// Why `reserve` or `reserve_slots` refused. A refused request never owns a
+/// slot (rule 6).
 #[derive(Debug, thiserror::Error, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum AdmissionError {
@@ -65,6 +66,35 @@ pub enum AdmissionError {
     /// A request for zero slots is a caller bug, not a lease.
     #[error("a lease needs at least one slot")]
     Empty,
+    /// [`SlotPool::reserve_slots`] named a slot the pool does not have.
+    #[error("slot {} does not exist: the pool has {capacity} slots", slot.0)]
+    NoSuchSlot {
+        /// The slot asked for.
+        slot: SlotId,
+        /// Slots in the pool.
+        capacity: usize,
+    },
+    /// [`SlotPool::reserve_slots`] named the same slot twice.
+    #[error("slot {} is named twice in one request", slot.0)]
+    DuplicateSlot {
+        /// The slot named twice.
+        slot: SlotId,
+    },
+    /// [`SlotPool::reserve_slots`] named a slot that is not free: the caller
+    /// reused a slot this pool still holds.
+    #[error(
+        "slot {} is not free ({})",
+        slot.0,
+        if *quarantined { "quarantined until a settlement proof arrives" } else { "leased or exposed" }
+    )]
+    SlotBusy {
+        /// The first slot of the request that is not free.
+        slot: SlotId,
+        /// Whether it is quarantined, waiting for a settlement proof (its
+        /// exposed lease was aborted or dropped); otherwise a lease holds it
+        /// (reserved, exposed, proven or settled).
+        quarantined: bool,
+    },
 }
 
 /// Configuration of a pool.
@@ -120,12 +150,17 @@ pub(crate) const EXPOSED: u8 = 2;
 pub(crate) const PROVEN: u8 = 3;
 /// Its lease was aborted or dropped while exposed; waits for a proof.
 pub(crate) const QUARANTINED: u8 = 4;
+/// Free and named earlier in the same `reserve_slots` call. Transient: set
+/// and cleared under one hold of the lock, never seen outside it.
+const CLAIMING: u8 = 5;
 
 /// Per-slot metadata: 16 bytes (plus 4 on the free list while free).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SlotMeta {
     pub(crate) generation: u64,
-    /// The peer while `EXPOSED`/`PROVEN`; the quarantine entry while `QUARANTINED`.
+    /// The peer while `EXPOSED`/`PROVEN`; the quarantine entry while
+    /// `QUARANTINED`; its index in [`PoolState::free`] while `FREE` (so a
+    /// named slot leaves the free list in O(1): see `PoolState::take_free`).
     pub(crate) aux: u32,
     /// The pool's fence epoch when the slot was exposed: a fence minted
     /// before that does not cover it. (In the struct's padding: 16 bytes still.)
@@ -147,6 +182,9 @@ pub(crate) struct QuarantineEntry {
 
 pub(crate) struct PoolState {
     pub(crate) slots: Vec<SlotMeta>,
+    /// The free slots, used as a stack. Changed only through `push_free`,
+    /// `pop_free` and `take_free`, which keep each free slot's `aux` equal to
+    /// its index here.
     pub(crate) free: Vec<u32>,
     /// Quarantine entries; a slot's `aux` indexes this while quarantined.
     pub(crate) quarantine: Vec<Option<QuarantineEntry>>,
@@ -168,6 +206,42 @@ pub(crate) struct PoolState {
     /// Fenced proofs minted so far (wrapping): an exposure records it, a
     /// fence covers the exposures recorded at or before its own.
     pub(crate) fence_epoch: u16,
+}
+
+impl PoolState {
+    /// Puts `slot` on the free list (top of the stack) and marks it `FREE`.
+    fn push_free(&mut self, slot: u32) {
+        let pos = self.free.len() as u32;
+        let meta = &mut self.slots[slot as usize];
+        meta.state = FREE;
+        meta.aux = pos;
+        self.free.push(slot);
+    }
+
+    /// Takes the slot on top of the free list, if any. The caller sets its
+    /// new state.
+    fn pop_free(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    /// Takes the named free slot off the free list in O(1): the top of the
+    /// stack moves into its place. The caller sets its new state.
+    fn take_free(&mut self, slot: u32) {
+        let pos = self.slots[slot as usize].aux as usize;
+        debug_assert_eq!(self.free.get(pos), Some(&slot), "free-list index of slot {slot} is stale");
+        self.free.swap_remove(pos);
+        if let Some(&moved) = self.free.get(pos) {
+            self.slots[moved as usize].aux = pos as u32;
+        }
+    }
+
+    /// Gives `slot` (just taken off the free list) a fresh tenancy.
+    fn lease_slot(&mut self, slot: u32) -> Tenancy {
+        let meta = &mut self.slots[slot as usize];
+        meta.generation += 1;
+        meta.state = HELD;
+        Tenancy::new(SlotId(slot), Generation(meta.generation))
+    }
 }
 
 pub(crate) struct PoolInner {
@@ -249,8 +323,11 @@ impl SlotPool {
         }
         let capacity = u32::try_from(slots).map_err(|_| PoolError::TooManySlots { slots })?;
         let state = PoolState {
-            slots: vec![SlotMeta { generation: 0, aux: 0, epoch: 0, state: FREE }; slots],
-            // Popped from the back: slot 0 is handed out first.
+            // Popped from the back: slot 0 is handed out first. Each free
+            // slot's `aux` is its index on the free list.
+            slots: (0..capacity)
+                .map(|i| SlotMeta { generation: 0, aux: capacity - 1 - i, epoch: 0, state: FREE })
+                .collect(),
             free: (0..capacity).rev().collect(),
             quarantine: Vec::new(),
             quarantine_vacant: Vec::new(),
@@ -326,26 +403,128 @@ impl SlotPool {
             None
         };
         if let Some(e) = refusal {
-            st.counters.admission_rejected += 1;
-            drop(st);
-            report_counter!("kvt_admission_rejected_total", self.inner.id, 1);
-            tracing::debug!(pool = self.inner.id.0, requested = n, error = %e, "admission refused");
-            return Err(e);
+            return Err(self.refuse(st, n, e));
         }
         let mut tenancies = Tenancies::with_capacity(n);
         for _ in 0..n {
             // Cannot fail: n <= free.len() was checked under the same lock.
-            let Some(idx) = st.free.pop() else { break };
-            let meta = &mut st.slots[idx as usize];
-            meta.generation += 1;
-            meta.state = HELD;
-            tenancies.push(Tenancy::new(SlotId(idx), Generation(meta.generation)));
+            let Some(idx) = st.pop_free() else { break };
+            tenancies.push(st.lease_slot(idx));
         }
-        st.leased += n as u64;
+        Ok(self.grant(st, tenancies))
+    }
+
+    /// Reserves exactly the named slots, all or nothing (rule 6), each under
+    /// a fresh generation: the lease's tenancies are in the order given.
+    ///
+    /// For a caller that allocates slots itself (a serving engine's page
+    /// allocator) and tells the pool which ones a request got. A slot that
+    /// is not free means the caller reused a slot this pool still holds
+    /// (leased, exposed, or quarantined until a proof arrives): that is
+    /// refused, never handed out. The refusal names the first offending slot
+    /// in the order given; nothing in the pool changes, and it is counted
+    /// like any refused admission.
+    ///
+    /// Costs O(`slots.len()`), whatever the pool's capacity.
+    ///
+    /// # Errors
+    ///
+    /// - [`AdmissionError::Empty`]: `slots` is empty.
+    /// - [`AdmissionError::NoSuchSlot`]: a slot is not below the capacity.
+    /// - [`AdmissionError::DuplicateSlot`]: a slot is named twice.
+    /// - [`AdmissionError::SlotBusy`]: a slot is not free; `quarantined`
+    ///   says whether it waits for a settlement proof.
+    ///
+    /// ```
+    /// use kv_transfer_core::{AdmissionError, HostRegion, PeerId, PoolConfig, SlotId, SlotPool};
+    /// use std::sync::Arc;
+    ///
+    /// let region = Arc::new(HostRegion::new(8 * 4096).unwrap());
+    /// let (pool, authority) = SlotPool::new(region, PoolConfig::new(4096)).unwrap();
+    ///
+    /// // The engine's allocator gave the request pages 5, 2 and 7.
+    /// let lease = pool.reserve_slots(&[SlotId(5), SlotId(2), SlotId(7)]).unwrap();
+    /// let slots: Vec<SlotId> = lease.tenancies().iter().map(|t| t.slot).collect();
+    /// assert_eq!(slots, [SlotId(5), SlotId(2), SlotId(7)]);
+    /// assert_eq!(pool.metrics().free, 5);
+    ///
+    /// // Exposed, then aborted: the pages are quarantined until a proof.
+    /// let (exposed, remote) = authority.expose(lease, PeerId(1), 0x1234, "decode-0", Default::default());
+    /// exposed.abort();
+    ///
+    /// // The engine hands page 2 out again too early: refused, nothing taken.
+    /// assert_eq!(
+    ///     pool.reserve_slots(&[SlotId(1), SlotId(2)]).unwrap_err(),
+    ///     AdmissionError::SlotBusy { slot: SlotId(2), quarantined: true }
+    /// );
+    /// assert_eq!(pool.metrics().free, 5);
+    ///
+    /// // Once the peer's drain is proven, the same request is served.
+    /// authority.deliver(authority.completed(&remote.tenancies()));
+    /// let again = pool.reserve_slots(&[SlotId(1), SlotId(2)]).unwrap();
+    /// assert_eq!(again.tenancies()[1].generation.0, 2);
+    /// ```
+    pub fn reserve_slots(&self, slots: &[SlotId]) -> Result<SlotLease<Reserved>, AdmissionError> {
+        let n = slots.len();
+        if n == 0 {
+            return Err(self.refuse(lock(&self.inner.state), 0, AdmissionError::Empty));
+        }
+        let capacity = self.capacity();
+        // Allocated before the lock; no allocation while slots are CLAIMING.
+        let mut tenancies = Tenancies::with_capacity(n);
+        let mut st = lock(&self.inner.state);
+        // Pass 1: check every slot, marking each free one CLAIMING so that a
+        // second mention of it is seen. Undone on refusal.
+        let mut refusal = None;
+        let mut claimed = 0;
+        for &slot in slots {
+            let Some(meta) = st.slots.get_mut(slot.0 as usize) else {
+                refusal = Some(AdmissionError::NoSuchSlot { slot, capacity });
+                break;
+            };
+            match meta.state {
+                FREE => meta.state = CLAIMING,
+                CLAIMING => refusal = Some(AdmissionError::DuplicateSlot { slot }),
+                s => refusal = Some(AdmissionError::SlotBusy { slot, quarantined: s == QUARANTINED }),
+            }
+            if refusal.is_some() {
+                break;
+            }
+            claimed += 1;
+        }
+        if let Some(e) = refusal {
+            // The first `claimed` slots are distinct and were FREE; their
+            // place on the free list was never touched.
+            for slot in &slots[..claimed] {
+                st.slots[slot.0 as usize].state = FREE;
+            }
+            return Err(self.refuse(st, n, e));
+        }
+        // Pass 2: all distinct and free; take each off the free list.
+        for slot in slots {
+            st.take_free(slot.0);
+            tenancies.push(st.lease_slot(slot.0));
+        }
+        Ok(self.grant(st, tenancies))
+    }
+
+    /// Counts and reports a refused admission (under the lock, then after it).
+    fn refuse(&self, mut st: MutexGuard<'_, PoolState>, requested: usize, e: AdmissionError) -> AdmissionError {
+        st.counters.admission_rejected += 1;
+        drop(st);
+        report_counter!("kvt_admission_rejected_total", self.inner.id, 1);
+        tracing::debug!(pool = self.inner.id.0, requested, error = %e, "admission refused");
+        e
+    }
+
+    /// Records a granted admission of `tenancies` (already `HELD`) and
+    /// returns its lease.
+    fn grant(&self, mut st: MutexGuard<'_, PoolState>, tenancies: Tenancies) -> SlotLease<Reserved> {
+        st.leased += tenancies.len() as u64;
         st.counters.leases += 1;
         drop(st);
         report_counter!("kvt_leases_total", self.inner.id, 1);
-        Ok(SlotLease::new(self.clone(), tenancies, None))
+        SlotLease::new(self.clone(), tenancies, None)
     }
 
     /// A snapshot of the pool's gauges and counters.
@@ -374,8 +553,11 @@ impl SlotPool {
     }
 
     /// Bytes of pool metadata per slot (state table plus free list), for
-    /// capacity planning. Quarantine entries and waiters are extra and
-    /// proportional to what is in flight, not to capacity.
+    /// capacity planning. A free slot's index on the free list (which lets
+    /// [`reserve_slots`](Self::reserve_slots) take a named slot in O(1))
+    /// lives in the state table, so it costs nothing extra. Quarantine
+    /// entries and waiters are extra and proportional to what is in flight,
+    /// not to capacity.
     pub fn metadata_bytes_per_slot() -> usize {
         std::mem::size_of::<SlotMeta>() + std::mem::size_of::<u32>()
     }
@@ -394,7 +576,7 @@ impl SlotPool {
     pub fn check_invariants(&self) -> Result<(), String> {
         let st = lock(&self.inner.state);
         let mut on_free_list = vec![false; st.slots.len()];
-        for &i in &st.free {
+        for (pos, &i) in st.free.iter().enumerate() {
             let i = i as usize;
             if i >= st.slots.len() {
                 return Err(format!("free list holds unknown slot {i}"));
@@ -403,6 +585,10 @@ impl SlotPool {
                 return Err(format!("slot {i} is on the free list twice"));
             }
             on_free_list[i] = true;
+            let m = st.slots[i];
+            if m.state == FREE && m.aux as usize != pos {
+                return Err(format!("free slot {i} is at {pos} on the free list but its index says {}", m.aux));
+            }
         }
         let (mut held, mut quarantined) = (0u64, 0u64);
         for (i, m) in st.slots.iter().enumerate() {
@@ -433,11 +619,10 @@ impl SlotPool {
         let mut st = lock(&self.inner.state);
         let mut n = 0u64;
         for t in tenancies {
-            let meta = &mut st.slots[t.slot.0 as usize];
+            let meta = st.slots[t.slot.0 as usize];
             debug_assert_eq!(meta.generation, t.generation.0);
             debug_assert_eq!(meta.state, HELD);
-            meta.state = FREE;
-            st.free.push(t.slot.0);
+            st.push_free(t.slot.0);
             n += 1;
         }
 
@@ -504,8 +689,7 @@ impl SlotPool {
             st.waiters.remove(&t.slot.0);
             let meta = st.slots[t.slot.0 as usize];
             if meta.state == PROVEN {
-                st.slots[t.slot.0 as usize].state = FREE;
-                st.free.push(t.slot.0);
+                st.push_free(t.slot.0);
                 freed += 1;
             } else {
                 debug_assert_eq!(meta.state, EXPOSED);
@@ -732,9 +916,7 @@ impl SlotPool {
     /// Frees one quarantined slot on a proof; closes its entry when it was the last.
     /// Returns the abort-to-reclaim latency when the entry closed.
     fn reclaim(st: &mut PoolState, t: Tenancy, index: u32, now: Instant) -> Option<std::time::Duration> {
-        let meta = &mut st.slots[t.slot.0 as usize];
-        meta.state = FREE;
-        st.free.push(t.slot.0);
+        st.push_free(t.slot.0);
         st.quarantined -= 1;
         st.counters.released += 1;
         let entry = st.quarantine.get_mut(index as usize).and_then(Option::as_mut)?;

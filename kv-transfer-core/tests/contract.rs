@@ -51,6 +51,239 @@ fn rule6_admission_is_all_or_nothing_and_typed() {
     pool.check_invariants().unwrap();
 }
 
+// ----- reserve_slots: the caller names the slots (an engine's own page allocator) -----
+
+fn slots_of(lease: &SlotLease<Reserved>) -> Vec<SlotId> {
+    lease.tenancies().iter().map(|t| t.slot).collect()
+}
+
+#[test]
+fn rule6_reserve_slots_is_all_or_nothing_and_names_the_busy_slot() {
+    let (pool, authority) = pool(4);
+    // Slot 2 exposed, then aborted: quarantined until a proof.
+    let lease = pool.reserve_slots(&[SlotId(2)]).unwrap();
+    assert_eq!(lease.tenancies(), [Tenancy::new(SlotId(2), Generation(1))]);
+    let (exposed, remote) = authority.expose(lease, PeerId(7), 1, "t", Default::default());
+    exposed.abort();
+    assert_eq!(pool.metrics().quarantined, 1);
+
+    let request = [SlotId(0), SlotId(2), SlotId(3)];
+    assert_eq!(
+        pool.reserve_slots(&request).unwrap_err(),
+        AdmissionError::SlotBusy { slot: SlotId(2), quarantined: true }
+    );
+    // Nothing was taken: the free slots named before and after it are still free.
+    let m = pool.metrics();
+    assert_eq!((m.free, m.leased, m.quarantined, m.leases, m.admission_rejected), (3, 0, 1, 1, 1));
+    assert!(pool.slot_is_free(SlotId(0)) && pool.slot_is_free(SlotId(3)));
+    assert_eq!(pool.generation(SlotId(0)), Some(Generation(0)));
+    pool.check_invariants().unwrap();
+
+    // A leased slot, and a live exposure, are busy but not quarantined.
+    let held = pool.reserve_slots(&[SlotId(1)]).unwrap();
+    assert_eq!(
+        pool.reserve_slots(&[SlotId(3), SlotId(1)]).unwrap_err(),
+        AdmissionError::SlotBusy { slot: SlotId(1), quarantined: false }
+    );
+    let live = authority.expose_local(held, PeerId(7));
+    assert_eq!(
+        pool.reserve_slots(&[SlotId(1)]).unwrap_err(),
+        AdmissionError::SlotBusy { slot: SlotId(1), quarantined: false }
+    );
+    assert_eq!(pool.metrics().free, 2);
+    live.abort();
+
+    // Once the proof is delivered the same call succeeds, in the order
+    // given, and slot 2 is under a generation one higher.
+    authority.deliver(authority.completed(&remote.tenancies()));
+    let lease = pool.reserve_slots(&request).unwrap();
+    assert_eq!(slots_of(&lease), request);
+    assert_eq!(lease.tenancies()[1].generation, Generation(remote.tenancies()[0].generation.0 + 1));
+    assert_eq!(lease.tenancies()[0].generation, Generation(1));
+    let m = pool.metrics();
+    assert_eq!((m.free, m.leased, m.quarantined), (0, 3, 1));
+    pool.check_invariants().unwrap();
+    lease.release();
+    assert_eq!(pool.metrics().free, 3);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn rule6_reserve_slots_refuses_unknown_and_duplicate_slots() {
+    let (pool, _a) = pool(4);
+    assert_eq!(pool.reserve_slots(&[]).unwrap_err(), AdmissionError::Empty);
+    assert_eq!(
+        pool.reserve_slots(&[SlotId(1), SlotId(4)]).unwrap_err(),
+        AdmissionError::NoSuchSlot { slot: SlotId(4), capacity: 4 }
+    );
+    assert_eq!(
+        pool.reserve_slots(&[SlotId(u32::MAX)]).unwrap_err(),
+        AdmissionError::NoSuchSlot { slot: SlotId(u32::MAX), capacity: 4 }
+    );
+    assert_eq!(
+        pool.reserve_slots(&[SlotId(0), SlotId(1), SlotId(0)]).unwrap_err(),
+        AdmissionError::DuplicateSlot { slot: SlotId(0) }
+    );
+    // The first offending slot, in the order given, is the one named.
+    assert_eq!(
+        pool.reserve_slots(&[SlotId(1), SlotId(1), SlotId(9)]).unwrap_err(),
+        AdmissionError::DuplicateSlot { slot: SlotId(1) }
+    );
+    assert_eq!(
+        pool.reserve_slots(&[SlotId(9), SlotId(1), SlotId(1)]).unwrap_err(),
+        AdmissionError::NoSuchSlot { slot: SlotId(9), capacity: 4 }
+    );
+    // More slots than the pool has: some must repeat.
+    assert_eq!(
+        pool.reserve_slots(&[SlotId(0), SlotId(1), SlotId(2), SlotId(3), SlotId(2)]).unwrap_err(),
+        AdmissionError::DuplicateSlot { slot: SlotId(2) }
+    );
+    let e = AdmissionError::DuplicateSlot { slot: SlotId(3) }.to_string();
+    assert!(e.contains("slot 3") && e.contains("twice"), "{e}");
+    let e = AdmissionError::SlotBusy { slot: SlotId(3), quarantined: true }.to_string();
+    assert!(e.contains("slot 3") && e.contains("quarantined"), "{e}");
+
+    // The refusals took nothing, were counted, and left the free list as it
+    // was: `reserve` still hands out slot 0 first.
+    let m = pool.metrics();
+    assert_eq!((m.free, m.leased, m.leases, m.admission_rejected), (4, 0, 0, 7));
+    pool.check_invariants().unwrap();
+    for s in 0..4 {
+        assert_eq!(pool.generation(SlotId(s)), Some(Generation(0)));
+    }
+    let all = pool.reserve(4).unwrap();
+    assert_eq!(slots_of(&all), [SlotId(0), SlotId(1), SlotId(2), SlotId(3)]);
+}
+
+/// What the model below holds for one slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Model {
+    Free,
+    Held,
+    Quarantined,
+}
+
+#[test]
+fn rule6_reserve_and_reserve_slots_interleaved_never_lease_a_slot_twice() {
+    const CAP: usize = 16;
+    let (pool, authority) = pool(CAP);
+    // A fixed linear congruential generator: deterministic and bounded.
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |bound: usize| {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((seed >> 33) as usize) % bound
+    };
+    let mut model = [Model::Free; CAP];
+    let mut last_gen = [0u64; CAP];
+    let mut leases: Vec<SlotLease<Reserved>> = Vec::new();
+    let mut pending: Vec<Vec<Tenancy>> = Vec::new();
+    let (mut granted_named, mut refused_named) = (0, 0);
+
+    for step in 0..2_000 {
+        let mut granted = None;
+        match next(6) {
+            0 => {
+                let n = 1 + next(4);
+                let free = model.iter().filter(|m| **m == Model::Free).count();
+                match pool.reserve(n) {
+                    Ok(lease) => granted = Some(lease),
+                    Err(e) => {
+                        assert!(n > free, "step {step}: reserve({n}) refused with {free} free: {e}");
+                        assert_eq!(e, AdmissionError::OverCapacity { requested: n, available: free });
+                    }
+                }
+            }
+            1 | 2 => {
+                // Mostly valid requests, sometimes naming a busy, repeated or unknown slot.
+                let request: Vec<SlotId> = (0..1 + next(4)).map(|_| SlotId(next(CAP + 1) as u32)).collect();
+                let mut seen = [false; CAP + 1];
+                let expected = request.iter().find_map(|&s| {
+                    let i = s.0 as usize;
+                    let e = if i >= CAP {
+                        Some(AdmissionError::NoSuchSlot { slot: s, capacity: CAP })
+                    } else if seen[i] {
+                        Some(AdmissionError::DuplicateSlot { slot: s })
+                    } else if model[i] != Model::Free {
+                        Some(AdmissionError::SlotBusy { slot: s, quarantined: model[i] == Model::Quarantined })
+                    } else {
+                        None
+                    };
+                    seen[i] = true;
+                    e
+                });
+                match (pool.reserve_slots(&request), expected) {
+                    (Ok(lease), None) => {
+                        assert_eq!(slots_of(&lease), request, "step {step}: tenancies out of order");
+                        granted_named += 1;
+                        granted = Some(lease);
+                    }
+                    (Err(e), Some(want)) => {
+                        assert_eq!(e, want, "step {step}: {request:?}");
+                        refused_named += 1;
+                    }
+                    (got, want) => panic!(
+                        "step {step}: {request:?}: got {:?}, expected {want:?}",
+                        got.map(|l| l.tenancies().to_vec())
+                    ),
+                }
+            }
+            3 if !leases.is_empty() => {
+                let lease = leases.swap_remove(next(leases.len()));
+                for t in lease.tenancies() {
+                    model[t.slot.0 as usize] = Model::Free;
+                }
+                lease.release();
+            }
+            4 if !leases.is_empty() => {
+                let lease = leases.swap_remove(next(leases.len()));
+                let (exposed, remote) = authority.expose(lease, PeerId(1), 1, "t", Default::default());
+                exposed.abort();
+                for t in remote.tenancies() {
+                    model[t.slot.0 as usize] = Model::Quarantined;
+                }
+                pending.push(remote.tenancies());
+            }
+            5 if !pending.is_empty() => {
+                let ts = pending.swap_remove(next(pending.len()));
+                let r = authority.deliver(authority.completed(&ts));
+                assert_eq!(r.reclaimed, ts.len());
+                for t in ts {
+                    model[t.slot.0 as usize] = Model::Free;
+                }
+            }
+            _ => {}
+        }
+        if let Some(lease) = granted {
+            for t in lease.tenancies() {
+                let i = t.slot.0 as usize;
+                assert_eq!(model[i], Model::Free, "step {step}: slot {i} leased while not free");
+                assert!(t.generation.0 > last_gen[i], "step {step}: slot {i} reused generation {}", t.generation.0);
+                last_gen[i] = t.generation.0;
+                model[i] = Model::Held;
+            }
+            leases.push(lease);
+        }
+
+        pool.check_invariants().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        // Every slot is held by at most one lease or quarantine, and the pool agrees with the model.
+        let mut owners = [0u32; CAP];
+        for t in leases.iter().flat_map(|l| l.tenancies()).chain(pending.iter().flatten()) {
+            owners[t.slot.0 as usize] += 1;
+        }
+        for i in 0..CAP {
+            assert_eq!(owners[i], u32::from(model[i] != Model::Free), "step {step}: slot {i}");
+            assert_eq!(pool.slot_is_free(SlotId(i as u32)), model[i] == Model::Free, "step {step}: slot {i}");
+        }
+        let m = pool.metrics();
+        let count = |s: Model| model.iter().filter(|m| **m == s).count() as u64;
+        assert_eq!(
+            (m.free, m.leased, m.quarantined),
+            (count(Model::Free), count(Model::Held), count(Model::Quarantined))
+        );
+    }
+    assert!(granted_named > 100 && refused_named > 100, "{granted_named} granted, {refused_named} refused");
+}
+
 #[test]
 fn rule1_an_aborted_exposure_stays_quarantined_until_a_proof() {
     let (pool, authority) = pool(2);

@@ -1,0 +1,186 @@
+"""The control messages of ``kv_transfer.sglang``: the bootstrap registration
+(prefill -> bootstrap server -> decode) and the per-request metadata (decode
+-> prefill). Both come from the network, so both are parsed here, bounded and
+checked field by field; anything else is a :class:`ProtocolError` and changes
+nothing (no lease, no page, no peer).
+
+Frames on the control socket are a 4-byte big-endian length and that many
+bytes of UTF-8 JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from .. import DescriptorError
+
+#: Largest frame or registration accepted (an exposure of many pages and buffers fits).
+MAX_FRAME = 64 << 20
+#: Most buffers a registration may describe.
+MAX_BUFFERS = 4096
+
+
+class ProtocolError(DescriptorError):
+    """A malformed or hostile control message or registration."""
+
+
+def _field(obj: Dict[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
+    if name not in obj or obj[name] is None:
+        if optional:
+            return None
+        raise ProtocolError(f"missing field {name!r}")
+    v = obj[name]
+    # bool is an int in Python: refuse it where an int is meant.
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise ProtocolError(f"field {name!r} must be {kind.__name__}, not {type(v).__name__}")
+    return v
+
+
+def _b64(obj: Dict[str, Any], name: str, *, optional: bool = False) -> Optional[bytes]:
+    v = _field(obj, name, str, optional=optional)
+    if v is None:
+        return None
+    try:
+        return base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ProtocolError(f"field {name!r} is not base64: {e}") from None
+
+
+def _json(data: bytes) -> Dict[str, Any]:
+    if len(data) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(data)} B exceeds {MAX_FRAME} B")
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("a message must be a JSON object")
+    return obj
+
+
+def _uint(obj: Dict[str, Any], name: str, limit: int = 1 << 62) -> int:
+    v = _field(obj, name, int)
+    if not 0 <= v < limit:
+        raise ProtocolError(f"field {name!r} out of range: {v}")
+    return v
+
+
+def _lens(obj: Dict[str, Any], name: str) -> List[int]:
+    v = _field(obj, name, list)
+    if len(v) > MAX_BUFFERS or any(not isinstance(x, int) or isinstance(x, bool) or x <= 0 for x in v):
+        raise ProtocolError(f"field {name!r} must list at most {MAX_BUFFERS} positive ints")
+    return v
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A prefill rank as the bootstrap server publishes it."""
+
+    rank: int
+    ctrl_host: str
+    ctrl_port: int
+    backend: str
+    descriptor: bytes
+    page_size: int
+    kv_item_lens: List[int]
+    aux_item_lens: List[int]
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "rank": self.rank,
+                "ctrl_host": self.ctrl_host,
+                "ctrl_port": self.ctrl_port,
+                "backend": self.backend,
+                "descriptor": base64.b64encode(self.descriptor).decode(),
+                "page_size": self.page_size,
+                "kv_item_lens": self.kv_item_lens,
+                "aux_item_lens": self.aux_item_lens,
+            }
+        ).encode()
+
+
+def parse_registration(data: bytes) -> Registration:
+    """Parses a registration (the server on PUT, the decode side on GET)."""
+    obj = _json(data)
+    host = _field(obj, "ctrl_host", str)
+    if not host or len(host) > 255:
+        raise ProtocolError("field 'ctrl_host' must be a host name")
+    backend = _field(obj, "backend", str)
+    if len(backend) > 32:
+        raise ProtocolError("field 'backend' too long")
+    return Registration(
+        rank=_uint(obj, "rank", 1 << 20),
+        ctrl_host=host,
+        ctrl_port=_uint(obj, "ctrl_port", 1 << 16),
+        backend=backend,
+        descriptor=_b64(obj, "descriptor") or b"",
+        page_size=_uint(obj, "page_size", 1 << 30),
+        kv_item_lens=_lens(obj, "kv_item_lens"),
+        aux_item_lens=_lens(obj, "aux_item_lens"),
+    )
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """Decode -> prefill: where one request's pages are, exposed to the prefill."""
+
+    room: int
+    descriptor: bytes
+    kv: bytes
+    aux: Optional[bytes]
+    #: Tokens the decode already holds (its prefix cache): the prefill sends the rest.
+    prefix_len: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "type": "metadata",
+                "room": self.room,
+                "prefix_len": self.prefix_len,
+                "descriptor": base64.b64encode(self.descriptor).decode(),
+                "kv": base64.b64encode(self.kv).decode(),
+                "aux": None if self.aux is None else base64.b64encode(self.aux).decode(),
+            }
+        ).encode()
+
+
+def parse_metadata(data: bytes) -> Metadata:
+    """Parses a decode worker's metadata message."""
+    obj = _json(data)
+    if obj.get("type") != "metadata":
+        raise ProtocolError(f"unknown message type {obj.get('type')!r}")
+    return Metadata(
+        room=_uint(obj, "room", 1 << 63),
+        descriptor=_b64(obj, "descriptor") or b"",
+        kv=_b64(obj, "kv") or b"",
+        aux=_b64(obj, "aux", optional=True),
+        prefix_len=_uint(obj, "prefix_len", 1 << 40) if "prefix_len" in obj else 0,
+    )
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ProtocolError("connection closed mid-frame")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} B exceeds {MAX_FRAME} B")
+    return _recv_exact(sock, n)
