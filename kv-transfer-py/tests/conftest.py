@@ -61,9 +61,11 @@ def sglang():
 
 
 def kv_args(tensors: List, pages: int, item_len: int, aux_rows: int = 8, aux_item: int = 64, page_size: int = 4,
-            n_buffers: int = 4):
-    """A KVArgs over CPU tensors (kept alive in ``tensors``): ``n_buffers``
-    KV buffers of ``pages`` pages of ``item_len`` bytes and one aux buffer."""
+            n_buffers: int = 4, state: Optional[tuple] = None):
+    """A KVArgs over CPU tensors (kept alive in ``tensors``: the KV buffers,
+    then the aux buffer, then any state buffers): ``n_buffers`` KV buffers
+    of ``pages`` pages of ``item_len`` bytes, one aux buffer, and with
+    ``state=(buffers, items, item_len)`` one state type."""
     import torch
     from sglang.srt.disaggregation.base.conn import KVArgs
 
@@ -78,6 +80,14 @@ def kv_args(tensors: List, pages: int, item_len: int, aux_rows: int = 8, aux_ite
     a.aux_data_ptrs = [aux.data_ptr()]
     a.aux_data_lens = [aux.numel()]
     a.aux_item_lens = [aux_item]
+    a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], []
+    if state is not None:
+        n, items, ilen = state
+        st = [torch.zeros(items * ilen, dtype=torch.uint8) for _ in range(n)]
+        tensors.extend(st)
+        a.state_data_ptrs = [[t.data_ptr() for t in st]]
+        a.state_data_lens = [[t.numel() for t in st]]
+        a.state_item_lens = [[ilen] * n]
     a.page_size = page_size
     a.ib_device = None
     a.gpu_id = 0

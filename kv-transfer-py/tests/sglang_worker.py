@@ -16,6 +16,10 @@ from conftest import fill, kv_args, page_bytes, pattern, poll_until, server_args
 PAGES, ITEM, AUX_ITEM, TAG = 32, 512, 64, 0x5A
 #: Tokens the decode says it already holds, by room (SGLang's decode prefix cache).
 PREFIX = {103: 16}
+#: One state type: 2 buffers of 6 items of 96 bytes; each room sends one item.
+STATE = (2, 6, 96)
+STATE_ITEM = {101: 4, 102: 0, 103: 5}
+N_KV = 4
 
 
 def prefill_main(backend: str, port: int, rooms, out) -> None:
@@ -27,10 +31,12 @@ def prefill_main(backend: str, port: int, rooms, out) -> None:
         from kv_transfer.sglang.conn import KvTransferManager, KvTransferSender
 
         tensors: list = []
-        args = kv_args(tensors, PAGES, ITEM, aux_item=AUX_ITEM)
-        for b, t in enumerate(tensors[:-1]):
+        args = kv_args(tensors, PAGES, ITEM, aux_item=AUX_ITEM, state=STATE)
+        for b, t in enumerate(tensors[:N_KV]):
             fill(t, TAG, b, list(range(PAGES)), ITEM)
-        fill(tensors[-1], TAG, 0xA0, list(range(8)), AUX_ITEM)
+        fill(tensors[N_KV], TAG, 0xA0, list(range(8)), AUX_ITEM)
+        for b, t in enumerate(tensors[N_KV + 1:]):
+            fill(t, TAG, 0xC0 + b, list(range(STATE[1])), STATE[2])
         mgr = KvTransferManager(args, DisaggregationMode.PREFILL, server_args(port))
         for room, src, _dst, aux_index in rooms:
             s = KvTransferSender(mgr, f"127.0.0.1:{port}", room)
@@ -42,7 +48,7 @@ def prefill_main(backend: str, port: int, rooms, out) -> None:
             s.init(len(src), aux_index)
             half = len(src) // 2
             s.send(np.array(src[:half], dtype=np.int64))
-            s.send(np.array(src[half:], dtype=np.int64))
+            s.send(np.array(src[half:], dtype=np.int64), [np.array([STATE_ITEM[room]], dtype=np.int64)])
             st = poll_until(s.poll, {KVPoll.Success, KVPoll.Failed}, 30)
             out.put(("prefill", room, int(st), s.error, prefix))
         out.put(("prefill-metrics", mgr.get_metrics()))
@@ -62,7 +68,7 @@ def decode_main(backend: str, port: int, rooms, out) -> None:
         from kv_transfer.sglang.conn import KvTransferManager, KvTransferReceiver
 
         tensors: list = []
-        args = kv_args(tensors, PAGES, ITEM, aux_item=AUX_ITEM)
+        args = kv_args(tensors, PAGES, ITEM, aux_item=AUX_ITEM, state=STATE)
         mgr = KvTransferManager(args, DisaggregationMode.DECODE, server_args(port))
         addr = f"127.0.0.1:{port}"
         if not poll_until(lambda: mgr.try_ensure_parallel_info(addr), {True}, 90, step=0.05):
@@ -74,14 +80,19 @@ def decode_main(backend: str, port: int, rooms, out) -> None:
             if r.poll() != KVPoll.WaitingForInput:
                 out.put(("decode", room, int(r.poll()), r.error, -1))
                 continue
-            r.send_metadata(np.array(dst, dtype=np.int32), aux_index, None, decode_prefix_len=PREFIX.get(room, 0))
+            # The decode's state item for this room: another index than the prefill's.
+            d_state = (STATE_ITEM[room] + 1) % STATE[1]
+            r.send_metadata(np.array(dst, dtype=np.int32), aux_index, [np.array([d_state], dtype=np.int32)],
+                            decode_prefix_len=PREFIX.get(room, 0))
             st = poll_until(r.poll, {KVPoll.Success, KVPoll.Failed}, 30)
             bad = 0
-            for b, t in enumerate(tensors[:-1]):
+            for b, t in enumerate(tensors[:N_KV]):
                 for s_page, d_page in zip(src, dst):
                     bad += page_bytes(t, d_page, ITEM) != pattern(TAG, b, s_page, ITEM)
             if aux_index is not None:
-                bad += page_bytes(tensors[-1], aux_index, AUX_ITEM) != pattern(TAG, 0xA0, aux_index, AUX_ITEM)
+                bad += page_bytes(tensors[N_KV], aux_index, AUX_ITEM) != pattern(TAG, 0xA0, aux_index, AUX_ITEM)
+            for b, t in enumerate(tensors[N_KV + 1:]):
+                bad += page_bytes(t, d_state, STATE[2]) != pattern(TAG, 0xC0 + b, STATE_ITEM[room], STATE[2])
             out.put(("decode", room, int(st), r.error, bad))
         m = mgr.get_metrics()
         mgr.kv_pool.check()

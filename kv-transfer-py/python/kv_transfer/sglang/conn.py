@@ -195,6 +195,19 @@ class KvTransferManager(BaseKVManager):
         self.kv_pool = self.endpoint.register(_buffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens))
         aux = _buffers(getattr(args, "aux_data_ptrs", None), getattr(args, "aux_data_lens", None), getattr(args, "aux_item_lens", None))
         self.aux_pool = self.endpoint.register(aux) if aux else None
+        # One pool per state type (Mamba, SWA, ...): item i of every buffer
+        # of that type is one "page" of it. Same layout on both sides
+        # (no resharding across TP sizes).
+        self.state_pools: List[Optional[kv_transfer.PagePool]] = []
+        self.state_item_lens: List[List[int]] = []
+        for ptrs, lens, items in zip(
+            getattr(args, "state_data_ptrs", None) or [],
+            getattr(args, "state_data_lens", None) or [],
+            getattr(args, "state_item_lens", None) or [],
+        ):
+            bufs = _buffers(ptrs, lens, items)
+            self.state_pools.append(self.endpoint.register(bufs) if bufs else None)
+            self.state_item_lens.append([b[2] for b in bufs])
         # decode: room -> (kv lease, aux lease); prefill: room -> the decode's exposure.
         self.rooms: Dict[int, Any] = {}
         self.prefill_info_table: Dict[str, Any] = {}
@@ -243,6 +256,7 @@ class KvTransferManager(BaseKVManager):
             page_size=int(getattr(self.kv_args, "page_size", 1) or 1),
             kv_item_lens=[int(x) for x in self.kv_args.kv_item_lens],
             aux_item_lens=[int(x) for x in (getattr(self.kv_args, "aux_item_lens", None) or [])],
+            state_item_lens=self.state_item_lens,
         )
         req = urllib.request.Request(self._bootstrap_url(), data=reg.to_json(), method="PUT")
         for attempt in range(5):
@@ -300,6 +314,16 @@ class KvTransferManager(BaseKVManager):
             aux = kv_transfer.RemotePages.from_bytes(md.aux) if md.aux is not None else None
             if aux is not None and (self.aux_pool is None or aux.buffers != self.aux_pool.buffers or aux.pages != 1):
                 raise wire.ProtocolError("the decode's aux exposure does not match this prefill's aux buffers")
+            state = []
+            for t, raw in enumerate(md.state):
+                if raw is None:
+                    state.append(None)
+                    continue
+                pool = self.state_pools[t] if t < len(self.state_pools) else None
+                remote = kv_transfer.RemotePages.from_bytes(raw)
+                if pool is None or remote.buffers != pool.buffers:
+                    raise wire.ProtocolError(f"the decode's state exposure {t} does not match this prefill's state buffers")
+                state.append(remote)
             peer = self.endpoint.add_peer(md.descriptor)
         except (wire.ProtocolError, kv_transfer.KvTransferError) as e:
             with self._lock:
@@ -307,10 +331,10 @@ class KvTransferManager(BaseKVManager):
             logger.warning("kvtransfer: refused a control message: %s", e)
             raise
         with self._lock:
-            self.rooms[md.room] = (peer, kv, aux, md.prefix_len)
+            self.rooms[md.room] = (peer, kv, aux, md.prefix_len, state)
             self._lock.notify_all()
 
-    def target_of(self, room: int) -> Optional[Tuple[int, Any, Any, int]]:
+    def target_of(self, room: int) -> Optional[Tuple[int, Any, Any, int, List[Any]]]:
         with self._lock:
             return self.rooms.get(room)
 
@@ -336,6 +360,8 @@ class KvTransferManager(BaseKVManager):
             raise wire.ProtocolError(f"the prefill runs backend {reg.backend!r}, this decode {self.backend!r}")
         if reg.kv_item_lens != [int(x) for x in self.kv_args.kv_item_lens]:
             raise wire.ProtocolError("the prefill's KV page layout differs from this decode's (kv_item_lens)")
+        if [list(x) for x in reg.state_item_lens] != self.state_item_lens:
+            raise wire.ProtocolError("the prefill's state buffer layout differs from this decode's (state_item_lens)")
         with self._lock:
             self._registrations[key] = reg
         return reg
@@ -433,12 +459,10 @@ class KvTransferSender(BaseKVSender):
 
     def send(self, kv_indices: Any, state_indices: Optional[List[Any]] = None, num_kv_tokens: Optional[int] = None,
              **_: Any) -> None:
-        if state_indices and any(s is not None for s in state_indices):
-            return self._fail("kvtransfer does not transfer state buffers (mamba/SWA state) yet")
         target = self.kv_mgr.target_of(self.bootstrap_room)
         if target is None:
             return self._fail("send() before the decode's metadata arrived")
-        _, kv_remote, aux_remote, _ = target
+        _, kv_remote, aux_remote, _, state_remotes = target
         idx = _index_bytes(kv_indices)
         n = len(idx) // 4
         if self.started_at is None:
@@ -452,6 +476,14 @@ class KvTransferSender(BaseKVSender):
         last = self.num_pages is None or self.sent_pages >= self.num_pages
         if last and self.aux_index is not None and aux_remote is not None and self.kv_mgr.aux_pool is not None:
             self.pending.append((_index_bytes([self.aux_index]), aux_remote, self.kv_mgr.aux_pool))
+        for t, indices in enumerate(state_indices or []):
+            if indices is None:
+                continue
+            remote = state_remotes[t] if t < len(state_remotes) else None
+            idx = _index_bytes(indices)
+            if remote is None or remote.pages != len(idx) // 4:
+                return self._fail(f"state {t}: the decode exposed no matching items for {len(idx) // 4} state indices")
+            self.pending.append((idx, remote, self.kv_mgr.state_pools[t]))
         self._drive()
 
     def _drive(self) -> None:
@@ -568,9 +600,10 @@ class KvTransferReceiver(BaseKVReceiver):
                       decode_prefix_len: Optional[int] = None, destination: Any = None, **_: Any) -> None:
         if self.registration is None or self.peer is None:
             return self._fail("send_metadata before init")
-        if state_indices and any(s is not None for s in state_indices):
-            return self._fail("kvtransfer does not transfer state buffers (mamba/SWA state) yet")
         mgr = self.kv_mgr
+        for t, indices in enumerate(state_indices or []):
+            if indices is not None and (t >= len(mgr.state_pools) or mgr.state_pools[t] is None):
+                return self._fail(f"state indices for state type {t}, which has no buffers here")
         try:
             kv = mgr.kv_pool.reserve(_index_bytes(kv_indices))
         except kv_transfer.AdmissionRefused as e:
@@ -584,6 +617,14 @@ class KvTransferReceiver(BaseKVReceiver):
                 aux = mgr.aux_pool.reserve([int(aux_index)])
                 leases.append(aux)
                 aux_remote = mgr.endpoint.expose(aux, self.peer)
+            state_remotes: List[Optional[bytes]] = []
+            for t, indices in enumerate(state_indices or []):
+                if indices is None:
+                    state_remotes.append(None)
+                    continue
+                lease = mgr.state_pools[t].reserve(_index_bytes(indices))
+                leases.append(lease)
+                state_remotes.append(bytes(mgr.endpoint.expose(lease, self.peer).to_bytes()))
         except kv_transfer.KvTransferError as e:
             self.leases = leases
             self._abort_leases()
@@ -597,6 +638,7 @@ class KvTransferReceiver(BaseKVReceiver):
             kv=bytes(kv_remote.to_bytes()),
             aux=None if aux_remote is None else bytes(aux_remote.to_bytes()),
             prefix_len=int(decode_prefix_len or 0),
+            state=tuple(state_remotes),
         )
         try:
             with socket.create_connection((self.registration.ctrl_host, self.registration.ctrl_port), CTRL_TIMEOUT_S) as s:

@@ -16,7 +16,7 @@ import json
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import DescriptorError
 
@@ -24,6 +24,8 @@ from .. import DescriptorError
 MAX_FRAME = 64 << 20
 #: Most buffers a registration may describe.
 MAX_BUFFERS = 4096
+#: Most state types (SGLang's StateType: Mamba, SWA, ...) a message may name.
+MAX_STATE_TYPES = 64
 
 
 class ProtocolError(DescriptorError):
@@ -90,6 +92,8 @@ class Registration:
     page_size: int
     kv_item_lens: List[int]
     aux_item_lens: List[int]
+    #: Per state type (Mamba, SWA, ...), its buffers' item lengths.
+    state_item_lens: List[List[int]] = ()  # type: ignore[assignment]
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -102,6 +106,7 @@ class Registration:
                 "page_size": self.page_size,
                 "kv_item_lens": self.kv_item_lens,
                 "aux_item_lens": self.aux_item_lens,
+                "state_item_lens": [list(x) for x in self.state_item_lens],
             }
         ).encode()
 
@@ -124,7 +129,15 @@ def parse_registration(data: bytes) -> Registration:
         page_size=_uint(obj, "page_size", 1 << 30),
         kv_item_lens=_lens(obj, "kv_item_lens"),
         aux_item_lens=_lens(obj, "aux_item_lens"),
+        state_item_lens=_state_lens(obj),
     )
+
+
+def _state_lens(obj: Dict[str, Any]) -> List[List[int]]:
+    v = obj.get("state_item_lens") or []
+    if not isinstance(v, list) or len(v) > MAX_STATE_TYPES:
+        raise ProtocolError(f"field 'state_item_lens' must list at most {MAX_STATE_TYPES} state types")
+    return [_lens({"x": x}, "x") for x in v]
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,8 @@ class Metadata:
     aux: Optional[bytes]
     #: Tokens the decode already holds (its prefix cache): the prefill sends the rest.
     prefix_len: int = 0
+    #: Per state type, the exposure of the request's state items (None: none of that type).
+    state: Tuple[Optional[bytes], ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -147,6 +162,7 @@ class Metadata:
                 "descriptor": base64.b64encode(self.descriptor).decode(),
                 "kv": base64.b64encode(self.kv).decode(),
                 "aux": None if self.aux is None else base64.b64encode(self.aux).decode(),
+                "state": [None if x is None else base64.b64encode(x).decode() for x in self.state],
             }
         ).encode()
 
@@ -162,7 +178,15 @@ def parse_metadata(data: bytes) -> Metadata:
         kv=_b64(obj, "kv") or b"",
         aux=_b64(obj, "aux", optional=True),
         prefix_len=_uint(obj, "prefix_len", 1 << 40) if "prefix_len" in obj else 0,
+        state=_state_exposures(obj),
     )
+
+
+def _state_exposures(obj: Dict[str, Any]) -> Tuple[Optional[bytes], ...]:
+    v = obj.get("state") or []
+    if not isinstance(v, list) or len(v) > MAX_STATE_TYPES:
+        raise ProtocolError(f"field 'state' must list at most {MAX_STATE_TYPES} state exposures")
+    return tuple(_b64({"x": x}, "x", optional=True) for x in v)
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:
