@@ -51,7 +51,12 @@ impl NicInner {
             if self.shutdown.load(Ordering::SeqCst) {
                 break;
             }
-            let Ok(mut s) = s else { continue };
+            let mut s = match s {
+                Ok(s) => s,
+                // The listener was shut down (`wake_acceptor`): nothing more to accept.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
+                Err(_) => continue,
+            };
             let res = (|| -> Result<(), NicError> {
                 s.set_nodelay(true)?;
                 s.set_read_timeout(Some(self.cfg.handshake_timeout))?;
@@ -73,6 +78,12 @@ impl NicInner {
     }
 
     pub(super) fn wake_acceptor(&self) {
+        if let Some(l) = &self.listener_handle {
+            use std::os::fd::AsRawFd;
+            // SAFETY: shutdown(2) on a socket we own; a blocked accept(2)
+            // on it returns (EINVAL) and the acceptor sees `shutdown`.
+            unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
+        }
         let _ = TcpStream::connect_timeout(
             &match self.endpoint.parse() {
                 Ok(a) => a,

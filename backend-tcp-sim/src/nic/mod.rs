@@ -124,6 +124,11 @@ struct NicInner {
     events_cv: Condvar,
     shutdown: AtomicBool,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// A second handle on the listening socket: shutting it down wakes the
+    /// acceptor's `accept` from any thread, whatever network namespace the
+    /// caller is in (a wake-up connection from the caller would not reach a
+    /// NIC started inside another namespace).
+    listener_handle: Option<TcpListener>,
     fault_log: Mutex<Vec<FaultRecord>>,
     last_decode_error: Mutex<Option<DecodeError>>,
     /// Target side of core's drain protocol: every tenancy exposed to a
@@ -216,6 +221,7 @@ impl SimNic {
             events_cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
             threads: Mutex::new(Vec::new()),
+            listener_handle: listener.try_clone().ok(),
             fault_log: Mutex::new(Vec::new()),
             last_decode_error: Mutex::new(None),
             exposures,

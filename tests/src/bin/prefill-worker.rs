@@ -1,7 +1,7 @@
 //! A prefill worker in its own process, for the peer-crash scenario: it
 //! connects a simulated NIC to the decode side and, for every command read
 //! from stdin (one JSON object per line:
-//! `{"remote": RemoteSlots, "request": N, "repeat": R}`), WRITEs request N's
+//! `{"remote": RemoteSlots, "request": N, "repeat": R, "notify": bool}`), WRITEs request N's
 //! tagged payload into the remote slots R times back to back. The test kills
 //! it mid-transfer.
 //!
@@ -33,11 +33,16 @@ fn run() -> Result<(), String> {
             serde_json::from_value(v.get("remote").cloned().unwrap_or_default()).map_err(|e| e.to_string())?;
         let request = v.get("request").and_then(serde_json::Value::as_u64).unwrap_or(0);
         let repeat = v.get("repeat").and_then(serde_json::Value::as_u64).unwrap_or(1).clamp(1, 16);
+        // `"notify": false`: no DONE, so only a drain, revocation or fence settles the target.
+        let opts = match v.get("notify").and_then(serde_json::Value::as_bool) {
+            Some(n) => TransferOptions::notify(n),
+            None => TransferOptions::default(),
+        };
         let mut handles = Vec::new();
         for _ in 0..repeat {
             let mut src = pool.reserve(remote.slots.len()).map_err(|e| e.to_string())?;
             fill_tagged(&mut src, &remote, request).map_err(|e| e.0)?;
-            handles.push(block_on(nic.write(src, &remote, TransferOptions::default())).map_err(|e| e.to_string())?);
+            handles.push(block_on(nic.write(src, &remote, opts.clone())).map_err(|e| e.to_string())?);
         }
         for mut h in handles {
             if let Some(Ok(out)) = poll_until(std::pin::Pin::new(&mut h), Duration::from_secs(30)) {
