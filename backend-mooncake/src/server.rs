@@ -98,6 +98,10 @@ impl ServerShared {
 #[derive(Debug)]
 pub(crate) struct Listener {
     addr: SocketAddr,
+    /// A second handle on the listening socket: shutting it down wakes the
+    /// blocking `accept` whatever network namespace the dropping thread is
+    /// in (a wake-up connection from another namespace never arrives).
+    handle: Option<TcpListener>,
     shared: Arc<ServerShared>,
     thread: Option<JoinHandle<()>>,
     conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
@@ -113,7 +117,13 @@ impl Listener {
 impl Drop for Listener {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        // Wake the blocking accept.
+        // Wake the blocking accept: shut the listener down (accept returns
+        // EINVAL), and connect as well where shutdown is not enough.
+        if let Some(l) = &self.handle {
+            use std::os::fd::AsRawFd;
+            // SAFETY: shutdown(2) on a socket this listener owns.
+            unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
+        }
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -136,6 +146,7 @@ fn spawn_listener(
     handler: fn(TcpStream, &ServerShared),
 ) -> Result<Listener, EngineError> {
     let addr = listener.local_addr().map_err(|e| EngineError::io("local_addr", e))?;
+    let handle = listener.try_clone().ok();
     let sh = shared.clone();
     let live = Arc::new(AtomicUsize::new(0));
     let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
@@ -148,7 +159,12 @@ fn spawn_listener(
                 if sh.stop.load(Ordering::SeqCst) {
                     break;
                 }
-                let Ok(stream) = conn else { continue };
+                let stream = match conn {
+                    Ok(s) => s,
+                    // The listener was shut down (drop): nothing more to accept.
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
+                    Err(_) => continue,
+                };
                 if live.load(Ordering::Acquire) >= MAX_CONNS {
                     tracing::warn!("too many connections; dropping one");
                     continue;
@@ -172,7 +188,7 @@ fn spawn_listener(
             }
         })
         .map_err(|e| EngineError::io("spawn listener", e))?;
-    Ok(Listener { addr, shared, thread: Some(thread), conns, live: live_l })
+    Ok(Listener { addr, handle, shared, thread: Some(thread), conns, live: live_l })
 }
 
 /// Starts the handshake server on `bind`.

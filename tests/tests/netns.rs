@@ -29,6 +29,8 @@ const SCENARIOS: &[(&str, bool, Scenario)] = &[
     ("netns_abort_lost_on_a_cut_link_then_restored::tcp_sim", false, abort_lost_then_restored),
     ("netns_lossy_reordering_network_race::tcp_sim", true, lossy_race),
     ("netns_frozen_then_killed_peer_process::tcp_sim", false, frozen_then_killed_peer),
+    #[cfg(feature = "mooncake")]
+    ("netns_link_cut_held_and_reported_stuck::mooncake", false, mooncake::link_cut),
 ];
 
 /// Set by `.ci/run` for its host pass: the netem scenarios run in the verbs
@@ -347,4 +349,91 @@ fn frozen_then_killed_peer() -> Result<(), Failed> {
         .map_err(err("read"))?;
     ensure(landed == 0, format!("{landed} bytes landed after the reclaim"))?;
     Ok(())
+}
+
+/// Mooncake over TCP across the veth: it can neither revoke nor fence, so
+/// an aborted exposure whose peer is cut off stays quarantined and is
+/// reported stuck, never freed by a timer. After the link returns a slot may
+/// come back only with the drain's ack (`Completed`); the adapter sends its
+/// ABORT once, so today they stay stuck: visible, never reused.
+#[cfg(feature = "mooncake")]
+mod mooncake {
+    use super::*;
+    use backend_mooncake::{AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, TcpTransportConfig};
+    use kv_transfer_core::Target;
+
+    fn side(host: &netns_lab::Host) -> Result<Arc<MooncakeTransfer>, Failed> {
+        let cfg = EngineConfig {
+            local_host: host.addr.to_string(),
+            tcp: TcpTransportConfig { io_timeout: Duration::from_secs(1), ..TcpTransportConfig::default() },
+            ..EngineConfig::default()
+        };
+        // Engine and adapter start their listeners and threads in the host's namespace.
+        let t = host
+            .run(move || -> Result<MooncakeTransfer, String> {
+                let e = MooncakeEngine::new(cfg).map_err(|e| e.to_string())?;
+                MooncakeTransfer::new(Arc::new(e), AdapterConfig::default()).map_err(|e| e.to_string())
+            })
+            .map_err(err("host"))?
+            .map_err(err("mooncake side"))?;
+        Ok(Arc::new(t))
+    }
+
+    pub(super) fn link_cut() -> Result<(), Failed> {
+        let lab = Lab::new("mc").map_err(err("lab"))?;
+        let (decode, prefill) = (side(&lab.a)?, side(&lab.b)?);
+        let dregion = Arc::new(HostRegion::new(4 * SLOT).map_err(err("region"))?);
+        let dpool = decode
+            .register_pool(dregion.clone(), PoolConfig::new(SLOT).with_ladder(ladder(300, 300, 300)))
+            .map_err(err("decode pool"))?;
+        let ppool = prefill
+            .register_pool(Arc::new(HostRegion::new(4 * SLOT).map_err(err("region"))?), PoolConfig::new(SLOT))
+            .map_err(err("prefill pool"))?;
+        let (ddesc, pdesc) = (
+            decode.local_descriptor().map_err(err("descriptor"))?,
+            prefill.local_descriptor().map_err(err("descriptor"))?,
+        );
+        let (d, p) = (decode.clone(), prefill.clone());
+        lab.b.run(move || Target::add_peer(&*p, &ddesc)).map_err(err("host b"))?.map_err(err("prefill adds decode"))?;
+        let peer = lab
+            .a
+            .run(move || Target::add_peer(&*d, &pdesc))
+            .map_err(err("host a"))?
+            .map_err(err("decode adds prefill"))?;
+        let (exposed, remote) = decode
+            .expose(dpool.reserve(4).map_err(err("reserve"))?, peer)
+            .map_err(|e| Failed::from(e.kind.to_string()))?;
+        let mut src = ppool.reserve(4).map_err(err("reserve"))?;
+        for i in 0..4 {
+            src.write_at(i, 0, &vec![0xA5; SLOT]).map_err(err("fill"))?;
+        }
+        lab.cut().map_err(err("cut"))?;
+        // Posted on a cut link; the request is then aborted.
+        let mut handle = block_on(prefill.write(src, &remote, TransferOptions::notify(true)))
+            .map_err(|e| Failed::from(e.kind.to_string()))?;
+        exposed.abort();
+        std::thread::sleep(Duration::from_millis(1_500));
+        let m = dpool.metrics();
+        ensure(m.quarantined == 4 && m.free == 0, format!("freed while the peer was cut off: {m:?}"))?;
+        ensure(m.quarantine_stuck == 4, format!("not reported stuck past the drain deadline: {m:?}"))?;
+        lab.restore().map_err(err("restore"))?;
+        let _ = poll_until(Pin::new(&mut handle), Duration::from_secs(10));
+        std::thread::sleep(Duration::from_secs(2));
+        let m = dpool.metrics();
+        // Whatever came back came back by the ack; nothing else may free.
+        ensure(m.free == m.settled_completed, format!("freed without the drain's ack: {m:?}"))?;
+        ensure(m.free + m.quarantined == m.capacity, format!("pool lost slots: {m:?}"))?;
+        // No late byte lands in what is (or will be) the next tenant's memory.
+        for i in 0..4 {
+            dregion.write(i * SLOT, &vec![0u8; SLOT]).map_err(err("zero"))?;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let foreign: usize = (0..4).map(|i| tagged_bytes(&dregion, i, 0xA5)).sum::<Result<usize, _>>()?;
+        ensure(foreign == 0, format!("{foreign} late bytes landed after the link returned"))?;
+        eprintln!(
+            "netns mooncake link cut: 4 held and reported stuck while cut off; after the link returned {} freed by acks, {} still stuck",
+            m.settled_completed, m.quarantine_stuck
+        );
+        Ok(())
+    }
 }
