@@ -6,10 +6,8 @@
 //! skipped, or FAIL when `CI=true`.
 
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
-use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver};
+use std::io::Write;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use backend_mooncake::{
@@ -17,167 +15,20 @@ use backend_mooncake::{
     TransferRequest, TransferStatus,
 };
 
-const INSTALL: &str = "install the real engine: `python3 -m venv .engines && .engines/bin/pip install --no-deps \
-mooncake-transfer-engine-non-cuda==0.3.13.post1` (at the workspace root) and `apt-get install libibverbs1`";
-const LINE_TIMEOUT: Duration = Duration::from_secs(30);
-const PEER_LIFETIME_S: &str = "120";
-const PEER_PY: &str = include_str!("support/mc_peer.py");
+#[path = "support/real_peer.rs"]
+mod real_peer;
+use real_peer::{Engines, Peer, LINE_TIMEOUT};
 
-struct Engines {
-    python: PathBuf,
-    bench: PathBuf,
-    ld_path: String,
-}
-
-/// Finds the real engine, or skips (returns None) / fails under CI=true.
+/// The real engine, or None (skipped; under CI=true, a failure).
 fn engines() -> Option<Engines> {
-    let root = std::env::var_os("MOONCAKE_ENGINES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.engines"));
-    let sp = root.join("lib/python3.11/site-packages");
-    let e = Engines {
-        python: root.join("bin/python"),
-        bench: sp.join("mooncake/transfer_engine_bench"),
-        ld_path: format!(
-            "{}:{}",
-            sp.join("mooncake_transfer_engine_non_cuda.libs").display(),
-            sp.join("mooncake").display()
-        ),
-    };
-    let ok = e.python.exists()
-        && e.bench.exists()
-        && Command::new(&e.python)
-            .args(["-c", "import mooncake.engine"])
-            .env("LD_LIBRARY_PATH", &e.ld_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-    if ok {
-        return Some(e);
-    }
-    let msg = format!("real Mooncake engine not usable under {}: {INSTALL}", root.display());
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{msg}");
-    }
-    eprintln!("SKIPPED: {msg}");
-    None
-}
-
-/// A real Mooncake TransferEngine in a Python child, killed on drop and
-/// bounded by `timeout` in any case.
-struct Peer {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<String>,
-    port: u16,
-    addr: u64,
-    size: u64,
-    _dir: TempDir,
-}
-
-struct TempDir(PathBuf);
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl Peer {
-    fn start(e: &Engines, size: u64, legacy_v1: bool) -> Peer {
-        let dir = std::env::temp_dir().join(format!("mc-interop-{}-{:x}", std::process::id(), rand_u64()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let script = dir.join("mc_peer.py");
-        std::fs::write(&script, PEER_PY).unwrap();
-        let mut cmd = Command::new("timeout");
-        cmd.arg(PEER_LIFETIME_S)
-            .arg(&e.python)
-            .arg(&script)
-            .arg(size.to_string())
-            .env("LD_LIBRARY_PATH", &e.ld_path)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        if legacy_v1 {
-            cmd.env("MC_TCP_PROTO", "1");
+    match Engines::find() {
+        Ok(e) => Some(e),
+        Err(msg) if std::env::var("CI").as_deref() == Ok("true") => panic!("{msg}"),
+        Err(msg) => {
+            eprintln!("SKIPPED: {msg}");
+            None
         }
-        let mut child = cmd.spawn().expect("spawn python peer");
-        let stdin = child.stdin.take().unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut p = Peer { child, stdin, lines, port: 0, addr: 0, size, _dir: TempDir(dir) };
-        let ready = p.line();
-        assert!(ready.starts_with("READY"), "peer did not start: {ready}");
-        for kv in ready.split_whitespace().skip(1) {
-            let (k, v) = kv.split_once('=').unwrap();
-            match k {
-                "port" => p.port = v.parse().unwrap(),
-                "addr" => p.addr = v.parse().unwrap(),
-                _ => {}
-            }
-        }
-        p
     }
-
-    fn line(&mut self) -> String {
-        self.lines.recv_timeout(LINE_TIMEOUT).expect("peer answered in time")
-    }
-
-    fn cmd(&mut self, c: &str) -> String {
-        writeln!(self.stdin, "{c}").unwrap();
-        self.stdin.flush().unwrap();
-        self.line()
-    }
-
-    fn segment(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    fn put(&mut self, off: u64, data: &[u8]) {
-        assert_eq!(self.cmd(&format!("put {off} {}", hex(data))), "OK");
-    }
-
-    fn get(&mut self, off: u64, len: u64) -> Vec<u8> {
-        let r = self.cmd(&format!("get {off} {len}"));
-        unhex(r.strip_prefix("OK ").unwrap_or_else(|| panic!("get failed: {r}")))
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "quit");
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn rand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(7);
-    h.finish()
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap()).collect()
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

@@ -963,3 +963,47 @@ fn hostile_memory_outlives_its_binding_whatever_is_dropped_first() {
         drop((init, ipool));
     }
 }
+
+/// Dropping a NIC and its pools frees their memory, after a graceful
+/// shutdown and after a crash with operations in flight (a long-running
+/// engine restarts its peers: a region kept alive per restart is a leak).
+/// The target holds the WRITEs at its gate, so the initiator's operations
+/// are waiting for completions when it goes.
+#[test]
+fn a_dropped_nic_frees_its_regions_also_after_a_crash_with_writes_in_flight() {
+    for crash in [false, true] {
+        let gate = Gate::closed();
+        let target = SimNic::start(
+            NicConfig::new("decode").with_faults(FaultPlan { gate: Some(gate.clone()), ..FaultPlan::default() }),
+        )
+        .unwrap();
+        let tpool =
+            target.register_pool(Arc::new(HostRegion::new(SLOTS * SLOT).unwrap()), PoolConfig::new(SLOT)).unwrap();
+        let init = SimNic::start(NicConfig::new("prefill")).unwrap();
+        let region = Arc::new(HostRegion::new(SLOTS * SLOT).unwrap());
+        let weak = Arc::downgrade(&region);
+        let ipool = init.register_pool(region, PoolConfig::new(SLOT)).unwrap();
+        init.connect(target.endpoint()).unwrap();
+        let peer = target.wait_for_peer(init.name(), WAIT).unwrap();
+        let mut handles = Vec::new();
+        let mut exposures = Vec::new();
+        for _ in 0..4 {
+            let (exposed, remote) = target.expose(tpool.reserve(1).unwrap(), peer).unwrap();
+            let src = filled(&ipool, 1, 0x5A);
+            handles.push(block_on(init.write(src, &remote, TransferOptions::notify(true))).unwrap());
+            exposures.push(exposed);
+        }
+        assert!(gate.wait_for_waiting(1, WAIT), "no WRITE reached the gate");
+        if crash {
+            init.crash();
+        }
+        drop((init, ipool));
+        // A handle kept past its NIC's end resolves (it does not pin the region).
+        for h in handles {
+            let _ = block_on(h);
+        }
+        gate.open();
+        drop(exposures);
+        wait_until(&format!("the initiator's region to be freed (crash: {crash})"), || weak.upgrade().is_none());
+    }
+}

@@ -520,10 +520,14 @@ mod on_device {
         // The garbler: its own QP, connected through the side channel.
         let cq = CompletionQueue::new(&lab.pd, 64).map_err(|x| e(&x))?;
         let qp = QueuePair::new(&lab.pd, &cq, 1, lab.gid_index).map_err(|x| e(&x))?;
-        let (_, addr) = parse_descriptor(a.decode.descriptor().as_bytes()).map_err(|x| e(&x))?;
-        let mut s = std::net::TcpStream::connect(&addr).map_err(|x| e(&x))?;
-        let ours =
-            Hello { name: format!("garbler-{}", std::process::id()), endpoint: qp.endpoint(MTU).map_err(|x| e(&x))? };
+        // It read the decode's descriptor: it has the side channel's ticket.
+        let d = parse_descriptor(a.decode.descriptor().as_bytes()).map_err(|x| e(&x))?;
+        let mut s = std::net::TcpStream::connect(&d.addr).map_err(|x| e(&x))?;
+        let ours = Hello {
+            name: format!("garbler-{}", std::process::id()),
+            endpoint: qp.endpoint(MTU).map_err(|x| e(&x))?,
+            ticket: d.ticket,
+        };
         s.write_all(&ours.encode().map_err(|x| e(&x))?).map_err(|x| e(&x))?;
         let theirs = Hello::read_from(&mut s).map_err(|x| e(&x))?;
         qp.connect(&theirs.endpoint).map_err(|x| e(&x))?;

@@ -7,10 +7,14 @@
 //!   suite's scenario 2, with a progress bar and a report, on the TCP
 //!   simulator (`--backend tcp-sim`) or real RDMA verbs (`--backend verbs`,
 //!   feature `verbs`, where a verbs device exists).
+//! - `kvt soak`: the disaggregated workload across two network namespaces
+//!   with link flaps, loss bursts and prefill kills at random, a line per
+//!   interval and a final report (needs root).
 
 mod backends;
 mod bench;
 mod plot;
+mod soak;
 mod units;
 
 use anyhow::{anyhow, bail};
@@ -36,6 +40,8 @@ enum Cmd {
     Bench(BenchArgs),
     /// Run the randomized abort/reassignment race and report foreign bytes consumed.
     Race(RaceArgs),
+    /// Run the workload across two network namespaces with faults at random (needs root).
+    Soak(SoakArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -177,6 +183,49 @@ struct RaceArgs {
     #[arg(long, default_value = "256", value_parser = units::parse_size)]
     slot_size: usize,
     /// Print the reports as JSON (no progress bar).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum FaultArg {
+    /// Link cuts, each restored.
+    Flaps,
+    /// netem loss and delay bursts (link cuts where the kernel has no netem).
+    Bursts,
+    /// Prefill crashes and restarts.
+    Kills,
+    /// No faults.
+    None,
+}
+
+#[derive(clap::Args, Debug)]
+struct SoakArgs {
+    /// How long to run (60s, 30m, ...).
+    #[arg(long, default_value = "60s", value_parser = units::parse_duration)]
+    duration: Duration,
+    /// A line every this long.
+    #[arg(long, default_value = "10s", value_parser = units::parse_duration)]
+    interval: Duration,
+    /// Seed of the schedule (aborts, delays, faults).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Release policy of the decode NIC (`naive`: the positive control, which must show foreign bytes).
+    #[arg(long, value_enum, default_value = "safe")]
+    policy: PolicyArg,
+    /// Mean time between faults.
+    #[arg(long, default_value = "3s", value_parser = units::parse_duration)]
+    fault_every: Duration,
+    /// Share of requests aborted with their writes in flight.
+    #[arg(long, default_value_t = 0.3)]
+    abort_rate: f64,
+    /// Faults to inject (any of flaps, bursts, kills; `none` for none).
+    #[arg(long, value_delimiter = ',', default_value = "flaps,bursts,kills")]
+    faults: Vec<FaultArg>,
+    /// Bytes per slot.
+    #[arg(long, default_value = "16KiB", value_parser = units::parse_size)]
+    slot_size: usize,
+    /// Print a final JSON object on stdout (the interval lines go to stderr).
     #[arg(long)]
     json: bool,
 }
@@ -457,11 +506,102 @@ fn race_cmd(a: RaceArgs) -> anyhow::Result<bool> {
     Ok(ok)
 }
 
+fn soak_cmd(a: SoakArgs) -> anyhow::Result<bool> {
+    let policy = match a.policy {
+        PolicyArg::Naive => ReleasePolicy::Naive,
+        PolicyArg::Safe => ReleasePolicy::Safe,
+        PolicyArg::Both => bail!("kvt soak runs one policy: --policy safe or --policy naive"),
+    };
+    if !(0.0..=1.0).contains(&a.abort_rate) {
+        bail!("--abort-rate must be in [0, 1]");
+    }
+    if a.interval.is_zero() || a.slot_size == 0 {
+        bail!("--interval and --slot-size must be positive");
+    }
+    let cfg = soak::SoakConfig {
+        duration: a.duration,
+        interval: a.interval,
+        seed: a.seed,
+        policy,
+        slot_size: a.slot_size,
+        abort_rate: a.abort_rate,
+        fault_every: a.fault_every,
+        faults: soak::FaultKinds {
+            flaps: a.faults.contains(&FaultArg::Flaps),
+            bursts: a.faults.contains(&FaultArg::Bursts),
+            kills: a.faults.contains(&FaultArg::Kills),
+        },
+        ..soak::SoakConfig::default()
+    };
+    let json = a.json;
+    let mut print = |l: &soak::IntervalLine| {
+        let line = format!(
+            "[{:>7.1}s] requests {:>9} aborted {:>8} foreign_bytes {:>9} quarantined {:>3} stuck {:>3} rss {:>6.1} MiB \
+             heap {:>6.1} MiB",
+            l.t_s,
+            l.requests,
+            l.aborted,
+            l.foreign_bytes,
+            l.quarantined,
+            l.stuck,
+            l.rss_bytes as f64 / (1u64 << 20) as f64,
+            l.heap_bytes as f64 / (1u64 << 20) as f64
+        );
+        if json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
+    let r = soak::run_soak(&cfg, &mut print)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!(
+            "soak {} seed {}: {} requests, {} aborted, {} foreign bytes ({} requests), {} failed (settled without a DONE), {} torn, \
+             faults: {} link flaps, {} loss bursts{}, {} prefill kills; end: {}/{} free, {} quarantined, {} stuck; \
+             RSS {:.1} MiB, slope {:+.1} KiB/min after warm-up; heap in use {:.1} MiB, slope {:+.1} KiB/min",
+            r.policy,
+            r.seed,
+            r.requests,
+            r.aborted,
+            r.foreign_bytes,
+            r.foreign_requests,
+            r.failed,
+            r.garbage_requests,
+            r.faults.link_flaps,
+            r.faults.loss_bursts,
+            r.faults.loss_bursts_unavailable.as_deref().map(|w| format!(" ({w})")).unwrap_or_default(),
+            r.faults.peer_kills,
+            r.final_free,
+            r.capacity,
+            r.quarantined,
+            r.stuck,
+            r.rss_bytes as f64 / (1u64 << 20) as f64,
+            r.rss_slope_bytes_per_min / 1024.0,
+            r.heap_bytes as f64 / (1u64 << 20) as f64,
+            r.heap_slope_bytes_per_min / 1024.0
+        );
+    }
+    Ok(match policy {
+        ReleasePolicy::Safe if !r.clean() => {
+            eprintln!("kvt soak: foreign bytes consumed or slots not accounted for under the safe policy");
+            false
+        }
+        ReleasePolicy::Naive if r.foreign_bytes == 0 => {
+            eprintln!("kvt soak: the positive control (naive) showed no foreign bytes: raise --duration");
+            false
+        }
+        _ => true,
+    })
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Bench(a) => bench_cmd(a).map(|()| true),
         Cmd::Race(a) => race_cmd(a),
+        Cmd::Soak(a) => soak_cmd(a),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,

@@ -58,6 +58,7 @@
 //! delays the doomed ones) gets `s2_*::<backend>` tests here.
 #![deny(missing_docs)]
 
+pub mod frames;
 pub mod harness;
 pub mod hostile;
 #[cfg(feature = "mooncake")]

@@ -23,15 +23,40 @@ use std::time::{Duration, Instant};
 
 type Scenario = fn() -> Result<(), Failed>;
 
-/// `(name, needs netem, scenario)`.
-const SCENARIOS: &[(&str, bool, Scenario)] = &[
-    ("netns_link_cut_mid_transfer_frees_only_by_proof::tcp_sim", false, link_cut_mid_transfer),
-    ("netns_abort_lost_on_a_cut_link_then_restored::tcp_sim", false, abort_lost_then_restored),
-    ("netns_lossy_reordering_network_race::tcp_sim", true, lossy_race),
-    ("netns_frozen_then_killed_peer_process::tcp_sim", false, frozen_then_killed_peer),
+/// What a scenario needs beyond network namespaces.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Need {
+    Nothing,
+    /// netem (`sch_netem`) in the kernel.
+    Netem,
+    /// The real Mooncake engine in `.engines`.
     #[cfg(feature = "mooncake")]
-    ("netns_link_cut_held_and_reported_stuck::mooncake", false, mooncake::link_cut),
+    RealMooncake,
+}
+
+/// `(name, what else it needs, scenario)`.
+const SCENARIOS: &[(&str, Need, Scenario)] = &[
+    ("netns_link_cut_mid_transfer_frees_only_by_proof::tcp_sim", Need::Nothing, link_cut_mid_transfer),
+    ("netns_abort_lost_on_a_cut_link_then_restored::tcp_sim", Need::Nothing, abort_lost_then_restored),
+    ("netns_lossy_reordering_network_race::tcp_sim", Need::Netem, lossy_race),
+    ("netns_frozen_then_killed_peer_process::tcp_sim", Need::Nothing, frozen_then_killed_peer),
+    #[cfg(feature = "mooncake")]
+    ("netns_link_cut_held_and_reported_stuck::mooncake", Need::Nothing, mooncake::link_cut),
+    #[cfg(feature = "mooncake")]
+    ("netns_real_engine_across_the_veth::mooncake", Need::RealMooncake, real_mooncake::across_the_veth),
+    ("netns_hostile_frames_on_every_port::tcp_sim", Need::Nothing, hostile::tcp_sim),
+    ("netns_hostile_frames_on_every_port::verbs_side_channel", Need::Nothing, hostile::verbs_side_channel),
+    #[cfg(feature = "mooncake")]
+    ("netns_hostile_frames_on_every_port::mooncake_handshake", Need::Nothing, hostile::mooncake::handshake_port),
+    #[cfg(feature = "mooncake")]
+    ("netns_hostile_frames_on_every_port::mooncake_data", Need::Nothing, hostile::mooncake::data_port),
 ];
+
+#[path = "netns/hostile.rs"]
+mod hostile;
+#[cfg(feature = "mooncake")]
+#[path = "netns/real_mooncake.rs"]
+mod real_mooncake;
 
 /// Set by `.ci/run` for its host pass: the netem scenarios run in the verbs
 /// lab's guest (`scripts/rdma-lab test`), whose kernel has `sch_netem`.
@@ -44,18 +69,25 @@ fn main() {
     let netns_missing = probe.as_ref().err().map(LabError::to_string);
     let netem = matches!(probe, Ok(true));
     let netem_elsewhere = std::env::var_os(NETEM_IN_GUEST).is_some();
+    #[cfg(feature = "mooncake")]
+    let real_mooncake = real_mooncake::engines().err();
     let trials = SCENARIOS
         .iter()
-        .map(|&(name, needs_netem, f)| {
-            let missing = match (&netns_missing, needs_netem && !netem) {
+        .map(|&(name, need, f)| {
+            let other: Option<String> = match need {
+                Need::Nothing => None,
+                Need::Netem => (!netem).then(|| "netem (this kernel has no sch_netem)".to_string()),
+                #[cfg(feature = "mooncake")]
+                Need::RealMooncake => real_mooncake.clone(),
+            };
+            let missing = match (&netns_missing, other) {
                 (Some(w), _) => Some(format!("network namespaces: {w}")),
-                (None, true) => Some("netem (this kernel has no sch_netem)".to_string()),
-                (None, false) => None,
+                (None, o) => o,
             };
             // Ignored where a requirement is missing, unless CI=true (then it
             // fails); the netem ones stay ignored on a host whose CI runs
             // them in the guest.
-            let excused = needs_netem && netns_missing.is_none() && netem_elsewhere;
+            let excused = need == Need::Netem && netns_missing.is_none() && netem_elsewhere;
             let ignore = missing.is_some() && (!ci() || excused);
             Trial::test(name, move || match &missing {
                 Some(w) => Err(format!("this test needs {w}").into()),

@@ -1,12 +1,15 @@
 # A real Mooncake TransferEngine (the `mooncake.engine` Python module) driven by
 # line commands on stdin, for the interop tests. Replies go to stdout, one line each.
 import json
+import os
 import sys
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
 SIZE = int(sys.argv[1]) if len(sys.argv) > 1 else (4 << 20)
+# The address to serve on: loopback, or a network namespace's own (netns tests).
+HOST = os.environ.get("MC_HOST", "127.0.0.1")
 te = TransferEngine()
-rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+rc = te.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
 if rc != 0:
     print("ERR initialize %d" % rc, flush=True)
     sys.exit(1)
@@ -40,7 +43,7 @@ for line in sys.stdin:
             # A 1-byte READ with a notification: Mooncake sends the message only
             # after the transfer COMPLETED. `name` is our own segment name.
             seg, raddr, msg = p[1], int(p[2]), " ".join(p[3:])
-            me = "127.0.0.1:%d" % te.get_rpc_port()
+            me = "%s:%d" % (HOST, te.get_rpc_port())
             n = TransferNotify(me, msg)
             print("RC %d" % te.transfer_sync(seg, buf, raddr, 1, TransferOpcode.Read, n), flush=True)
         elif cmd == "notifies":

@@ -104,7 +104,7 @@ impl NicInner {
                             let d = faults.wr_delay(conn.index, seq);
                             {
                                 let mut log = lock(&self.fault_log);
-                                if log.len() < 1_000_000 {
+                                if log.len() < self.cfg.fault_log_limit {
                                     log.push(FaultRecord { conn: conn.index, seq, delay_us: d.as_micros() as u64 });
                                 }
                             }

@@ -45,6 +45,9 @@ pub struct NicConfig {
     /// `SO_SNDBUF` / `SO_RCVBUF` of each connection (`None`: the kernel's
     /// autotuning). 4 MiB by default: it lifts loopback throughput markedly.
     pub socket_buffer: Option<usize>,
+    /// Most per-WR delay records kept for [`SimNic::fault_log`] (1,000,000
+    /// by default, about 24 MB; 0 for long runs that never read it).
+    pub fault_log_limit: usize,
 }
 
 impl NicConfig {
@@ -59,6 +62,7 @@ impl NicConfig {
             revoke_wait: Duration::from_secs(1),
             handshake_timeout: Duration::from_secs(5),
             socket_buffer: Some(4 << 20),
+            fault_log_limit: 1_000_000,
         }
     }
     /// Replaces the release policy.

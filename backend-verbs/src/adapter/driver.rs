@@ -358,9 +358,9 @@ impl Inner {
             let mut redial = None;
             if let Some(p) = st.peers.get_mut(&peer) {
                 p.state = PeerState::Fenced;
-                redial = p.addr.clone().map(|a| (p.name.clone(), a));
+                redial = p.dialed.clone();
             }
-            if let Some((name, addr)) = redial {
+            if let Some(d) = redial {
                 // RC: a rejected access costs a reconnect. We dialed this
                 // peer, so we dial it again (it waits for us).
                 let me = Arc::clone(me);
@@ -368,12 +368,12 @@ impl Inner {
                     if me.stop.load(Ordering::Acquire) {
                         return;
                     }
-                    let dial = addr.parse::<std::net::SocketAddr>().map_err(|e| e.to_string()).and_then(|a| {
+                    let dial = d.addr.parse::<std::net::SocketAddr>().map_err(|e| e.to_string()).and_then(|a| {
                         std::net::TcpStream::connect_timeout(&a, me.cfg.timeout).map_err(|e| e.to_string())
                     });
-                    match dial.map(|mut s| me.handshake(&mut s, Some((&name, &addr))).map_err(|e| e.to_string())) {
-                        Ok(Ok(id)) => tracing::info!(peer = %name, id = id.0, "reconnected after the fence"),
-                        Ok(Err(e)) | Err(e) => tracing::warn!(peer = %name, error = %e, "reconnect failed"),
+                    match dial.map(|mut s| me.handshake(&mut s, Some(&d)).map_err(|e| e.to_string())) {
+                        Ok(Ok(id)) => tracing::info!(peer = %d.name, id = id.0, "reconnected after the fence"),
+                        Ok(Err(e)) | Err(e) => tracing::warn!(peer = %d.name, error = %e, "reconnect failed"),
                     }
                 });
                 if let Err(e) = spawned {

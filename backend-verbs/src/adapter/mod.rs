@@ -48,7 +48,7 @@ use kv_transfer_core::{
     Target, TransferError, TransferHandle, TransferOptions,
 };
 
-pub use channel::{parse_descriptor, Hello, MAX_NAME};
+pub use channel::{fresh_ticket, parse_descriptor, Descriptor, Hello, Ticket, MAX_NAME, TICKET_LEN};
 
 use crate::engine::Engine;
 use crate::error::VerbsError;
@@ -72,6 +72,11 @@ const RECVS: u64 = 16;
 /// Pre-registered SEND buffers per peer (control messages); past that many
 /// SENDs in flight, a message gets a buffer registered for it alone.
 const SENDS: u32 = 64;
+
+/// Compares tickets in time independent of where they differ.
+fn tickets_match(a: &Ticket, b: &Ticket) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -162,6 +167,7 @@ struct Counters {
     malformed: AtomicU64,
     naive_releases: AtomicU64,
     heartbeats: AtomicU64,
+    side_channel_refused: AtomicU64,
 }
 
 fn inc(c: &AtomicU64) {
@@ -179,8 +185,8 @@ enum PeerState {
 
 struct Peer {
     name: String,
-    /// Its side channel, where we dialed it (we redial after a fence).
-    addr: Option<String>,
+    /// Its descriptor, where we dialed it (we redial after a fence).
+    dialed: Option<Descriptor>,
     qp: QpId,
     state: PeerState,
     /// When it was last probed, and whether a probe is out.
@@ -346,6 +352,10 @@ struct Inner {
     state: Mutex<State>,
     exposures: Mutex<ExposureTable>,
     stop: AtomicBool,
+    /// The listening socket, for the drop to shut down (waking `accept`).
+    acceptor: TcpListener,
+    /// What a dialer's hello must carry (from this side's descriptor).
+    ticket: Ticket,
     next_wr: AtomicU64,
     counters: Counters,
 }
@@ -378,9 +388,14 @@ impl VerbsTransfer {
         if cfg.name.is_empty() || cfg.name.len() > MAX_NAME || cfg.name.contains('@') {
             return Err(VerbsError::invalid("VerbsTransfer::new", "a name of 1..=256 bytes without '@'").into());
         }
+        // Blocking: a connection is served at once (a hostile flood costs
+        // the acceptor its handshakes, not a poll interval each); the drop
+        // wakes it by shutting a clone of the socket down.
         let listener = TcpListener::bind(&cfg.listen)?;
-        listener.set_nonblocking(true)?;
-        let descriptor = format!("{}@{}", cfg.name, listener.local_addr()?);
+        let acceptor = listener.try_clone()?;
+        let ticket = fresh_ticket();
+        let descriptor =
+            Descriptor { name: cfg.name.clone(), addr: listener.local_addr()?.to_string(), ticket }.encode();
         let exposures = Mutex::new(ExposureTable::with_policy(cfg.release_policy));
         let inner = Arc::new(Inner {
             cfg,
@@ -389,6 +404,8 @@ impl VerbsTransfer {
             state: Mutex::default(),
             exposures,
             stop: AtomicBool::new(false),
+            acceptor,
+            ticket,
             next_wr: AtomicU64::new(1),
             counters: Counters::default(),
         });
@@ -400,7 +417,9 @@ impl VerbsTransfer {
         Ok(Self { inner, threads: Mutex::new(threads) })
     }
 
-    /// What a peer passes to its [`VerbsTransfer::add_peer`]: `name@host:port`.
+    /// What a peer passes to its [`VerbsTransfer::add_peer`]:
+    /// `name@host:port#<ticket>` (the ticket is the secret a dialer's hello
+    /// must carry: hand the descriptor only to peers, out of band).
     pub fn descriptor(&self) -> &str {
         &self.inner.descriptor
     }
@@ -418,18 +437,18 @@ impl VerbsTransfer {
         Ok(pool)
     }
 
-    /// Adds the peer `descriptor` names (`name@host:port`): the connection
+    /// Adds the peer `descriptor` names (`name@host:port#<ticket>`): the connection
     /// to it if one is up (it dialed us, or we dialed it), else a new one.
     pub fn add_peer(&self, descriptor: &str) -> Result<PeerId, AdapterError> {
-        let (name, addr) = parse_descriptor(descriptor.as_bytes())?;
-        if let Some(p) = self.inner.live_peer(&name) {
+        let d = parse_descriptor(descriptor.as_bytes())?;
+        if let Some(p) = self.inner.live_peer(&d.name) {
             return Ok(p);
         }
         let mut s = TcpStream::connect_timeout(
-            &addr.parse().map_err(|_| VerbsError::Endpoint(format!("{addr} is not host:port")))?,
+            &d.addr.parse().map_err(|_| VerbsError::Endpoint(format!("{} is not host:port", d.addr)))?,
             self.inner.cfg.timeout,
         )?;
-        self.inner.handshake(&mut s, Some((&name, &addr)))
+        self.inner.handshake(&mut s, Some(&d))
     }
 
     /// Counters, by name.
@@ -451,6 +470,9 @@ impl VerbsTransfer {
             ("malformed", g(&c.malformed)),
             ("naive_releases", g(&c.naive_releases)),
             ("heartbeats", g(&c.heartbeats)),
+            ("side_channel_refused", g(&c.side_channel_refused)),
+            // A gauge: peer records (live, fencing or fenced), each with its QP.
+            ("peers", lock(&self.inner.state).peers.len() as u64),
         ]
     }
 
@@ -507,10 +529,11 @@ impl Inner {
                 Ok((mut s, from)) => {
                     let _ = s.set_nonblocking(false);
                     if let Err(e) = self.handshake(&mut s, None) {
+                        self.counters.side_channel_refused.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(%from, error = %e, "side-channel handshake refused");
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                Err(_) if self.stop.load(Ordering::Acquire) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "side-channel accept failed");
                     std::thread::sleep(Duration::from_millis(20));
@@ -520,27 +543,54 @@ impl Inner {
     }
 
     /// Creates a QP for this connection, exchanges hellos, connects the QP,
-    /// posts its RECV ring and records the peer. `expect`: the name the
-    /// dialed descriptor gave, and its address (a different answer is refused).
-    pub(super) fn handshake(&self, s: &mut TcpStream, dialed: Option<(&str, &str)>) -> Result<PeerId, AdapterError> {
-        let expect = dialed.map(|(n, _)| n);
+    /// posts its RECV ring and records the peer. `dialed`: the descriptor
+    /// this side dialed (a different name answering is refused); `None` on
+    /// the accepting side, which refuses a hello without its ticket.
+    pub(super) fn handshake(&self, s: &mut TcpStream, dialed: Option<&Descriptor>) -> Result<PeerId, AdapterError> {
         let endpoint = self.engine.create_qp(self.cfg.mtu)?;
         let qp = QpId(endpoint.qpn);
-        let ours = Hello { name: self.cfg.name.clone(), endpoint };
+        self.handshake_on(s, dialed, endpoint).map_err(|(e, recorded)| {
+            // A QP no peer record names is this side's to destroy (a hostile
+            // or broken hello would otherwise cost one per connection).
+            if !recorded {
+                self.engine.destroy_qp(qp);
+            }
+            e
+        })
+    }
+
+    /// The handshake on a fresh QP; an error says whether the peer (and
+    /// with it the QP) was recorded already.
+    fn handshake_on(
+        &self,
+        s: &mut TcpStream,
+        dialed: Option<&Descriptor>,
+        endpoint: crate::Endpoint,
+    ) -> Result<PeerId, (AdapterError, bool)> {
+        let early = |e: AdapterError| (e, false);
+        let expect = dialed.map(|d| d.name.as_str());
+        let qp = QpId(endpoint.qpn);
+        let ours =
+            Hello { name: self.cfg.name.clone(), endpoint, ticket: dialed.map_or([0; TICKET_LEN], |d| d.ticket) };
         // The dialer speaks first. The side that accepts records the peer
         // before it answers, so when the dialer's `add_peer` returns, this
         // side's `add_peer` of it finds the connection instead of dialing a
         // second one (whose window keys would not work through the first).
         if dialed.is_some() {
-            channel::send(s, &ours, self.cfg.timeout)?;
+            channel::send(s, &ours, self.cfg.timeout).map_err(|e| early(e.into()))?;
         }
-        let theirs = channel::receive(s, self.cfg.timeout)?;
+        let theirs = channel::receive(s, self.cfg.timeout).map_err(|e| early(e.into()))?;
+        if dialed.is_none() && !tickets_match(&theirs.ticket, &self.ticket) {
+            return Err(early(
+                VerbsError::Endpoint(format!("a hello from {:?} without this side's ticket", theirs.name)).into(),
+            ));
+        }
         if let Some(want) = expect {
             if theirs.name != want {
-                return Err(VerbsError::Endpoint(format!("dialed {want}, {} answered", theirs.name)).into());
+                return Err(early(VerbsError::Endpoint(format!("dialed {want}, {} answered", theirs.name)).into()));
             }
         }
-        self.engine.connect(qp, &theirs.endpoint)?;
+        self.engine.connect(qp, &theirs.endpoint).map_err(|e| early(e.into()))?;
         let ring = |n: u64| -> Result<(MrId, Arc<dyn Region>), AdapterError> {
             let bytes = kv_transfer_core::drain::MAX_LEN as u64 * n;
             let region: Arc<dyn Region> = Arc::new(
@@ -548,7 +598,7 @@ impl Inner {
             );
             Ok((self.engine.register(Arc::clone(&region), MrAccess::Local)?.id, region))
         };
-        let (recv, send) = (ring(RECVS)?, ring(u64::from(SENDS))?);
+        let (recv, send) = (ring(RECVS).map_err(early)?, ring(u64::from(SENDS)).map_err(early)?);
         let mut st = lock(&self.state);
         st.next_peer += 1;
         let id = PeerId(st.next_peer);
@@ -559,7 +609,10 @@ impl Inner {
             let buffer = WorkRequest::Recv { local: recv.0, offset: index * u64::from(len), len };
             if let Err(e) = self.engine.post(qp, wr, buffer) {
                 st.wrs.remove(&wr);
-                return Err(e.into());
+                // RECVs are posted: the QP is not ours to destroy under
+                // them; to ERR, so that they flush.
+                let _ = self.engine.to_error(qp);
+                return Err((e.into(), true));
             }
         }
         // A name is not an identity (the QP is: a window's key works only
@@ -582,12 +635,11 @@ impl Inner {
         } else {
             st.by_name.insert(theirs.name.clone(), id);
         }
-        let addr = dialed.map(|(_, a)| a.to_owned());
         st.peers.insert(
             id,
             Peer {
                 name: theirs.name,
-                addr,
+                dialed: dialed.cloned(),
                 qp,
                 state: PeerState::Live,
                 probed: Instant::now(),
@@ -601,7 +653,7 @@ impl Inner {
             if let Err(e) = channel::send(s, &ours, self.cfg.timeout) {
                 // The dialer gave up: this QP has no partner.
                 self.start_fence(&mut st, id);
-                return Err(e.into());
+                return Err((e.into(), true));
             }
         }
         Ok(id)
@@ -756,7 +808,7 @@ impl Inner {
         if let Err(kind) = check_shapes(&local, remote) {
             return Err(PostError { lease: local, kind });
         }
-        let Ok((name, _)) = parse_descriptor(remote.endpoint.as_bytes()) else {
+        let Ok(Descriptor { name, .. }) = parse_descriptor(remote.endpoint.as_bytes()) else {
             return Err(PostError {
                 lease: local,
                 kind: PostErrorKind::Peer(format!("bad endpoint {:?}", remote.endpoint)),
@@ -782,7 +834,7 @@ impl Inner {
                 let qp = p.qp;
                 break (st, peer, qp);
             }
-            if p.addr.is_none() || Instant::now() >= deadline {
+            if p.dialed.is_none() || Instant::now() >= deadline {
                 drop(st);
                 return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is fenced")) });
             }
@@ -952,6 +1004,12 @@ impl Target for VerbsTransfer {
 impl Drop for VerbsTransfer {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Release);
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: shutdown(2) on a socket this adapter owns; the
+            // acceptor's blocked accept(2) returns and it sees `stop`.
+            unsafe { libc::shutdown(self.inner.acceptor.as_raw_fd(), libc::SHUT_RDWR) };
+        }
         for t in lock(&self.threads).drain(..) {
             let _ = t.join();
         }

@@ -130,6 +130,14 @@ impl Engine for DeviceEngine {
         Ok(ep)
     }
 
+    fn destroy_qp(&self, qp: QpId) {
+        // The last reference goes here (no work request ever named it), and
+        // with it the QP (ibv_destroy_qp in QueuePair's drop).
+        let mut t = lock(&self.tables);
+        t.mtus.remove(&qp);
+        t.qps.remove(&qp);
+    }
+
     fn connect(&self, qp: QpId, remote: &Endpoint) -> Result<(), VerbsError> {
         let ours = lock(&self.tables).mtus.get(&qp).copied().unwrap_or(remote.mtu);
         // Both ends use the smaller of the two offers.

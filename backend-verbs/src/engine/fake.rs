@@ -493,6 +493,14 @@ impl Engine for FakeNic {
         })
     }
 
+    fn destroy_qp(&self, qp: QpId) {
+        self.with(|f, nic| {
+            if f.qps.get(&qp.0).is_some_and(|q| q.nic == nic) {
+                f.qps.remove(&qp.0);
+            }
+        });
+    }
+
     fn connect(&self, qp: QpId, remote: &Endpoint) -> Result<(), VerbsError> {
         self.with(|f, nic| {
             let q = f.qps.get_mut(&qp.0).filter(|q| q.nic == nic).ok_or_else(|| bad("connect", "no such QP"))?;

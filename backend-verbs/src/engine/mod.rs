@@ -46,6 +46,10 @@ pub trait Engine: Send + Sync + 'static {
     fn create_qp(&self, mtu: u32) -> Result<Endpoint, VerbsError>;
     /// Moves `qp` through INIT and RTR to RTS, connected to `remote`.
     fn connect(&self, qp: QpId, remote: &Endpoint) -> Result<(), VerbsError>;
+    /// Destroys a queue pair that never carried a work request (a side
+    /// channel handshake that failed): without it, every refused
+    /// connection would keep a QP, a resource the device has only so many of.
+    fn destroy_qp(&self, qp: QpId);
     /// Posts one signaled work request; a bind returns the key it binds
     /// (usable once the bind completed).
     fn post(&self, qp: QpId, wr_id: u64, wr: WorkRequest) -> Result<Option<u32>, VerbsError>;
