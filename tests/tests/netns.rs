@@ -352,6 +352,16 @@ fn frozen_then_killed_peer() -> Result<(), Failed> {
     let pid = child.id().to_string();
     let signal = |sig: &str| std::process::Command::new("kill").args([sig, &pid]).status();
     signal("-STOP").map_err(err("SIGSTOP"))?; // frozen, its socket open
+
+    // The signal is asynchronous: abort only once the process is stopped
+    // (state `T`), or it may still answer the ABORT, a legitimate ack.
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+            .unwrap_or(false)
+    };
+    ensure(wait_for(Duration::from_secs(5), stopped), "the worker did not stop on SIGSTOP")?;
     exposed.abort();
     std::thread::sleep(Duration::from_millis(150));
     let m = dpool.metrics();
