@@ -70,6 +70,7 @@ pub mod bench;
 pub mod client;
 mod engine;
 mod error;
+pub mod gate;
 pub mod memory;
 pub mod proto;
 mod server;

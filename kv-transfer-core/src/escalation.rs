@@ -31,6 +31,17 @@ impl Default for EscalationLadder {
     }
 }
 
+/// The longest wait between two re-sent ABORTs of a stuck exposure.
+///
+/// Once the ladder is exhausted, a backend that can drain is asked to send
+/// the ABORT again, first after the drain deadline, the interval doubling up
+/// to this: a peer cut off when the ABORT (or its ack) was lost answers once
+/// its link is back, and that ack is a proof. Asking again frees nothing.
+pub const REDRAIN_MAX_INTERVAL: Duration = Duration::from_secs(30);
+/// The shortest interval between re-sent ABORTs: a ladder with a very short
+/// drain deadline (a race's, a few hundred µs) must not flood a slow peer.
+pub(crate) const MIN_REDRAIN_INTERVAL: Duration = Duration::from_millis(100);
+
 /// One rung of the ladder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum EscalationStep {

@@ -4,7 +4,9 @@
 
 use crate::clock::{Clock, SystemClock};
 use crate::drain::Capabilities;
-use crate::escalation::{EscalationAction, EscalationLadder, EscalationStep, QuarantineId};
+use crate::escalation::{
+    EscalationAction, EscalationLadder, EscalationStep, QuarantineId, MIN_REDRAIN_INTERVAL, REDRAIN_MAX_INTERVAL,
+};
 use crate::ids::{Generation, PeerId, PoolId, SlotId, Tenancy};
 use crate::lease::{Reserved, SlotLease, Tenancies};
 use crate::metrics::{report_counter, Counters, MetricsSnapshot};
@@ -17,6 +19,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::Waker;
+use std::time::Duration;
 use std::time::Instant;
 
 /// Errors of building a pool.
@@ -175,9 +178,35 @@ pub(crate) struct QuarantineEntry {
     pub(crate) epoch: u16,
     pub(crate) remaining: Tenancies,
     pub(crate) since: Instant,
-    pub(crate) next_step: EscalationStep,
-    pub(crate) next_at: Instant,
-    pub(crate) stuck: bool,
+    pub(crate) rung: Rung,
+}
+
+/// Where one quarantine entry stands on its escalation ladder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rung {
+    /// `step` falls due at `at`.
+    Climbing { step: EscalationStep, at: Instant },
+    /// The ladder is exhausted and the slots are counted stuck. A backend
+    /// that can drain is asked again to send the ABORT at `redrain_at`
+    /// (the interval doubling from the drain deadline up to
+    /// [`REDRAIN_MAX_INTERVAL`](crate::REDRAIN_MAX_INTERVAL)): an ABORT or ABORT_ACK lost on a link that
+    /// was cut is asked for again once the link is back, so the peer's ack
+    /// can still prove the slots. Asking frees nothing; only the ack does.
+    Stuck { redrain_at: Option<Instant>, every: Duration },
+}
+
+impl Rung {
+    fn is_stuck(&self) -> bool {
+        matches!(self, Rung::Stuck { .. })
+    }
+
+    /// When this entry next wants the backend's attention.
+    fn due_at(&self) -> Option<Instant> {
+        match *self {
+            Rung::Climbing { at, .. } => Some(at),
+            Rung::Stuck { redrain_at, .. } => redrain_at,
+        }
+    }
 }
 
 pub(crate) struct PoolState {
@@ -725,9 +754,7 @@ impl SlotPool {
             epoch,
             remaining,
             since: now,
-            next_step: EscalationStep::first(self.inner.capabilities),
-            next_at: now,
-            stuck: false,
+            rung: Rung::Climbing { step: EscalationStep::first(self.inner.capabilities), at: now },
         });
         let hook = st.escalation_hook.clone();
         let gauge = st.quarantined;
@@ -921,7 +948,7 @@ impl SlotPool {
         st.counters.released += 1;
         let entry = st.quarantine.get_mut(index as usize).and_then(Option::as_mut)?;
         entry.remaining.retain(|r| *r != t);
-        if entry.stuck {
+        if entry.rung.is_stuck() {
             st.stuck -= 1;
         }
         if entry.remaining.is_empty() {
@@ -959,24 +986,34 @@ impl SlotPool {
         let mut actions = Vec::new();
         let mut newly_stuck = 0u64;
         for entry in st.quarantine.iter_mut().flatten() {
+            let action = |step| EscalationAction {
+                quarantine: QuarantineId(entry.id),
+                peer: entry.peer,
+                tenancies: entry.remaining.to_vec(),
+                step,
+            };
             // Several rungs may be due at once after a long pause; emit each.
-            while !entry.stuck && entry.next_at <= now {
-                let step = entry.next_step;
-                actions.push(EscalationAction {
-                    quarantine: QuarantineId(entry.id),
-                    peer: entry.peer,
-                    tenancies: entry.remaining.to_vec(),
-                    step,
-                });
-                match step.next(caps) {
-                    Some(next) => {
-                        entry.next_at += step.budget(&ladder);
-                        entry.next_step = next;
-                    }
+            while let Rung::Climbing { step, at } = entry.rung {
+                if at > now {
+                    break;
+                }
+                actions.push(action(step));
+                entry.rung = match step.next(caps) {
+                    Some(next) => Rung::Climbing { step: next, at: at + step.budget(&ladder) },
                     None => {
-                        entry.stuck = true;
                         newly_stuck += entry.remaining.len() as u64;
+                        let every = ladder.drain.clamp(MIN_REDRAIN_INTERVAL, REDRAIN_MAX_INTERVAL);
+                        Rung::Stuck { redrain_at: caps.drain.then(|| now + every), every }
                     }
+                };
+            }
+            // A stuck entry asks once per due time, counted from now: a long
+            // pause does not burst ABORTs.
+            if let Rung::Stuck { redrain_at: Some(due), every } = entry.rung {
+                if due <= now {
+                    actions.push(action(EscalationStep::RequestDrain));
+                    let every = (every * 2).min(REDRAIN_MAX_INTERVAL);
+                    entry.rung = Rung::Stuck { redrain_at: Some(now + every), every };
                 }
             }
         }
@@ -1063,7 +1100,7 @@ impl SlotPool {
 
     pub(crate) fn next_escalation_at(&self) -> Option<Instant> {
         let st = lock(&self.inner.state);
-        st.quarantine.iter().flatten().filter(|e| !e.stuck).map(|e| e.next_at).min()
+        st.quarantine.iter().flatten().filter_map(|e| e.rung.due_at()).min()
     }
 }
 

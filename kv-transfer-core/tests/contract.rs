@@ -344,14 +344,18 @@ fn rule2_a_timer_never_frees_it_only_escalates() {
         clock.advance(Duration::from_millis(7));
         assert_eq!(pool.metrics().free, 0, "a deadline freed a quarantined slot");
     }
+    // The ladder, then (exhausted) the ABORT asked for again: never a free.
     assert_eq!(
-        steps,
+        steps[..4],
         [EscalationStep::RequestDrain, EscalationStep::Revoke, EscalationStep::Fence, EscalationStep::Exhausted]
     );
+    assert!(steps[4..].iter().all(|s| *s == EscalationStep::RequestDrain), "{steps:?}");
     let m = pool.metrics();
     assert_eq!((m.quarantined, m.quarantine_stuck), (1, 1));
-    assert_eq!(authority.next_escalation_at(), None);
+    // A long pause asks once, not once per missed interval.
     clock.advance(Duration::from_secs(3600));
+    let again: Vec<_> = authority.poll_escalations().into_iter().map(|a| a.step).collect();
+    assert_eq!(again, [EscalationStep::RequestDrain]);
     assert!(authority.poll_escalations().is_empty());
     assert_eq!(pool.metrics().free, 0);
     // Only a proof ends it, even after the ladder is exhausted.
@@ -752,6 +756,65 @@ fn rule2_the_ladder_holds_only_the_steps_the_backend_can_take() {
     exposed.abort();
     let steps: Vec<_> = authority.poll_escalations().into_iter().map(|a| a.step).collect();
     assert_eq!(steps, [EscalationStep::Exhausted]);
+    assert_eq!(pool.metrics().quarantine_stuck, 1);
+}
+
+/// An ABORT (or its ack) lost on a cut link is asked for again after the
+/// ladder is exhausted, at a doubling interval capped at
+/// `REDRAIN_MAX_INTERVAL`, so a peer whose link returns can still prove the
+/// slots with its ack. Asking frees nothing; a backend that cannot drain is
+/// never asked.
+#[test]
+fn rule2_a_stuck_exposure_is_asked_to_drain_again_and_freed_only_by_the_ack() {
+    let clock = Arc::new(ManualClock::new());
+    let ladder = EscalationLadder {
+        drain: Duration::from_millis(100),
+        revoke: Duration::from_millis(10),
+        fence: Duration::from_millis(10),
+    };
+    let cfg = PoolConfig::new(SLOT).with_ladder(ladder).with_clock(clock.clone());
+    let region = Arc::new(HostRegion::new(SLOT).unwrap());
+    let (pool, authority) = SlotPool::new(region, cfg.with_capabilities(drain::Capabilities::DRAIN_ONLY)).unwrap();
+    let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(3), 1, "t", Default::default());
+    exposed.abort();
+    assert_eq!(authority.poll_escalations()[0].step, EscalationStep::RequestDrain);
+    clock.advance(Duration::from_millis(100));
+    assert_eq!(authority.poll_escalations()[0].step, EscalationStep::Exhausted);
+    assert_eq!(pool.metrics().quarantine_stuck, 1);
+    // Re-drains at 100, 200, 400, ... ms after the exhaustion, capped at 30 s.
+    let mut gaps = Vec::new();
+    for _ in 0..12 {
+        let wait = authority.next_escalation_in().expect("a stuck drainable exposure is asked again");
+        gaps.push(wait);
+        clock.advance(wait);
+        let a = authority.poll_escalations();
+        assert_eq!(a.len(), 1);
+        assert_eq!(
+            (a[0].step, a[0].peer, &a[0].tenancies),
+            (EscalationStep::RequestDrain, PeerId(3), &remote.tenancies())
+        );
+        assert_eq!(pool.metrics().free, 0, "asking again freed the slot");
+    }
+    assert_eq!(gaps[..3], [Duration::from_millis(100), Duration::from_millis(200), Duration::from_millis(400)]);
+    assert_eq!(*gaps.last().unwrap(), REDRAIN_MAX_INTERVAL);
+    assert!(gaps.windows(2).all(|w| w[1] >= w[0]));
+    // The ack that finally comes is the proof.
+    authority.deliver(authority.completed(&remote.tenancies()));
+    let m = pool.metrics();
+    assert_eq!((m.free, m.quarantined, m.quarantine_stuck), (1, 0, 0));
+    assert_eq!(authority.next_escalation_at(), None);
+
+    // Without a drain nothing is asked again.
+    let none = drain::Capabilities { drain: false, revoke: false, fence: false };
+    let region = Arc::new(HostRegion::new(SLOT).unwrap());
+    let cfg = PoolConfig::new(SLOT).with_clock(clock.clone()).with_capabilities(none);
+    let (pool, authority) = SlotPool::new(region, cfg).unwrap();
+    let (exposed, _) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
+    exposed.abort();
+    assert_eq!(authority.poll_escalations()[0].step, EscalationStep::Exhausted);
+    assert_eq!(authority.next_escalation_at(), None);
+    clock.advance(Duration::from_secs(3600));
+    assert!(authority.poll_escalations().is_empty());
     assert_eq!(pool.metrics().quarantine_stuck, 1);
 }
 

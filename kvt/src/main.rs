@@ -449,9 +449,9 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
 
 fn race_cmd(a: RaceArgs) -> anyhow::Result<bool> {
     check_backend(a.backend)?;
-    if !matches!(a.backend, Backend::TcpSim | Backend::Verbs) {
+    if !matches!(a.backend, Backend::TcpSim | Backend::Verbs | Backend::Mooncake) {
         bail!(
-            "kvt race runs on tcp-sim or verbs (the conformance suite covers {} without scenario 2)",
+            "kvt race runs on tcp-sim, mooncake or verbs (the conformance suite covers {} without scenario 2)",
             a.backend.name()
         );
     }
@@ -479,6 +479,8 @@ fn race_cmd(a: RaceArgs) -> anyhow::Result<bool> {
         let r = match a.backend {
             #[cfg(feature = "verbs")]
             Backend::Verbs => kv_transfer_examples::race::verbs::run_verbs_race(&cfg, &mut progress),
+            #[cfg(feature = "mooncake")]
+            Backend::Mooncake => kv_transfer_examples::race::mooncake::run_mooncake_race(&cfg, &mut progress),
             _ => run_race(&cfg, &mut progress),
         };
         pb.finish_and_clear();

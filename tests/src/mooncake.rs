@@ -31,12 +31,12 @@
 use crate::ensure;
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::post_tagged;
+use backend_mooncake::gate::GatedTransport;
 use backend_mooncake::proto::NotifyDesc;
 use backend_mooncake::proto::{RequestHeader, TcpOpcode, HEADER_LEN};
-use backend_mooncake::transport::TransportWork;
 use backend_mooncake::{
     AdapterConfig, BatchId, DataTransport, EngineConfig, EngineError, MemoryRegion, MooncakeEngine, MooncakeTransfer,
-    SegmentId, SegmentInfo, TaskStatus, TcpTransport, TcpTransportConfig, TransferEngine, TransferRequest,
+    SegmentId, SegmentInfo, TaskStatus, TcpTransportConfig, TransferEngine, TransferRequest,
 };
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
@@ -48,7 +48,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// The Mooncake adapter, target and initiator both ours, on loopback.
@@ -71,97 +71,6 @@ fn engine_config() -> EngineConfig {
         local_host: "127.0.0.1".into(),
         tcp: TcpTransportConfig { workers: 2, ..TcpTransportConfig::default() },
         ..EngineConfig::default()
-    }
-}
-
-#[derive(Default)]
-struct GateState {
-    holding: bool,
-    /// The transport was crashed: tasks are dropped (FAILED, nothing sent).
-    dead: bool,
-    held: Vec<TransportWork>,
-}
-
-/// Mooncake's TCP transport behind a gate: while holding, submitted tasks
-/// wait here (posted, not terminal, no byte on the wire); opening the gate
-/// hands them to the transport in order.
-pub struct GatedTransport {
-    inner: TcpTransport,
-    state: Mutex<GateState>,
-    cv: Condvar,
-}
-
-impl std::fmt::Debug for GatedTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = lock(&self.state);
-        f.debug_struct("GatedTransport").field("holding", &s.holding).field("held", &s.held.len()).finish()
-    }
-}
-
-impl GatedTransport {
-    fn new(cfg: TcpTransportConfig) -> std::io::Result<Self> {
-        Ok(Self { inner: TcpTransport::new(cfg)?, state: Mutex::default(), cv: Condvar::new() })
-    }
-
-    fn hold(&self) -> bool {
-        let mut s = lock(&self.state);
-        s.holding = !s.dead;
-        s.holding
-    }
-
-    fn open(&self) {
-        let held = {
-            let mut s = lock(&self.state);
-            s.holding = false;
-            std::mem::take(&mut s.held)
-        };
-        for w in held {
-            self.inner.submit(w);
-        }
-    }
-
-    /// Drops every held task (each reports FAILED: it never left) and every
-    /// later one.
-    fn crash(&self) {
-        let held = {
-            let mut s = lock(&self.state);
-            s.dead = true;
-            s.holding = false;
-            std::mem::take(&mut s.held)
-        };
-        drop(held);
-    }
-
-    fn wait_held(&self, timeout: Duration) -> bool {
-        let s = lock(&self.state);
-        let r = self.cv.wait_timeout_while(s, timeout, |s| s.held.is_empty());
-        match r {
-            Ok((s, _)) => !s.held.is_empty(),
-            Err(e) => !e.into_inner().0.held.is_empty(),
-        }
-    }
-}
-
-impl DataTransport for GatedTransport {
-    fn protocol(&self) -> &'static str {
-        self.inner.protocol()
-    }
-    fn submit(&self, work: TransportWork) {
-        let mut s = lock(&self.state);
-        if s.dead {
-            drop(s);
-            drop(work);
-        } else if s.holding {
-            s.held.push(work);
-            drop(s);
-            self.cv.notify_all();
-        } else {
-            drop(s);
-            self.inner.submit(work);
-        }
-    }
-    fn forget_segment(&self, segment: u64) {
-        self.inner.forget_segment(segment);
     }
 }
 
@@ -242,6 +151,9 @@ struct Prefill {
 impl Backend for MooncakeBackend {
     fn name(&self) -> &'static str {
         "mooncake"
+    }
+    fn race(&self) -> Option<crate::harness::RaceRunner> {
+        Some(kv_transfer_examples::race::mooncake::run_mooncake_race)
     }
     fn available(&self) -> Result<(), String> {
         Ok(())

@@ -38,10 +38,18 @@ enum Need {
 const SCENARIOS: &[(&str, Need, Scenario)] = &[
     ("netns_link_cut_mid_transfer_frees_only_by_proof::tcp_sim", Need::Nothing, link_cut_mid_transfer),
     ("netns_abort_lost_on_a_cut_link_then_restored::tcp_sim", Need::Nothing, abort_lost_then_restored),
-    ("netns_lossy_reordering_network_race::tcp_sim", Need::Netem, lossy_race),
+    ("netns_lossy_reordering_network_race::tcp_sim", Need::Netem, || lossy_race(run_race)),
+    #[cfg(feature = "mooncake")]
+    ("netns_lossy_reordering_network_race::mooncake", Need::Netem, || {
+        lossy_race(kv_transfer_examples::race::mooncake::run_mooncake_race)
+    }),
     ("netns_frozen_then_killed_peer_process::tcp_sim", Need::Nothing, frozen_then_killed_peer),
     #[cfg(feature = "mooncake")]
     ("netns_link_cut_held_and_reported_stuck::mooncake", Need::Nothing, mooncake::link_cut),
+    #[cfg(feature = "mooncake")]
+    ("netns_abort_lost_on_a_cut_link_then_restored::mooncake", Need::Nothing, mooncake::abort_lost_then_restored),
+    #[cfg(feature = "mooncake")]
+    ("netns_frozen_then_killed_peer_process::mooncake", Need::Nothing, mooncake::frozen_then_killed_peer),
     #[cfg(feature = "mooncake")]
     ("netns_real_engine_across_the_veth::mooncake", Need::RealMooncake, real_mooncake::across_the_veth),
     ("netns_hostile_frames_on_every_port::tcp_sim", Need::Nothing, hostile::tcp_sim),
@@ -293,9 +301,9 @@ fn abort_lost_then_restored() -> Result<(), Failed> {
 
 /// Scenario 3: the reassignment race (2,000 requests per policy) with 1 %
 /// loss, 5 ms delay and reordering on every packet of a namespace's
-/// network (the race's three NICs talk over its loopback, shaped by
+/// network (the race's three sides talk over its loopback, shaped by
 /// netem). Naive must corrupt, safe must show 0 foreign bytes.
-fn lossy_race() -> Result<(), Failed> {
+fn lossy_race(race: kv_transfer_tests::harness::RaceRunner) -> Result<(), Failed> {
     let lab = Lab::new("race").map_err(err("lab"))?;
     lab.a
         .exec(&[
@@ -306,7 +314,7 @@ fn lossy_race() -> Result<(), Failed> {
     let mut reports = Vec::new();
     for policy in [ReleasePolicy::Naive, ReleasePolicy::Safe] {
         let cfg = RaceConfig { requests: 2_000, policy, seed: 7, ..RaceConfig::default() };
-        let r = lab.a.run(move || run_race(&cfg, &mut |_, _| {})).map_err(err("host a"))?.map_err(err("race"))?;
+        let r = lab.a.run(move || race(&cfg, &mut |_, _| {})).map_err(err("host a"))?.map_err(err("race"))?;
         reports.push(r);
     }
     let (naive, safe) = (&reports[0], &reports[1]);
@@ -349,24 +357,16 @@ fn frozen_then_killed_peer() -> Result<(), Failed> {
     writeln!(stdin, "{cmd}").map_err(err("command"))?;
     stdin.flush().map_err(err("command"))?;
     ensure(wait_for(Duration::from_secs(5), || decode.stats().writes_applied > 0), "no write arrived from the worker")?;
-    let pid = child.id().to_string();
-    let signal = |sig: &str| std::process::Command::new("kill").args([sig, &pid]).status();
-    signal("-STOP").map_err(err("SIGSTOP"))?; // frozen, its socket open
-
-    // The signal is asynchronous: abort only once the process is stopped
-    // (state `T`), or it may still answer the ABORT, a legitimate ack.
-    let stopped = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
-            .unwrap_or(false)
-    };
-    ensure(wait_for(Duration::from_secs(5), stopped), "the worker did not stop on SIGSTOP")?;
+    let worker = KillOnDrop(child.id());
+    worker.signal("-STOP")?; // frozen, its socket open
+                             // The signal is asynchronous: abort only once the process is stopped,
+                             // or it may still answer the ABORT, a legitimate ack.
+    ensure(wait_for(Duration::from_secs(5), || worker.stopped()), "the worker did not stop on SIGSTOP")?;
     exposed.abort();
     std::thread::sleep(Duration::from_millis(150));
     let m = dpool.metrics();
     ensure(m.quarantined == 2 && m.free == 0, format!("freed early: {m:?}"))?;
-    signal("-KILL").map_err(err("SIGKILL"))?;
+    worker.signal("-KILL")?;
     let _ = child.wait();
     ensure(
         wait_for(Duration::from_secs(10), || {
@@ -395,9 +395,9 @@ fn frozen_then_killed_peer() -> Result<(), Failed> {
 
 /// Mooncake over TCP across the veth: it can neither revoke nor fence, so
 /// an aborted exposure whose peer is cut off stays quarantined and is
-/// reported stuck, never freed by a timer. After the link returns a slot may
-/// come back only with the drain's ack (`Completed`); the adapter sends its
-/// ABORT once, so today they stay stuck: visible, never reused.
+/// reported stuck, never freed by a timer; the only proof is the drain's
+/// ack. Once the ladder is exhausted the ABORT is asked for again (core's
+/// re-drain), so a peer whose link returns can still answer it.
 #[cfg(feature = "mooncake")]
 mod mooncake {
     use super::*;
@@ -408,6 +408,7 @@ mod mooncake {
         let cfg = EngineConfig {
             local_host: host.addr.to_string(),
             tcp: TcpTransportConfig { io_timeout: Duration::from_secs(1), ..TcpTransportConfig::default() },
+            handshake_timeout: Duration::from_millis(500),
             ..EngineConfig::default()
         };
         // Engine and adapter start their listeners and threads in the host's namespace.
@@ -421,15 +422,24 @@ mod mooncake {
         Ok(Arc::new(t))
     }
 
-    pub(super) fn link_cut() -> Result<(), Failed> {
-        let lab = Lab::new("mc").map_err(err("lab"))?;
+    /// Our decode on host a, our prefill on host b, each the other's peer.
+    struct McPair {
+        decode: Arc<MooncakeTransfer>,
+        prefill: Arc<MooncakeTransfer>,
+        dregion: Arc<HostRegion>,
+        dpool: SlotPool,
+        ppool: SlotPool,
+        peer: kv_transfer_core::PeerId,
+    }
+
+    fn pair(lab: &Lab, slots: usize, ladder: EscalationLadder) -> Result<McPair, Failed> {
         let (decode, prefill) = (side(&lab.a)?, side(&lab.b)?);
-        let dregion = Arc::new(HostRegion::new(4 * SLOT).map_err(err("region"))?);
+        let dregion = Arc::new(HostRegion::new(slots * SLOT).map_err(err("region"))?);
         let dpool = decode
-            .register_pool(dregion.clone(), PoolConfig::new(SLOT).with_ladder(ladder(300, 300, 300)))
+            .register_pool(dregion.clone(), PoolConfig::new(SLOT).with_ladder(ladder))
             .map_err(err("decode pool"))?;
         let ppool = prefill
-            .register_pool(Arc::new(HostRegion::new(4 * SLOT).map_err(err("region"))?), PoolConfig::new(SLOT))
+            .register_pool(Arc::new(HostRegion::new(slots * SLOT).map_err(err("region"))?), PoolConfig::new(SLOT))
             .map_err(err("prefill pool"))?;
         let (ddesc, pdesc) = (
             decode.local_descriptor().map_err(err("descriptor"))?,
@@ -442,40 +452,211 @@ mod mooncake {
             .run(move || Target::add_peer(&*d, &pdesc))
             .map_err(err("host a"))?
             .map_err(err("decode adds prefill"))?;
-        let (exposed, remote) = decode
-            .expose(dpool.reserve(4).map_err(err("reserve"))?, peer)
+        Ok(McPair { decode, prefill, dregion, dpool, ppool, peer })
+    }
+
+    /// Zeroes the decode region, waits, and counts bytes equal to `tag`:
+    /// anything late that lands after a reclaim.
+    fn late_bytes(region: &HostRegion, slots: usize, tag: u8) -> Result<usize, Failed> {
+        for i in 0..slots {
+            region.write(i * SLOT, &vec![0u8; SLOT]).map_err(err("zero"))?;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        (0..slots).map(|i| tagged_bytes(region, i, tag)).sum()
+    }
+
+    /// Scenario 1 on Mooncake: the link cut with a WRITE posted, the request
+    /// aborted, the cut longer than the ladder. Held and reported stuck while
+    /// cut off; after the link returns only the drain's ack frees a slot.
+    pub(super) fn link_cut() -> Result<(), Failed> {
+        let lab = Lab::new("mc").map_err(err("lab"))?;
+        let p = pair(&lab, 4, ladder(300, 300, 300))?;
+        let (exposed, remote) = p
+            .decode
+            .expose(p.dpool.reserve(4).map_err(err("reserve"))?, p.peer)
             .map_err(|e| Failed::from(e.kind.to_string()))?;
-        let mut src = ppool.reserve(4).map_err(err("reserve"))?;
+        let mut src = p.ppool.reserve(4).map_err(err("reserve"))?;
         for i in 0..4 {
             src.write_at(i, 0, &vec![0xA5; SLOT]).map_err(err("fill"))?;
         }
         lab.cut().map_err(err("cut"))?;
         // Posted on a cut link; the request is then aborted.
-        let mut handle = block_on(prefill.write(src, &remote, TransferOptions::notify(true)))
+        let mut handle = block_on(p.prefill.write(src, &remote, TransferOptions::notify(true)))
             .map_err(|e| Failed::from(e.kind.to_string()))?;
         exposed.abort();
         std::thread::sleep(Duration::from_millis(1_500));
-        let m = dpool.metrics();
+        let m = p.dpool.metrics();
         ensure(m.quarantined == 4 && m.free == 0, format!("freed while the peer was cut off: {m:?}"))?;
         ensure(m.quarantine_stuck == 4, format!("not reported stuck past the drain deadline: {m:?}"))?;
         lab.restore().map_err(err("restore"))?;
         let _ = poll_until(Pin::new(&mut handle), Duration::from_secs(10));
-        std::thread::sleep(Duration::from_secs(2));
-        let m = dpool.metrics();
-        // Whatever came back came back by the ack; nothing else may free.
+        // The re-sent ABORT reaches the prefill now; it acks once its WRITE
+        // ended with proof that it stopped (a failure that proves nothing
+        // withholds the ack: then the slots stay stuck, visibly).
+        wait_for(Duration::from_secs(6), || p.dpool.metrics().free == 4);
+        let m = p.dpool.metrics();
         ensure(m.free == m.settled_completed, format!("freed without the drain's ack: {m:?}"))?;
         ensure(m.free + m.quarantined == m.capacity, format!("pool lost slots: {m:?}"))?;
         // No late byte lands in what is (or will be) the next tenant's memory.
-        for i in 0..4 {
-            dregion.write(i * SLOT, &vec![0u8; SLOT]).map_err(err("zero"))?;
-        }
-        std::thread::sleep(Duration::from_millis(300));
-        let foreign: usize = (0..4).map(|i| tagged_bytes(&dregion, i, 0xA5)).sum::<Result<usize, _>>()?;
+        let foreign = late_bytes(&p.dregion, 4, 0xA5)?;
         ensure(foreign == 0, format!("{foreign} late bytes landed after the link returned"))?;
         eprintln!(
-            "netns mooncake link cut: 4 held and reported stuck while cut off; after the link returned {} freed by acks, {} still stuck",
-            m.settled_completed, m.quarantine_stuck
+            "netns mooncake link cut: 4 held and reported stuck while cut off; after the link returned {} freed by acks, {} still stuck (ABORTs sent {}, acks withheld {})",
+            m.settled_completed,
+            m.quarantine_stuck,
+            counter(&*p.decode, "aborts_sent"),
+            counter(&*p.prefill, "abort_acks_withheld"),
         );
         Ok(())
+    }
+
+    /// Scenario 2 on Mooncake: the WRITE done (no DONE), the link cut, the
+    /// ABORT lost on it (the notification's connect fails), the ladder
+    /// exhausted: stuck, never freed. The link returns; the re-sent ABORT is
+    /// acked and only that ack frees the slots.
+    pub(super) fn abort_lost_then_restored() -> Result<(), Failed> {
+        let lab = Lab::new("mcack").map_err(err("lab"))?;
+        let p = pair(&lab, 2, ladder(300, 300, 300))?;
+        let (exposed, remote) = p
+            .decode
+            .expose(p.dpool.reserve(2).map_err(err("reserve"))?, p.peer)
+            .map_err(|e| Failed::from(e.kind.to_string()))?;
+        let mut src = p.ppool.reserve(2).map_err(err("reserve"))?;
+        for i in 0..2 {
+            src.write_at(i, 0, &vec![0x3C; SLOT]).map_err(err("fill"))?;
+        }
+        let h = block_on(p.prefill.write(src, &remote, TransferOptions::notify(false)))
+            .map_err(|e| Failed::from(e.kind.to_string()))?;
+        let out = block_on(h).map_err(err("write"))?;
+        out.result.map_err(err("write"))?;
+        out.lease.release();
+        lab.cut().map_err(err("cut"))?;
+        exposed.abort();
+        ensure(
+            wait_for(Duration::from_secs(5), || p.dpool.metrics().quarantine_stuck == 2),
+            format!("not reported stuck: {:?}", p.dpool.metrics()),
+        )?;
+        std::thread::sleep(Duration::from_millis(1_000));
+        let m = p.dpool.metrics();
+        ensure(m.quarantined == 2 && m.free == 0, format!("freed while the link was down: {m:?}"))?;
+        let failed_while_cut = counter(&*p.decode, "notify_failed");
+        ensure(failed_while_cut > 0, "no ABORT was lost on the cut link: the scenario proves nothing")?;
+        lab.restore().map_err(err("restore"))?;
+        ensure(
+            wait_for(Duration::from_secs(15), || p.dpool.metrics().free == 2),
+            format!("the re-sent ABORT was never acked after the link returned: {:?}", p.dpool.metrics()),
+        )?;
+        let m = p.dpool.metrics();
+        ensure(m.settled_completed == 2 && m.quarantine_stuck == 0, format!("freed without the ack: {m:?}"))?;
+        eprintln!(
+            "netns mooncake abort lost: {failed_while_cut} ABORTs lost while cut off, {} sent in all; freed by {} acks after the link returned",
+            counter(&*p.decode, "aborts_sent"),
+            m.settled_completed
+        );
+        Ok(())
+    }
+
+    /// Scenario 4 on Mooncake: the prefill is a process on host b (our
+    /// Mooncake engine), frozen with its WRITEs posted, the exposure aborted,
+    /// then killed. Mooncake TCP can neither revoke nor fence, and a dead peer
+    /// never acks: the slots stay quarantined and reported stuck, and no byte
+    /// lands in them afterwards.
+    pub(super) fn frozen_then_killed_peer() -> Result<(), Failed> {
+        use std::io::{BufRead, Write};
+        let lab = Lab::new("mcstop").map_err(err("lab"))?;
+        let decode = side(&lab.a)?;
+        let dregion = Arc::new(HostRegion::new(2 * SLOT).map_err(err("region"))?);
+        let dpool = decode
+            .register_pool(dregion.clone(), PoolConfig::new(SLOT).with_ladder(ladder(300, 300, 300)))
+            .map_err(err("pool"))?;
+        let worker = env!("CARGO_BIN_EXE_prefill-worker");
+        let mut child = std::process::Command::new("ip")
+            .args(["netns", "exec", &lab.b.ns, worker, "--mooncake", decode.segment_name()])
+            .args([lab.b.addr.to_string(), SLOT.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(err("spawn the worker"))?;
+        let killer = KillOnDrop(child.id());
+        let mut first = String::new();
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        std::io::BufReader::new(stdout).read_line(&mut first).map_err(err("the worker's segment"))?;
+        let segment = first.trim().strip_prefix("segment ").ok_or(format!("the worker said {first:?}"))?.to_string();
+        let d = decode.clone();
+        let peer = lab
+            .a
+            .run(move || Target::add_peer(&*d, segment.as_bytes()))
+            .map_err(err("host a"))?
+            .map_err(err("decode adds the worker"))?;
+        let (exposed, remote) = decode
+            .expose(dpool.reserve(2).map_err(err("reserve"))?, peer)
+            .map_err(|e| Failed::from(e.kind.to_string()))?;
+        let cmd = serde_json::json!({ "remote": remote, "request": 9, "repeat": 16, "notify": false });
+        let stdin = child.stdin.as_mut().ok_or("no stdin")?;
+        writeln!(stdin, "{cmd}").map_err(err("command"))?;
+        stdin.flush().map_err(err("command"))?;
+        ensure(
+            wait_for(Duration::from_secs(5), || (0..2).any(|i| tagged_bytes(&dregion, i, 0).unwrap_or(SLOT) < SLOT)),
+            "no write arrived from the worker",
+        )?;
+        killer.signal("-STOP")?;
+        ensure(wait_for(Duration::from_secs(5), || killer.stopped()), "the worker did not stop on SIGSTOP")?;
+        exposed.abort();
+        ensure(
+            wait_for(Duration::from_secs(5), || dpool.metrics().quarantine_stuck == 2),
+            format!("not reported stuck: {:?}", dpool.metrics()),
+        )?;
+        ensure(dpool.metrics().free == 0, "freed while the peer was frozen")?;
+        killer.signal("-KILL")?;
+        let _ = child.wait();
+        // Long enough for several re-sent ABORTs to find nobody.
+        std::thread::sleep(Duration::from_secs(2));
+        let m = dpool.metrics();
+        ensure(
+            m.quarantined == 2 && m.free == 0 && m.quarantine_stuck == 2,
+            format!("a dead Mooncake peer's slots were freed: {m:?}"),
+        )?;
+        let landed = late_bytes(&dregion, 2, 9)?;
+        ensure(landed == 0, format!("{landed} bytes landed after the peer died"))?;
+        eprintln!(
+            "netns mooncake frozen peer: 2 slots held and reported stuck after the kill ({} ABORTs sent)",
+            counter(&*decode, "aborts_sent")
+        );
+        Ok(())
+    }
+
+    /// A counter of the adapter's (0 if it has no such name).
+    fn counter(t: &MooncakeTransfer, name: &str) -> u64 {
+        Target::counters(t).into_iter().find(|(n, _)| *n == name).map_or(0, |(_, v)| v)
+    }
+}
+
+/// Kills a process on drop (a failed scenario leaves no worker behind).
+struct KillOnDrop(u32);
+
+impl KillOnDrop {
+    fn signal(&self, sig: &str) -> Result<(), Failed> {
+        let ok =
+            std::process::Command::new("kill").args([sig, &self.0.to_string()]).status().is_ok_and(|s| s.success());
+        ensure(ok, format!("kill {sig} {}", self.0))
+    }
+
+    /// Whether the process is stopped (state `T` in `/proc/PID/stat`): a
+    /// signal is asynchronous.
+    fn stopped(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.0))
+            .ok()
+            .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+            .unwrap_or(false)
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // Usually dead already (the scenario killed it): say nothing.
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &self.0.to_string()])
+            .stderr(std::process::Stdio::null())
+            .status();
     }
 }

@@ -30,6 +30,9 @@
 //! which tenants pull or push, the per-WR delays); the interleaving of the
 //! NICs' threads is the race itself.
 
+#[cfg(feature = "mooncake")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mooncake")))]
+pub mod mooncake;
 #[cfg(feature = "verbs")]
 #[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
 pub mod verbs;
@@ -158,6 +161,11 @@ pub struct RaceReport {
     /// as a serving engine would retry them (verbs only).
     #[serde(default)]
     pub transfer_failures: u64,
+    /// Aborted requests' writes that completed while their slots were still
+    /// quarantined (a backend that cannot revoke: the bytes land, but in
+    /// memory no tenant holds; the slots come back only with the peer's ack).
+    #[serde(default)]
+    pub stale_writes_quarantined: u64,
     /// Connections the decode NIC fenced (the ladder's last step, or a lost peer).
     pub fences: u64,
     /// Times prefill 0 reconnected after a fence.
@@ -365,6 +373,18 @@ pub(crate) fn check_lease(lease: &SlotLease<Settled>, tags: &[Tag], size: usize)
         }
     }
     Some(c)
+}
+
+/// How many of `lease`'s slots hold bytes of another request.
+pub(crate) fn slots_with_foreign_bytes(lease: &SlotLease<kv_transfer_core::Settled>, tags: &[Tag], size: usize) -> u64 {
+    let mut buf = vec![0u8; size];
+    let mut n = 0;
+    for (i, t) in tags.iter().enumerate() {
+        if lease.read_at(i, 0, &mut buf).is_ok() && crate::payload::verify(&buf, *t).foreign_bytes > 0 {
+            n += 1;
+        }
+    }
+    n
 }
 
 /// Counts one consumer's finding in `rep`.

@@ -32,8 +32,8 @@
 //! fence is a failed transfer ([`RaceReport::transfer_failures`]), not data.
 
 use super::{
-    check_config, check_lease, fill_lease, finish_report, record_consumed, run_rounds, setup_err, step_err, tags_of,
-    RaceConfig, RaceError, RaceReport, Rng,
+    check_config, check_lease, fill_lease, finish_report, record_consumed, run_rounds, setup_err,
+    slots_with_foreign_bytes, step_err, tags_of, RaceConfig, RaceError, RaceReport, Rng,
 };
 use crate::payload::Tag;
 use crate::wait::{poll_until, wait_until};
@@ -118,18 +118,6 @@ impl Rig {
             Err(e) => self.decode.expose(e.lease, self.peer(name, wait)?).map_err(|e| step_err(e.kind)),
         }
     }
-}
-
-/// How many of `lease`'s slots hold bytes of another request.
-fn slots_with_foreign_bytes(lease: &SlotLease<kv_transfer_core::Settled>, tags: &[Tag], size: usize) -> u64 {
-    let mut buf = vec![0u8; size];
-    let mut n = 0;
-    for (i, t) in tags.iter().enumerate() {
-        if lease.read_at(i, 0, &mut buf).is_ok() && crate::payload::verify(&buf, *t).foreign_bytes > 0 {
-            n += 1;
-        }
-    }
-    n
 }
 
 /// A first tenant: exposed to prefill 0, written by it.
