@@ -11,83 +11,15 @@
 
 mod common;
 
+use common::{fields, run_pair};
 use std::collections::HashMap;
-use std::io::Read;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-struct Kill(Vec<Child>);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            if !matches!(c.try_wait(), Ok(Some(_))) {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-        }
-    }
-}
-
-/// Runs decode and prefill for `mode`; returns both stdouts (and stderrs).
-fn run_pair(mode: &str, mib: usize) -> (String, String) {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("kvt-nixl-peer-{}-{mode}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let tls = std::env::var("UCX_TLS").unwrap_or_else(|_| "tcp".into());
-    let spawn = |role: &str| {
-        Command::new(env!("CARGO_BIN_EXE_nixl_peer"))
-            .args([role, dir.to_str().expect("utf-8 temp dir"), mode, &mib.to_string()])
-            .env("UCX_TLS", &tls)
-            .env("KVT_PEER_TIMEOUT_S", "60")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn nixl_peer")
-    };
-    let mut kids = Kill(vec![spawn("decode"), spawn("prefill")]);
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(120) {
-        if kids.0.iter_mut().all(|c| matches!(c.try_wait(), Ok(Some(_)))) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let mut outs = Vec::new();
-    for c in &mut kids.0 {
-        let running = !matches!(c.try_wait(), Ok(Some(_)));
-        if running {
-            let _ = c.kill();
-        }
-        let status = c.wait().ok();
-        let (mut o, mut e) = (String::new(), String::new());
-        if let Some(s) = c.stdout.as_mut() {
-            let _ = s.read_to_string(&mut o);
-        }
-        if let Some(s) = c.stderr.as_mut() {
-            let _ = s.read_to_string(&mut e);
-        }
-        eprintln!("--- nixl_peer ({mode}) status {status:?}{}\n{o}{e}", if running { " (killed)" } else { "" });
-        outs.push(o);
-    }
-    let _ = std::fs::remove_dir_all(&dir);
-    (outs.remove(0), outs.remove(0))
-}
-
-/// The `key=value` fields of the line starting with `tag`.
-fn fields(out: &str, tag: &str) -> HashMap<String, String> {
-    let line = out.lines().find(|l| l.starts_with(tag)).unwrap_or_else(|| panic!("no {tag} line in {out:?}"));
-    line.split(' ').filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
-}
 
 #[test]
 fn two_processes_write_and_read_byte_checked() {
     if common::library_or_skip("two_processes_write_and_read_byte_checked").is_none() {
         return;
     }
-    let (dec, pre) = run_pair("roundtrip", 0);
+    let (dec, pre) = run_pair("roundtrip", 0, None);
     let d = fields(&dec, "RESULT");
     let p = fields(&pre, "PREFILL");
     assert_eq!(d["write_bytes_ok"], "true", "{dec}");
@@ -113,7 +45,7 @@ fn hazard_two_processes_raw_lands_late_bytes_adapter_lands_none() {
     let (mut raw, mut raw_late, mut dec_raw) = (HashMap::new(), 0u64, String::new());
     while tries < ATTEMPTS && reproduced == 0 {
         tries += 1;
-        let (dec, _) = run_pair("raw", mib);
+        let (dec, _) = run_pair("raw", mib, None);
         raw = fields(&dec, "RESULT");
         raw_late = raw["late_old_bytes"].parse().expect("number");
         if raw["prefill"] == "released-in-prog" && raw_late > 0 {
@@ -124,7 +56,7 @@ fn hazard_two_processes_raw_lands_late_bytes_adapter_lands_none() {
     eprintln!("positive control: reproduced on attempt {tries} of at most {ATTEMPTS} ({reproduced}/{tries})");
     assert!(reproduced > 0, "positive control failed: no late bytes with raw NIXL in {tries} attempts\n{dec_raw}");
     // Through the adapter.
-    let (dec, pre) = run_pair("adapter", mib);
+    let (dec, pre) = run_pair("adapter", mib, None);
     let ad = fields(&dec, "RESULT");
     let ad_late: u64 = ad["late_old_bytes"].parse().expect("number");
     eprintln!(

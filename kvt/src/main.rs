@@ -154,8 +154,10 @@ enum PolicyArg {
 #[derive(clap::Args, Debug)]
 struct RaceArgs {
     /// Where the race runs: `tcp-sim` (held writes at a simulated NIC's
-    /// gate) or `verbs` (real RDMA WRITEs; a held round queues a large
-    /// WRITE ahead of its doomed writes).
+    /// gate), `mooncake` (ours on both sides over Mooncake's TCP protocol;
+    /// held writes at the initiator's transport; no revoke, no fence: the
+    /// ack is the only proof) or `verbs` (real RDMA WRITEs; a held round
+    /// queues a large WRITE ahead of its doomed writes).
     #[arg(long, value_enum, default_value = "tcp-sim")]
     backend: Backend,
     /// Verbs: bytes of the WRITE queued ahead of a held round's doomed writes.
