@@ -19,7 +19,7 @@ fn two_processes_write_and_read_byte_checked() {
     if common::library_or_skip("two_processes_write_and_read_byte_checked").is_none() {
         return;
     }
-    let (dec, pre) = run_pair("roundtrip", 0, None);
+    let (dec, pre) = run_pair("roundtrip", 0, None, None);
     let d = fields(&dec, "RESULT");
     let p = fields(&pre, "PREFILL");
     assert_eq!(d["write_bytes_ok"], "true", "{dec}");
@@ -45,7 +45,7 @@ fn hazard_two_processes_raw_lands_late_bytes_adapter_lands_none() {
     let (mut raw, mut raw_late, mut dec_raw) = (HashMap::new(), 0u64, String::new());
     while tries < ATTEMPTS && reproduced == 0 {
         tries += 1;
-        let (dec, _) = run_pair("raw", mib, None);
+        let (dec, _) = run_pair("raw", mib, None, None);
         raw = fields(&dec, "RESULT");
         raw_late = raw["late_old_bytes"].parse().expect("number");
         if raw["prefill"] == "released-in-prog" && raw_late > 0 {
@@ -56,7 +56,7 @@ fn hazard_two_processes_raw_lands_late_bytes_adapter_lands_none() {
     eprintln!("positive control: reproduced on attempt {tries} of at most {ATTEMPTS} ({reproduced}/{tries})");
     assert!(reproduced > 0, "positive control failed: no late bytes with raw NIXL in {tries} attempts\n{dec_raw}");
     // Through the adapter.
-    let (dec, pre) = run_pair("adapter", mib, None);
+    let (dec, pre) = run_pair("adapter", mib, None, None);
     let ad = fields(&dec, "RESULT");
     let ad_late: u64 = ad["late_old_bytes"].parse().expect("number");
     eprintln!(

@@ -72,6 +72,32 @@ fn sh(args: &[&str]) -> Result<(), LabError> {
     }
 }
 
+/// Waits (bounded, 5 s) until both ends of the veth are operationally up
+/// (`LOWER_UP`: the carrier is there). `ip link set up` returns before that,
+/// and a program that lists its usable devices at start (UCX does) skips a
+/// device without carrier.
+fn wait_carrier(ends: [(&str, &str); 2]) -> Result<(), LabError> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let up = ends.iter().all(|(ns, ifname)| {
+            Command::new("ip")
+                .args(["-n", ns, "-o", "link", "show", "dev", ifname])
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("LOWER_UP"))
+        });
+        if up {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(LabError::Command {
+                cmd: format!("wait for carrier on {} and {}", ends[0].1, ends[1].1),
+                stderr: "the veth ends did not come up within 5 s".into(),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 type Job = Box<dyn FnOnce() + Send>;
 
 /// One host: a namespace, its interface and address, and a thread inside it.
@@ -188,7 +214,7 @@ impl Lab {
                 sh(&["ip", "-n", ns, "link", "set", ifname, "up"])?;
                 sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
             }
-            Ok(())
+            wait_carrier([(&na, &ia), (&nb, &ib)])
         };
         lab_names.push(na.clone());
         lab_names.push(nb.clone());
@@ -220,10 +246,11 @@ impl Lab {
         sh(&["ip", "-n", &self.b.ns, "link", "set", &self.b.ifname, "down"])
     }
 
-    /// Restores a cut link.
+    /// Restores a cut link (returns once both ends have carrier again).
     pub fn restore(&self) -> Result<(), LabError> {
         sh(&["ip", "-n", &self.a.ns, "link", "set", &self.a.ifname, "up"])?;
-        sh(&["ip", "-n", &self.b.ns, "link", "set", &self.b.ifname, "up"])
+        sh(&["ip", "-n", &self.b.ns, "link", "set", &self.b.ifname, "up"])?;
+        wait_carrier([(&self.a.ns, &self.a.ifname), (&self.b.ns, &self.b.ifname)])
     }
 
     /// Shapes both directions with netem, e.g. `"loss 100%"` (a cut that

@@ -504,8 +504,8 @@ mod mooncake {
             "netns mooncake link cut: 4 held and reported stuck while cut off; after the link returned {} freed by acks, {} still stuck (ABORTs sent {}, acks withheld {})",
             m.settled_completed,
             m.quarantine_stuck,
-            counter(&*p.decode, "aborts_sent"),
-            counter(&*p.prefill, "abort_acks_withheld"),
+            counter(&p.decode, "aborts_sent"),
+            counter(&p.prefill, "abort_acks_withheld"),
         );
         Ok(())
     }
@@ -539,7 +539,7 @@ mod mooncake {
         std::thread::sleep(Duration::from_millis(1_000));
         let m = p.dpool.metrics();
         ensure(m.quarantined == 2 && m.free == 0, format!("freed while the link was down: {m:?}"))?;
-        let failed_while_cut = counter(&*p.decode, "notify_failed");
+        let failed_while_cut = counter(&p.decode, "notify_failed");
         ensure(failed_while_cut > 0, "no ABORT was lost on the cut link: the scenario proves nothing")?;
         lab.restore().map_err(err("restore"))?;
         ensure(
@@ -550,7 +550,7 @@ mod mooncake {
         ensure(m.settled_completed == 2 && m.quarantine_stuck == 0, format!("freed without the ack: {m:?}"))?;
         eprintln!(
             "netns mooncake abort lost: {failed_while_cut} ABORTs lost while cut off, {} sent in all; freed by {} acks after the link returned",
-            counter(&*p.decode, "aborts_sent"),
+            counter(&p.decode, "aborts_sent"),
             m.settled_completed
         );
         Ok(())
@@ -620,7 +620,7 @@ mod mooncake {
         ensure(landed == 0, format!("{landed} bytes landed after the peer died"))?;
         eprintln!(
             "netns mooncake frozen peer: 2 slots held and reported stuck after the kill ({} ABORTs sent)",
-            counter(&*decode, "aborts_sent")
+            counter(&decode, "aborts_sent")
         );
         Ok(())
     }

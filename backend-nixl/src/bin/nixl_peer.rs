@@ -1,7 +1,7 @@
 //! One side of a prefill/decode pair over NIXL, for the two-process tests.
 //!
 //! ```text
-//! nixl_peer <decode|prefill> <dir> <raw|adapter|roundtrip> <MiB>
+//! nixl_peer <decode|prefill> <dir> <raw|adapter|cut|roundtrip> <MiB>
 //! ```
 //!
 //! The two processes meet through files in `<dir>` (written to a temporary name,
@@ -18,6 +18,12 @@
 //! - `adapter`: the same through `NixlTransfer`: the prefill side cancels and drops
 //!   its handle at once; the decode side aborts its exposure and hands the slot to
 //!   a new tenant as soon as the pool gives it out again.
+//! - `cut`: `adapter` with the link cut by the test mid-transfer (the
+//!   netns test, which owns the link): the prefill side puts `posted` once its
+//!   WRITE is posted and lets go of it only after `cut`; the decode side aborts,
+//!   puts `stuck` once the pool reports the slot stuck (a 300 ms drain
+//!   deadline), and takes the slot back only when the pool gives it out,
+//!   which must not happen before the test puts `restored`.
 //! - `roundtrip`: a byte-checked WRITE into 4 exposed slots and a READ out of 4
 //!   others, settled by the adapter's notifications.
 //!
@@ -212,10 +218,15 @@ fn prefill_raw(dir: &Path, len: usize) -> Res<()> {
     Ok(())
 }
 
-fn decode_adapter(dir: &Path, len: usize) -> Res<()> {
+fn decode_adapter(dir: &Path, len: usize, cut: bool) -> Res<()> {
     let t = adapter("decode")?;
     let region = Arc::new(HostRegion::new(len)?);
-    let pool = t.register_pool(region.clone(), PoolConfig::new(len))?;
+    let mut cfg = PoolConfig::new(len);
+    if cut {
+        let d = Duration::from_millis(300);
+        cfg = cfg.with_ladder(kv_transfer_core::EscalationLadder { drain: d, revoke: d, fence: d });
+    }
+    let pool = t.register_pool(region.clone(), cfg)?;
     put(dir, "decode.md", &t.local_metadata()?)?;
     let peer = t.add_peer(&get(dir, "prefill.md")?)?;
     let (exposed, remote) = t.expose(pool.reserve(1)?, peer).map_err(|e| e.kind.to_string())?;
@@ -225,12 +236,27 @@ fn decode_adapter(dir: &Path, len: usize) -> Res<()> {
     // The request is aborted: the exposure goes to quarantine, not to the free list.
     exposed.abort();
     let quarantined = pool.metrics().quarantined;
+    let mut stuck_reported = false;
     // A new tenant gets the slot as soon as the pool gives it out again.
-    let mut lease = loop {
+    let (mut lease, freed_while_cut) = loop {
+        if cut && !stuck_reported && pool.metrics().quarantine_stuck > 0 {
+            stuck_reported = true;
+            put(dir, "stuck", b"")?;
+        }
         match pool.reserve(1) {
-            Ok(l) => break l,
+            Ok(l) => break (l, cut && !dir.join("restored").exists()),
             Err(_) if t0.elapsed() < timeout() => std::thread::sleep(Duration::from_millis(1)),
-            Err(e) => return Err(format!("slot never came back: {e}").into()),
+            Err(e) => {
+                let m = pool.metrics();
+                println!(
+                    "RESULT mode=cut slot_back=false stuck_reported={stuck_reported} quarantined={} stuck={} \
+                     aborts_sent={}",
+                    m.quarantined,
+                    m.quarantine_stuck,
+                    t.metrics().aborts_sent
+                );
+                return Err(format!("slot never came back: {e}").into());
+            }
         }
     };
     let waited = t0.elapsed();
@@ -248,16 +274,20 @@ fn decode_adapter(dir: &Path, len: usize) -> Res<()> {
     let (_, changing) = watch(&read, len, t0);
     let late = count(&read, len, OLD);
     let m = t.metrics();
+    let pm = pool.metrics();
     println!(
-        "RESULT mode=adapter prefill={} late_old_bytes={late} len={len} quarantined_at_abort={quarantined} \
+        "RESULT mode={} prefill={} late_old_bytes={late} len={len} quarantined_at_abort={quarantined} \
          slot_back_after_ms={} filled_ms={} still_changing={changing} aborts_sent={} settled_by_message={} \
-         stale={}",
+         stale={} slot_back=true stuck_reported={stuck_reported} freed_while_cut={freed_while_cut} \
+         settled_completed={}",
+        if cut { "cut" } else { "adapter" },
         String::from_utf8_lossy(&how),
         waited.as_millis(),
         filled.as_millis(),
         m.aborts_sent,
         m.settled_by_message,
-        m.stale
+        m.stale,
+        pm.settled_completed
     );
     lease.release();
     put(dir, "exit", b"")?;
@@ -266,7 +296,7 @@ fn decode_adapter(dir: &Path, len: usize) -> Res<()> {
     Ok(())
 }
 
-fn prefill_adapter(dir: &Path, len: usize) -> Res<()> {
+fn prefill_adapter(dir: &Path, len: usize, cut: bool) -> Res<()> {
     let t = adapter("prefill")?;
     let pool = t.register_pool(Arc::new(HostRegion::new(len)?), PoolConfig::new(len))?;
     let mut lease = pool.reserve(1)?;
@@ -282,6 +312,11 @@ fn prefill_adapter(dir: &Path, len: usize) -> Res<()> {
     let remote = decode_remote(&get(dir, "remote.txt")?)?;
     let h =
         futures_lite_block_on(t.write(lease, &remote, TransferOptions::default())).map_err(|e| e.kind.to_string())?;
+    if cut {
+        // The test cuts the link with the WRITE in flight.
+        put(dir, "posted", b"")?;
+        get(dir, "cut")?;
+    }
     // Let go at once: cancel and drop the handle (NIXL itself has no cancel).
     h.cancel();
     drop(h);
@@ -408,7 +443,7 @@ fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "usage: nixl_peer <decode|prefill> <dir> <raw|adapter|roundtrip> <MiB>";
+    let usage = "usage: nixl_peer <decode|prefill> <dir> <raw|adapter|cut|roundtrip> <MiB>";
     let (Some(role), Some(dir), Some(mode)) = (args.get(1), args.get(2), args.get(3)) else {
         eprintln!("{usage}");
         std::process::exit(2);
@@ -419,8 +454,10 @@ fn main() {
     let r = match (role.as_str(), mode.as_str()) {
         ("decode", "raw") => decode_raw(dir, len),
         ("prefill", "raw") => prefill_raw(dir, len),
-        ("decode", "adapter") => decode_adapter(dir, len),
-        ("prefill", "adapter") => prefill_adapter(dir, len),
+        ("decode", "adapter") => decode_adapter(dir, len, false),
+        ("prefill", "adapter") => prefill_adapter(dir, len, false),
+        ("decode", "cut") => decode_adapter(dir, len, true),
+        ("prefill", "cut") => prefill_adapter(dir, len, true),
         ("decode", "roundtrip") => decode_roundtrip(dir),
         ("prefill", "roundtrip") => prefill_roundtrip(dir),
         _ => Err(usage.into()),

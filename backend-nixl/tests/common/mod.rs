@@ -72,9 +72,15 @@ impl Drop for Kill {
 }
 
 /// Runs decode and prefill (`nixl_peer`) for `mode`, in this namespace or,
-/// with `places`, decode in the first and prefill in the second; returns
-/// both stdouts (and prints both outputs).
-pub fn run_pair(mode: &str, mib: usize, places: Option<[Place<'_>; 2]>) -> (String, String) {
+/// with `places`, decode in the first and prefill in the second; `driver`,
+/// if any, runs meanwhile with the pair's meeting directory (to act on the
+/// files they put there). Returns both stdouts (and prints both outputs).
+pub fn run_pair(
+    mode: &str,
+    mib: usize,
+    places: Option<[Place<'_>; 2]>,
+    driver: Option<&dyn Fn(&std::path::Path)>,
+) -> (String, String) {
     use std::io::Read;
     use std::process::{Command, Stdio};
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -102,6 +108,9 @@ pub fn run_pair(mode: &str, mib: usize, places: Option<[Place<'_>; 2]>) -> (Stri
             .expect("spawn nixl_peer")
     };
     let mut kids = Kill(vec![spawn("decode", places.map(|p| p[0])), spawn("prefill", places.map(|p| p[1]))]);
+    if let Some(d) = driver {
+        d(&dir);
+    }
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(120) {
         if kids.0.iter_mut().all(|c| matches!(c.try_wait(), Ok(Some(_)))) {
