@@ -432,6 +432,29 @@ mod mooncake {
         peer: kv_transfer_core::PeerId,
     }
 
+    type ExposedLease = kv_transfer_core::SlotLease<kv_transfer_core::Exposed>;
+    type ReservedLease = kv_transfer_core::SlotLease<kv_transfer_core::Reserved>;
+
+    impl McPair {
+        /// `n` decode slots exposed to the prefill, and a prefill source of
+        /// `n` slots filled with `tag`.
+        fn expose_filled(
+            &self,
+            n: usize,
+            tag: u8,
+        ) -> Result<(ExposedLease, kv_transfer_core::RemoteSlots, ReservedLease), Failed> {
+            let (exposed, remote) = self
+                .decode
+                .expose(self.dpool.reserve(n).map_err(err("reserve"))?, self.peer)
+                .map_err(|e| Failed::from(e.kind.to_string()))?;
+            let mut src = self.ppool.reserve(n).map_err(err("reserve"))?;
+            for i in 0..n {
+                src.write_at(i, 0, &vec![tag; SLOT]).map_err(err("fill"))?;
+            }
+            Ok((exposed, remote, src))
+        }
+    }
+
     fn pair(lab: &Lab, slots: usize, ladder: EscalationLadder) -> Result<McPair, Failed> {
         let (decode, prefill) = (side(&lab.a)?, side(&lab.b)?);
         let dregion = Arc::new(HostRegion::new(slots * SLOT).map_err(err("region"))?);
@@ -471,14 +494,7 @@ mod mooncake {
     pub(super) fn link_cut() -> Result<(), Failed> {
         let lab = Lab::new("mc").map_err(err("lab"))?;
         let p = pair(&lab, 4, ladder(300, 300, 300))?;
-        let (exposed, remote) = p
-            .decode
-            .expose(p.dpool.reserve(4).map_err(err("reserve"))?, p.peer)
-            .map_err(|e| Failed::from(e.kind.to_string()))?;
-        let mut src = p.ppool.reserve(4).map_err(err("reserve"))?;
-        for i in 0..4 {
-            src.write_at(i, 0, &vec![0xA5; SLOT]).map_err(err("fill"))?;
-        }
+        let (exposed, remote, src) = p.expose_filled(4, 0xA5)?;
         lab.cut().map_err(err("cut"))?;
         // Posted on a cut link; the request is then aborted.
         let mut handle = block_on(p.prefill.write(src, &remote, TransferOptions::notify(true)))
@@ -517,14 +533,7 @@ mod mooncake {
     pub(super) fn abort_lost_then_restored() -> Result<(), Failed> {
         let lab = Lab::new("mcack").map_err(err("lab"))?;
         let p = pair(&lab, 2, ladder(300, 300, 300))?;
-        let (exposed, remote) = p
-            .decode
-            .expose(p.dpool.reserve(2).map_err(err("reserve"))?, p.peer)
-            .map_err(|e| Failed::from(e.kind.to_string()))?;
-        let mut src = p.ppool.reserve(2).map_err(err("reserve"))?;
-        for i in 0..2 {
-            src.write_at(i, 0, &vec![0x3C; SLOT]).map_err(err("fill"))?;
-        }
+        let (exposed, remote, src) = p.expose_filled(2, 0x3C)?;
         let h = block_on(p.prefill.write(src, &remote, TransferOptions::notify(false)))
             .map_err(|e| Failed::from(e.kind.to_string()))?;
         let out = block_on(h).map_err(err("write"))?;

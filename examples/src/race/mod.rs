@@ -375,6 +375,7 @@ pub(crate) fn check_lease(lease: &SlotLease<Settled>, tags: &[Tag], size: usize)
     Some(c)
 }
 
+#[cfg(any(feature = "verbs", feature = "mooncake"))]
 /// How many of `lease`'s slots hold bytes of another request.
 pub(crate) fn slots_with_foreign_bytes(lease: &SlotLease<kv_transfer_core::Settled>, tags: &[Tag], size: usize) -> u64 {
     let mut buf = vec![0u8; size];
@@ -385,6 +386,41 @@ pub(crate) fn slots_with_foreign_bytes(lease: &SlotLease<kv_transfer_core::Settl
         }
     }
     n
+}
+
+#[cfg(any(feature = "verbs", feature = "mooncake"))]
+/// Waits (bounded by `wait`) for `exposed` to settle; a wait that gives up
+/// is counted in `rep.timeouts`.
+pub(crate) fn settle_within(
+    exposed: SlotLease<Exposed>,
+    wait: Duration,
+    rep: &mut RaceReport,
+) -> Option<SlotLease<Settled>> {
+    let mut fut = Box::pin(exposed.settled());
+    let out = poll_until(fut.as_mut(), wait);
+    if out.is_none() {
+        rep.timeouts += 1;
+    }
+    out
+}
+
+#[cfg(any(feature = "verbs", feature = "mooncake"))]
+/// Waits (bounded by `wait`) for `h`; whether the operation succeeded. Its
+/// lease is released; an abandoned one comes back with its side's fence; a
+/// wait that gives up is counted in `rep.timeouts`.
+pub(crate) fn await_within(mut h: TransferHandle, wait: Duration, rep: &mut RaceReport) -> bool {
+    match poll_until(std::pin::Pin::new(&mut h), wait) {
+        Some(Ok(out)) => {
+            let ok = out.result.is_ok();
+            out.lease.release();
+            ok
+        }
+        Some(Err(_abandoned)) => false,
+        None => {
+            rep.timeouts += 1;
+            false
+        }
+    }
 }
 
 /// Counts one consumer's finding in `rep`.

@@ -35,7 +35,7 @@ use super::{
     slots_with_foreign_bytes, step_err, tags_of, RaceConfig, RaceError, RaceReport, Rng,
 };
 use crate::payload::Tag;
-use crate::wait::{poll_until, wait_until};
+use crate::wait::wait_until;
 use backend_mooncake::gate::GatedTransport;
 use backend_mooncake::{
     AdapterConfig, DataTransport, EngineConfig, MooncakeEngine, MooncakeTransfer, TcpTransportConfig,
@@ -145,28 +145,12 @@ impl super::Rounds for Run<'_> {
 
 impl Run<'_> {
     fn settle(&mut self, exposed: SlotLease<Exposed>) -> Option<SlotLease<Settled>> {
-        let mut fut = Box::pin(exposed.settled());
-        let out = poll_until(fut.as_mut(), self.wait);
-        if out.is_none() {
-            self.rep.timeouts += 1;
-        }
-        out
+        super::settle_within(exposed, self.wait, &mut self.rep)
     }
 
     /// Waits for `h`; whether the operation succeeded.
-    fn await_handle(&mut self, mut h: TransferHandle) -> bool {
-        match poll_until(std::pin::Pin::new(&mut h), self.wait) {
-            Some(Ok(out)) => {
-                let ok = out.result.is_ok();
-                out.lease.release();
-                ok
-            }
-            Some(Err(_abandoned)) => false,
-            None => {
-                self.rep.timeouts += 1;
-                false
-            }
-        }
+    fn await_handle(&mut self, h: TransferHandle) -> bool {
+        super::await_within(h, self.wait, &mut self.rep)
     }
 
     fn write(

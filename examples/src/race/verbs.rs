@@ -36,11 +36,11 @@ use super::{
     slots_with_foreign_bytes, step_err, tags_of, RaceConfig, RaceError, RaceReport, Rng,
 };
 use crate::payload::Tag;
-use crate::wait::{poll_until, wait_until};
+use crate::wait::wait_until;
 use backend_tcp_sim::block_on;
 use backend_verbs::{LabEnv, VerbsConfig, VerbsTransfer};
 use kv_transfer_core::{
-    EscalationLadder, Exposed, PeerId, PoolConfig, RemoteSlots, SlotLease, SlotPool, Transfer, TransferHandle,
+    EscalationLadder, Exposed, PeerId, PoolConfig, RemoteSlots, Settled, SlotLease, SlotPool, Transfer, TransferHandle,
     TransferOptions,
 };
 use std::time::Duration;
@@ -176,31 +176,13 @@ impl Run<'_> {
         }
     }
 
-    fn settle(&mut self, exposed: SlotLease<Exposed>) -> Option<SlotLease<kv_transfer_core::Settled>> {
-        let mut fut = Box::pin(exposed.settled());
-        let out = poll_until(fut.as_mut(), self.wait);
-        if out.is_none() {
-            self.rep.timeouts += 1;
-        }
-        out
+    fn settle(&mut self, exposed: SlotLease<Exposed>) -> Option<SlotLease<Settled>> {
+        super::settle_within(exposed, self.wait, &mut self.rep)
     }
 
     /// Waits for `h`; whether the operation succeeded.
     fn await_handle(&mut self, h: TransferHandle) -> bool {
-        let mut h = h;
-        match poll_until(std::pin::Pin::new(&mut h), self.wait) {
-            Some(Ok(out)) => {
-                let ok = out.result.is_ok();
-                out.lease.release();
-                ok
-            }
-            // Flushed: its lease comes back with the prefill side's fence.
-            Some(Err(_abandoned)) => false,
-            None => {
-                self.rep.timeouts += 1;
-                false
-            }
-        }
+        super::await_within(h, self.wait, &mut self.rep)
     }
 
     fn post_first(&mut self, f: &mut First) -> Result<(), RaceError> {
