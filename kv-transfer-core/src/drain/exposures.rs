@@ -193,6 +193,13 @@ impl ExposureTable {
         token
     }
 
+    /// The token `t` of `pool` is exposed to `peer` under, if it is (what a
+    /// backend records in its [`RetryShadows`](super::RetryShadows) before a
+    /// revocation removes the exposure).
+    pub fn token_of(&self, pool: PoolId, t: Tenancy, peer: PeerId) -> Option<ExposureToken> {
+        self.map.get(&(pool, t.slot)).filter(|e| e.generation == t.generation && e.peer == peer).map(|e| e.token)
+    }
+
     /// Whether `t` of `pool` is exposed to `peer` (under that generation).
     pub fn is_exposed(&self, pool: PoolId, t: Tenancy, peer: PeerId) -> bool {
         self.map.get(&(pool, t.slot)).is_some_and(|e| e.generation == t.generation && e.peer == peer)
@@ -361,6 +368,9 @@ mod tests {
         let token = table.expose(PoolId(1), &[t(0, 5), t(1, 5)], PeerId(2), Trust::Proving);
         let other = table.expose(PoolId(1), &[t(2, 5)], PeerId(3), Trust::Proving);
         let msg = |tok, ts: Vec<Tenancy>| ControlMessage::new(ControlKind::Done, PoolId(1), tok, ts);
+        assert_eq!(table.token_of(PoolId(1), t(0, 5), PeerId(2)), Some(token));
+        assert_eq!(table.token_of(PoolId(1), t(0, 5), PeerId(3)), None);
+        assert_eq!(table.token_of(PoolId(1), t(0, 4), PeerId(2)), None);
         // Another peer, with the right token: forged.
         assert_eq!(table.accept(PeerId(3), &msg(token, vec![t(0, 5)])).forged, 1);
         // The right peer, another exposure's token: forged.

@@ -14,6 +14,10 @@
 //! - [`AbortTracker`] (initiator side): which posted operations touch which
 //!   remote tenancies; an ABORT is answered once they are all terminal, and
 //!   never for one that ended [`OpEnd::Unproven`].
+//! - [`RetryShadows`] (target side, for peers that retry after a
+//!   revocation, as a real Mooncake initiator over RDMA does): a slot whose
+//!   tenancy was revoked while exposed to a peer is not exposed to that peer
+//!   again until its own ack or a fence covers its retries.
 //! - [`Capabilities`]: what a backend can prove. The pool's escalation
 //!   ladder is built from them ([`PoolConfig::with_capabilities`](crate::PoolConfig::with_capabilities)):
 //!   a step the backend cannot take is skipped, and a slot with no step
@@ -36,6 +40,7 @@ mod aborts;
 mod codec;
 mod exposures;
 mod outbox;
+mod shadows;
 
 pub use aborts::{AbortTracker, OpEnd, Outgoing, Refusal, TrackerStats};
 pub use codec::{
@@ -44,6 +49,7 @@ pub use codec::{
 };
 pub use exposures::{ExposureTable, Plan, Trust, Verdict};
 pub use outbox::{Outbox, MAX_SEND_ATTEMPTS};
+pub use shadows::{RetryShadows, Shadowed};
 
 /// The crc32c of each slot of a lease, in lease order: the digests a DONE
 /// carries ([`ControlMessage::digests`]). A backend calls it on its own
