@@ -66,9 +66,18 @@ fn connect(decode: &Side, prefill: &Side) -> PeerId {
     peer.expect("the decode side recorded the peer")
 }
 
-/// The queue pair of NIC `nic` (one connection each in these tests).
+/// The connected queue pair of NIC `nic` (one connection each in these
+/// tests), waiting for it (bounded). A queue pair made for a handshake
+/// attempt that did not complete (a slow machine can time one out and try
+/// again) has no remote end and is not the one the transfers use: the
+/// newest connected one is.
 fn qp_of(fabric: &FakeFabric, nic: usize) -> u32 {
-    fabric.queue_pairs().into_iter().find(|q| q.1 == nic).map(|q| q.0).expect("a queue pair")
+    let mut found = None;
+    eventually(|| {
+        found = fabric.queue_pairs().into_iter().filter(|q| q.1 == nic && q.2.is_some()).map(|q| q.0).max();
+        found.is_some()
+    });
+    found.expect("a connected queue pair")
 }
 
 fn whole(pool: &SlotPool) -> bool {
@@ -187,7 +196,12 @@ fn a_link_that_dies_with_requests_posted_flushes_them_and_fences_both_sides() {
     let mut src = prefill.pool.reserve(2).expect("reserve");
     src.write_at(0, 0, &[0x5a; SLOT]).expect("fill");
     let mut h = block_on(prefill.t.write(src, &remote, TransferOptions::default())).expect("post");
-    assert!(eventually(|| fabric.posted(pqp) == 3), "two WRITEs and the DONE behind them");
+    assert!(
+        eventually(|| fabric.posted(pqp) == 3),
+        "two WRITEs and the DONE behind them: {} posted on {pqp}; queue pairs {:?}",
+        fabric.posted(pqp),
+        fabric.queue_pairs()
+    );
     fabric.break_link(pqp);
     assert!(poll_until(std::pin::Pin::new(&mut h), WAIT).expect("terminal").is_err(), "flushed: abandoned");
     let mut settled = Box::pin(exposed.settled());
