@@ -1,11 +1,13 @@
 //! Initiator side of the P2P handshake: fetch a segment descriptor, send a
-//! notification, probe.
+//! notification, probe, pair RDMA queue pairs.
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use crate::error::EngineError;
-use crate::proto::{HandshakeFrame, HandshakeType, NotifyDesc, NotifyReply, SegmentDesc, MAX_HANDSHAKE_LEN};
+use crate::proto::{
+    ConnectionDesc, HandshakeFrame, HandshakeType, NotifyDesc, NotifyReply, SegmentDesc, MAX_HANDSHAKE_LEN,
+};
 
 /// Resolves a segment name `host:port` to a socket address.
 pub fn resolve_segment(name: &str) -> Result<SocketAddr, EngineError> {
@@ -51,4 +53,19 @@ pub fn send_notify(addr: SocketAddr, msg: &NotifyDesc, timeout: Duration) -> Res
 /// Probes a peer's handshake port.
 pub fn probe(addr: SocketAddr, timeout: Duration) -> Result<(), EngineError> {
     exchange(addr, HandshakeType::Probe, b"{}\n".to_vec(), timeout).map(|_| ())
+}
+
+/// One Connection round (RDMA queue-pair exchange): `Err` if the peer
+/// refused (a non-empty `reply_msg`) or its reply does not decode.
+pub fn exchange_connection(
+    addr: SocketAddr,
+    msg: &ConnectionDesc,
+    timeout: Duration,
+) -> Result<ConnectionDesc, EngineError> {
+    let reply = exchange(addr, HandshakeType::Connection, msg.to_json(), timeout)?;
+    let c = ConnectionDesc::from_json(&reply.json)?;
+    if !c.reply_msg.is_empty() {
+        return Err(EngineError::ConnectionRejected(c.reply_msg));
+    }
+    Ok(c)
 }

@@ -12,7 +12,7 @@ use crate::client;
 use crate::error::EngineError;
 use crate::memory::{MemoryRegion, MemoryRegistry};
 use crate::proto::{NotifyDesc, ProtoVersion, SegmentDesc, TcpOpcode};
-use crate::server::{self, Listener, ServerShared, TargetStats};
+use crate::server::{self, Listener, ServerShared, TargetHook, TargetStats};
 use crate::transport::{Completion, DataTransport, RemoteSegment, TcpTransport, TcpTransportConfig, TransportWork};
 
 /// Engine-local handle of an opened remote segment (Mooncake `SegmentHandle`).
@@ -118,6 +118,9 @@ pub struct EngineConfig {
     pub advertised_tcp_proto_version: u32,
     /// TCP transport options.
     pub tcp: TcpTransportConfig,
+    /// The target side of another transport (RDMA: `rdma::RdmaTarget`);
+    /// `None` serves TCP only.
+    pub target_hook: Option<Arc<dyn TargetHook>>,
 }
 
 impl Default for EngineConfig {
@@ -132,6 +135,7 @@ impl Default for EngineConfig {
             max_notifies: 65536,
             advertised_tcp_proto_version: 2,
             tcp: TcpTransportConfig::default(),
+            target_hook: None,
         }
     }
 }
@@ -184,6 +188,7 @@ impl MooncakeEngine {
             max_notifies: cfg.max_notifies.max(1),
             advertised_version: cfg.advertised_tcp_proto_version.max(1),
             stats: Default::default(),
+            hook: cfg.target_hook.clone(),
         });
         let handshake = server::start_handshake(hs_addr, shared.clone())?;
         let data = server::start_data(data_l, shared.clone())?;
@@ -217,9 +222,10 @@ impl MooncakeEngine {
         self.shared.stats.snapshot()
     }
 
-    /// Our descriptor as a Metadata handshake returns it.
+    /// Our descriptor as a Metadata handshake from an anonymous peer
+    /// returns it.
     pub fn local_descriptor(&self) -> SegmentDesc {
-        self.shared.descriptor()
+        self.shared.published(None)
     }
 
     fn transport(&self) -> Result<&Arc<dyn DataTransport>, EngineError> {
@@ -250,16 +256,36 @@ impl TransferEngine for MooncakeEngine {
     }
 
     fn register_memory(&self, region: MemoryRegion) -> Result<(), EngineError> {
-        self.registry.register(region)
+        self.registry.register(region)?;
+        if let Some(hook) = &self.cfg.target_hook {
+            if let Err(e) = hook.registered(region.addr(), region.len()) {
+                let _ = self.registry.unregister(region.addr());
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     fn unregister_memory(&self, addr: u64) -> Result<(), EngineError> {
-        self.registry.unregister(addr)
+        self.registry.unregister(addr)?;
+        // Before returning: once it returns the caller may free the memory.
+        if let Some(hook) = &self.cfg.target_hook {
+            hook.unregistered(addr);
+        }
+        Ok(())
     }
 
     fn open_segment(&self, name: &str) -> Result<SegmentId, EngineError> {
         let hs = client::resolve_segment(name)?;
-        let desc = client::fetch_metadata(hs, &self.shared.descriptor(), self.cfg.handshake_timeout)?;
+        let desc = client::fetch_metadata(hs, &self.shared.published(Some(name)), self.cfg.handshake_timeout)?;
+        let ours = self.transport()?.protocol();
+        if desc.protocol != ours {
+            return Err(crate::proto::ProtoError::InvalidDescriptor(format!(
+                "segment {name} speaks {:?}, this engine's transport {ours:?}",
+                desc.protocol
+            ))
+            .into());
+        }
         let data_addr = SocketAddr::new(hs.ip(), desc.tcp_data_port);
         let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
         let id = *names.entry(name.to_string()).or_insert_with(|| self.next_id.fetch_add(1, Ordering::Relaxed));

@@ -123,6 +123,13 @@ pub enum EngineError {
     /// The engine is shutting down.
     #[error("engine is shut down")]
     Shutdown,
+    /// The peer refused an RDMA Connection exchange (its `reply_msg`), or
+    /// its reply does not pair with our queue pairs.
+    #[error("RDMA connection refused: {0}")]
+    ConnectionRejected(String),
+    /// The local verbs device failed an operation.
+    #[error("verbs: {0}")]
+    Verbs(String),
 }
 
 impl EngineError {
@@ -150,4 +157,18 @@ pub enum TaskError {
     /// The transport dropped the request without running it.
     #[error("transport dropped the request")]
     Dropped,
+    /// RDMA: no buffer of the target's metadata covers the range, so no key
+    /// grants it (nothing was posted).
+    #[error("no remote key covers [{addr:#x}, +{len})")]
+    NoRemoteKey {
+        /// Remote address.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// RDMA: a slice completed in error (the target's NIC refused the key,
+    /// the peer is gone, or the queue pair was flushed); every slice posted
+    /// for the task has completed, so nothing more of it moves.
+    #[error("RDMA slice failed: {0}")]
+    Rdma(String),
 }

@@ -73,6 +73,9 @@ mod error;
 pub mod gate;
 pub mod memory;
 pub mod proto;
+#[cfg(feature = "rdma")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
+pub mod rdma;
 mod server;
 pub mod transport;
 
@@ -84,5 +87,5 @@ pub use engine::{BatchId, EngineConfig, MooncakeEngine, SegmentId, SegmentInfo, 
 pub use error::{EngineError, TaskError};
 pub use memory::MemoryRegion;
 pub use proto::{ProtoVersion, TcpOpcode};
-pub use server::TargetStats;
+pub use server::{TargetHook, TargetStats};
 pub use transport::{DataTransport, TcpTransport, TcpTransportConfig};

@@ -15,6 +15,24 @@ use crate::proto::{
     StatusWord, TcpOpcode, HEADER_LEN, MAX_HANDSHAKE_LEN,
 };
 
+/// What a target adds to the handshake server for a transport other than
+/// TCP (Mooncake's RDMA: [`crate::rdma::RdmaTarget`], feature `rdma`): the
+/// transport's part of the metadata, per requesting peer, and the answer to
+/// a Connection exchange; told of every region registered and unregistered
+/// so that what remote peers may reach follows the registry.
+pub trait TargetHook: Send + Sync + std::fmt::Debug {
+    /// Our descriptor as `peer` (the segment name its own metadata gave,
+    /// if it sent any) is to see it; `base` is the TCP descriptor.
+    fn descriptor(&self, base: SegmentDesc, peer: Option<&str>) -> SegmentDesc;
+    /// The reply to a Connection message (`request` is its JSON body).
+    fn connection(&self, request: &[u8]) -> Vec<u8>;
+    /// `[addr, addr+len)` was registered with the engine.
+    fn registered(&self, addr: u64, len: u64) -> Result<(), EngineError>;
+    /// The region at `addr` is being unregistered: once this returns, no
+    /// remote peer may reach it.
+    fn unregistered(&self, addr: u64);
+}
+
 /// Most concurrent handshake or data connections a server serves.
 const MAX_CONNS: usize = 1024;
 
@@ -31,6 +49,7 @@ pub(crate) struct ServerShared {
     pub(crate) max_notifies: usize,
     pub(crate) advertised_version: u32,
     pub(crate) stats: TargetCounters,
+    pub(crate) hook: Option<Arc<dyn TargetHook>>,
 }
 
 /// Target-side counters (see [`TargetStats`]).
@@ -73,6 +92,15 @@ pub struct TargetStats {
 }
 
 impl ServerShared {
+    /// Our descriptor as `peer` is to see it: the TCP one, or what the
+    /// target hook makes of it.
+    pub(crate) fn published(&self, peer: Option<&str>) -> SegmentDesc {
+        match &self.hook {
+            Some(hook) => hook.descriptor(self.descriptor(), peer),
+            None => self.descriptor(),
+        }
+    }
+
     /// Our segment descriptor as 0.3.13.post1 sends it.
     pub(crate) fn descriptor(&self) -> SegmentDesc {
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
@@ -88,8 +116,16 @@ impl ServerShared {
                 .registry
                 .regions()
                 .into_iter()
-                .map(|(addr, length)| BufferDesc { name: self.segment_name.clone(), addr, length })
+                .map(|(addr, length)| BufferDesc {
+                    name: self.segment_name.clone(),
+                    addr,
+                    length,
+                    rkey: Vec::new(),
+                    lkey: Vec::new(),
+                })
                 .collect(),
+            devices: Vec::new(),
+            priority_matrix: None,
         }
     }
 }
@@ -218,7 +254,12 @@ fn serve_handshake(mut s: TcpStream, sh: &ServerShared) {
         return;
     }
     let reply: Vec<u8> = match frame.kind {
-        HandshakeType::Metadata => sh.descriptor().to_json(),
+        HandshakeType::Metadata => {
+            // The peer's own descriptor names it; any other shape is answered
+            // as an anonymous peer.
+            let peer = value.as_ref().ok().and_then(|v| v.get("name")).and_then(|n| n.as_str());
+            sh.published(peer).to_json()
+        }
         HandshakeType::Notify => match NotifyDesc::from_json(&frame.json) {
             Ok(n) => {
                 let mut q = sh.notifies.lock().unwrap_or_else(|e| e.into_inner());
@@ -233,8 +274,12 @@ fn serve_handshake(mut s: TcpStream, sh: &ServerShared) {
             Err(_) => return,
         },
         HandshakeType::Probe => to_json_line(&ProbeReply { status: "success".into() }),
-        // RDMA QP exchange; nothing to do for TCP.
-        HandshakeType::Connection | HandshakeType::OldProtocol => b"{}\n".to_vec(),
+        HandshakeType::Connection => match &sh.hook {
+            Some(hook) => hook.connection(&frame.json),
+            // RDMA QP exchange; nothing to do for TCP.
+            None => b"{}\n".to_vec(),
+        },
+        HandshakeType::OldProtocol => b"{}\n".to_vec(),
     };
     if HandshakeFrame::new(frame.kind, reply).write_to(&mut s).is_err() {
         return;

@@ -239,6 +239,19 @@ impl QueuePair {
         port: u8,
         gid_index: u8,
     ) -> Result<Self, VerbsError> {
+        Self::with_psn(pd, cq, port, gid_index, None)
+    }
+
+    /// As [`QueuePair::new`], with first packet sequence number `psn` (24
+    /// bits) instead of one derived from the QP number: a peer whose
+    /// connection message carries no PSN (Mooncake's) assumes 0.
+    pub fn with_psn(
+        pd: &Arc<ProtectionDomain>,
+        cq: &Arc<CompletionQueue>,
+        port: u8,
+        gid_index: u8,
+        psn: Option<u32>,
+    ) -> Result<Self, VerbsError> {
         // SAFETY: plain C struct, zero is a valid value.
         let mut ia: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
         ia.send_cq = cq.cq.as_ptr();
@@ -255,7 +268,7 @@ impl QueuePair {
         // A PSN from the OS's random source would do; the QPN's low bits
         // differ per QP, which is what RC needs.
         // SAFETY: created above.
-        let psn = unsafe { qp.as_ref().qp_num }.wrapping_mul(2_654_435_761) & 0x00ff_ffff;
+        let psn = psn.unwrap_or_else(|| unsafe { qp.as_ref().qp_num }.wrapping_mul(2_654_435_761)) & 0x00ff_ffff;
         Ok(Self { qp, state: Mutex::new(QpState::Reset), port, gid_index, psn, cq: Arc::clone(cq), pd: Arc::clone(pd) })
     }
 

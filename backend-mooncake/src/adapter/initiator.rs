@@ -21,8 +21,12 @@ pub(super) fn driver_loop(inner: &Arc<Inner>, rx: Receiver<Job>) {
 
 fn map_task_error(e: &Option<TaskError>) -> TransferError {
     match e {
-        Some(TaskError::AddrRejected) => TransferError::Rejected(RejectReason::OutOfBounds),
-        Some(TaskError::Connect(m)) | Some(TaskError::Connection(m)) => TransferError::Transport(m.clone()),
+        Some(TaskError::AddrRejected) | Some(TaskError::NoRemoteKey { .. }) => {
+            TransferError::Rejected(RejectReason::OutOfBounds)
+        }
+        Some(TaskError::Connect(m)) | Some(TaskError::Connection(m)) | Some(TaskError::Rdma(m)) => {
+            TransferError::Transport(m.clone())
+        }
         Some(other) => TransferError::Engine {
             engine: "mooncake",
             code: TransferStatus::Failed as i64,

@@ -20,6 +20,8 @@ fn desc(proto: u32) -> SegmentDesc {
         rdma_server_name: None,
         timestamp: None,
         buffers: vec![],
+        devices: vec![],
+        priority_matrix: None,
     }
 }
 

@@ -14,6 +14,14 @@ pub struct BufferDesc {
     pub addr: u64,
     /// Length in bytes.
     pub length: u64,
+    /// RDMA only: the remote key of this buffer on each device of the
+    /// segment, in device order (empty for TCP).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rkey: Vec<u32>,
+    /// RDMA only: the local key on each device (Mooncake sends it; nothing
+    /// remote uses it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lkey: Vec<u32>,
 }
 
 impl BufferDesc {
@@ -65,6 +73,27 @@ pub struct SegmentDesc {
     /// Registered buffers.
     #[serde(default)]
     pub buffers: Vec<BufferDesc>,
+    /// RDMA only: the segment's devices; a buffer's `rkey[i]` is its key on
+    /// `devices[i]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<DeviceDesc>,
+    /// RDMA only: which devices serve which memory location, as Mooncake
+    /// writes it (`{"cpu:0": [[preferred...], [available...]]}`); kept as
+    /// the peer sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_matrix: Option<serde_json::Value>,
+}
+
+/// One RDMA device of a segment (`{"gid": "00:...", "lid": 0, "name": "rxe_lo"}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceDesc {
+    /// The port's GID as 16 colon-separated hex bytes.
+    pub gid: String,
+    /// The port's LID (0 on RoCE).
+    #[serde(default)]
+    pub lid: u16,
+    /// Device name (`rxe_lo`, `mlx5_0`).
+    pub name: String,
 }
 
 impl SegmentDesc {
@@ -82,13 +111,17 @@ impl SegmentDesc {
         v
     }
 
-    /// Checks that the descriptor is usable for the TCP transport.
+    /// Checks that the descriptor is usable for its protocol: a TCP segment
+    /// needs a data port, an RDMA segment devices with a name and a GID and,
+    /// on every buffer, one remote key per device.
     pub fn validate(&self) -> Result<(), ProtoError> {
-        if self.protocol != "tcp" {
-            return Err(ProtoError::InvalidDescriptor(format!("protocol {:?} is not tcp", self.protocol)));
-        }
-        if self.tcp_data_port == 0 {
-            return Err(ProtoError::InvalidDescriptor("tcp_data_port is 0".into()));
+        match self.protocol.as_str() {
+            "tcp" if self.tcp_data_port == 0 => {
+                return Err(ProtoError::InvalidDescriptor("tcp_data_port is 0".into()));
+            }
+            "tcp" => {}
+            "rdma" => self.validate_rdma()?,
+            other => return Err(ProtoError::InvalidDescriptor(format!("protocol {other:?} is not tcp or rdma"))),
         }
         if let Some(v) = self.tcp_proto_version {
             if v == 0 {
@@ -103,6 +136,29 @@ impl SegmentDesc {
             }
             if b.addr.checked_add(b.length).is_none() {
                 return Err(ProtoError::InvalidDescriptor(format!("buffer {b:?} wraps")));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_rdma(&self) -> Result<(), ProtoError> {
+        if self.devices.is_empty() {
+            return Err(ProtoError::InvalidDescriptor("an rdma segment with no devices".into()));
+        }
+        for d in &self.devices {
+            if d.name.is_empty() {
+                return Err(ProtoError::InvalidDescriptor("a device with no name".into()));
+            }
+            super::rdma::parse_gid(&d.gid)?;
+        }
+        for b in &self.buffers {
+            if b.rkey.len() != self.devices.len() {
+                return Err(ProtoError::InvalidDescriptor(format!(
+                    "buffer at {:#x} has {} rkeys for {} devices",
+                    b.addr,
+                    b.rkey.len(),
+                    self.devices.len()
+                )));
             }
         }
         Ok(())
@@ -199,6 +255,7 @@ mod tests {
         assert_eq!(SegmentDesc::from_json(v1.as_bytes()).unwrap().proto_version(), ProtoVersion::V1);
         for bad in [
             r#"{"name":"a","protocol":"rdma","tcp_data_port":5}"#,
+            r#"{"name":"a","protocol":"udp","tcp_data_port":5}"#,
             r#"{"name":"a","protocol":"tcp","tcp_data_port":0}"#,
             r#"{"name":"a","protocol":"tcp","tcp_data_port":5,"buffers":[{"name":"","addr":1,"length":1}]}"#,
             r#"{"name":"a","protocol":"tcp","tcp_data_port":5,"buffers":[{"name":"b","addr":18446744073709551615,"length":2}]}"#,

@@ -7,10 +7,12 @@
 
 pub mod handshake;
 pub mod metadata;
+pub mod rdma;
 pub mod tcp;
 
 pub use handshake::{HandshakeFrame, HandshakeType, MAX_HANDSHAKE_LEN};
-pub use metadata::{BufferDesc, NotifyDesc, NotifyReply, ProbeReply, ProtoVersion, SegmentDesc};
+pub use metadata::{BufferDesc, DeviceDesc, NotifyDesc, NotifyReply, ProbeReply, ProtoVersion, SegmentDesc};
+pub use rdma::{ConnectionDesc, NicPath};
 pub use tcp::{RequestHeader, StatusWord, TcpOpcode, HEADER_LEN, STATUS_LEN, STATUS_MAGIC};
 
 /// A protocol decoding or validation error.

@@ -8,12 +8,25 @@ from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 SIZE = int(sys.argv[1]) if len(sys.argv) > 1 else (4 << 20)
 # The address to serve on: loopback, or a network namespace's own (netns tests).
 HOST = os.environ.get("MC_HOST", "127.0.0.1")
+# "rdma" with MC_DEVICE (rxe_lo in the verbs guest), or TCP.
+PROTOCOL = os.environ.get("MC_PROTOCOL", "tcp")
+DEVICE = os.environ.get("MC_DEVICE", "")
 te = TransferEngine()
-rc = te.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+rc = te.initialize(HOST, "P2PHANDSHAKE", PROTOCOL, DEVICE)
 if rc != 0:
     print("ERR initialize %d" % rc, flush=True)
     sys.exit(1)
-buf = te.allocate_managed_buffer(SIZE)
+if PROTOCOL == "rdma":
+    # Memory of our own, registered with the NIC (register_memory).
+    import ctypes
+    cbuf = ctypes.create_string_buffer(SIZE)
+    buf = ctypes.addressof(cbuf)
+    rc = te.register_memory(buf, SIZE)
+    if rc != 0:
+        print("ERR register_memory %d" % rc, flush=True)
+        sys.exit(1)
+else:
+    buf = te.allocate_managed_buffer(SIZE)
 if buf == 0:
     print("ERR allocate", flush=True)
     sys.exit(1)

@@ -92,8 +92,19 @@ impl Peer {
         Self::start_in(e, size, legacy_v1, None, "127.0.0.1")
     }
 
+    /// On loopback, over RDMA on verbs device `device` (the verbs guest's
+    /// `rxe_lo`).
+    pub fn start_rdma(e: &Engines, size: u64, device: &str) -> Peer {
+        Self::spawn(e, size, None, "127.0.0.1", &[("MC_PROTOCOL", "rdma"), ("MC_DEVICE", device)])
+    }
+
     /// Inside network namespace `netns` (if any), serving on `host`.
     pub fn start_in(e: &Engines, size: u64, legacy_v1: bool, netns: Option<&str>, host: &str) -> Peer {
+        let env: &[(&str, &str)] = if legacy_v1 { &[("MC_TCP_PROTO", "1")] } else { &[] };
+        Self::spawn(e, size, netns, host, env)
+    }
+
+    fn spawn(e: &Engines, size: u64, netns: Option<&str>, host: &str, env: &[(&str, &str)]) -> Peer {
         let dir = std::env::temp_dir().join(format!("mc-interop-{}-{:x}", std::process::id(), rand_u64()));
         std::fs::create_dir_all(&dir).unwrap();
         let script = dir.join("mc_peer.py");
@@ -115,9 +126,7 @@ impl Peer {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
-        if legacy_v1 {
-            cmd.env("MC_TCP_PROTO", "1");
-        }
+        cmd.envs(env.iter().copied());
         let mut child = cmd.spawn().expect("spawn python peer");
         let stdin = child.stdin.take().unwrap();
         let out = child.stdout.take().unwrap();

@@ -91,6 +91,19 @@ fn no(what: &'static str, id: u32) -> VerbsError {
     VerbsError::invalid(what, format!("unknown handle {id}"))
 }
 
+impl DeviceEngine {
+    fn create_qp_psn(&self, mtu: u32, psn: Option<u32>) -> Result<Endpoint, VerbsError> {
+        let qp = QueuePair::with_psn(&self.pd, &self.cq, self.port, self.gid_index, psn)?;
+        // No larger than the port runs at (1024 on a 1500-byte Ethernet
+        // RoCE port, 4096 on Soft-RoCE over loopback).
+        let ep = qp.endpoint(mtu.min(self.port_mtu))?;
+        let mut t = lock(&self.tables);
+        t.mtus.insert(QpId(ep.qpn), ep.mtu);
+        t.qps.insert(QpId(ep.qpn), Arc::new(qp));
+        Ok(ep)
+    }
+}
+
 impl Engine for DeviceEngine {
     fn register(&self, region: Arc<dyn Region>, access: MrAccess) -> Result<MrInfo, VerbsError> {
         let mr = MemoryRegion::register(&self.pd, region, access)?;
@@ -120,14 +133,11 @@ impl Engine for DeviceEngine {
     }
 
     fn create_qp(&self, mtu: u32) -> Result<Endpoint, VerbsError> {
-        let qp = QueuePair::new(&self.pd, &self.cq, self.port, self.gid_index)?;
-        // No larger than the port runs at (1024 on a 1500-byte Ethernet
-        // RoCE port, 4096 on Soft-RoCE over loopback).
-        let ep = qp.endpoint(mtu.min(self.port_mtu))?;
-        let mut t = lock(&self.tables);
-        t.mtus.insert(QpId(ep.qpn), ep.mtu);
-        t.qps.insert(QpId(ep.qpn), Arc::new(qp));
-        Ok(ep)
+        self.create_qp_psn(mtu, None)
+    }
+
+    fn create_qp_with_psn(&self, mtu: u32, psn: u32) -> Result<Endpoint, VerbsError> {
+        self.create_qp_psn(mtu, Some(psn))
     }
 
     fn destroy_qp(&self, qp: QpId) {

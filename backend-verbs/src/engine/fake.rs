@@ -481,6 +481,12 @@ impl Engine for FakeNic {
         self.with(|f, nic| f.nics[nic].mws.remove(&mw));
     }
 
+    fn create_qp_with_psn(&self, mtu: u32, psn: u32) -> Result<Endpoint, VerbsError> {
+        // The fake delivers in order without sequence numbers; the PSN is
+        // only reported.
+        Ok(Endpoint { psn: psn & 0x00ff_ffff, ..self.create_qp(mtu)? })
+    }
+
     fn create_qp(&self, mtu: u32) -> Result<Endpoint, VerbsError> {
         self.with(|f, nic| {
             f.next_qpn += 1;

@@ -44,6 +44,10 @@ pub trait Engine: Send + Sync + 'static {
     /// A new RC queue pair in RESET, and what its peer needs to connect to
     /// it (path MTU `mtu`).
     fn create_qp(&self, mtu: u32) -> Result<Endpoint, VerbsError>;
+    /// As [`Engine::create_qp`], starting its send queue at packet sequence
+    /// number `psn`: for peers whose connection message carries no PSN
+    /// (Mooncake's assumes 0 both ways).
+    fn create_qp_with_psn(&self, mtu: u32, psn: u32) -> Result<Endpoint, VerbsError>;
     /// Moves `qp` through INIT and RTR to RTS, connected to `remote`.
     fn connect(&self, qp: QpId, remote: &Endpoint) -> Result<(), VerbsError>;
     /// Destroys a queue pair that never carried a work request (a side

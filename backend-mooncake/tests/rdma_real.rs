@@ -1,0 +1,184 @@
+//! Mooncake over RDMA against the REAL engine (0.3.13.post1's
+//! `mooncake.engine`, `--protocol=rdma`) on a real verbs device: Soft-RoCE's
+//! `rxe_lo` in the verbs guest (`scripts/rdma-lab test`).
+//!
+//! Both ways, READ and WRITE, byte-checked: our initiator into a real
+//! target, and a real initiator into our target. On a host without a verbs
+//! device (or built without `rdma-device`) every case is listed as ignored,
+//! with what it needs; in the guest (`KVT_RDMA_LAB=1`) a missing device or
+//! engine fails them.
+
+use libtest_mimic::{Arguments, Failed, Trial};
+
+#[cfg(feature = "rdma-device")]
+#[path = "support/real_peer.rs"]
+mod real_peer;
+
+#[cfg(feature = "rdma-device")]
+mod on_device {
+    use std::sync::Arc;
+
+    use backend_mooncake::rdma::{rdma_engine, RdmaNics};
+    use backend_mooncake::{
+        EngineConfig, MemoryRegion, MooncakeEngine, TaskStatus, TcpOpcode, TransferEngine, TransferRequest,
+        TransferStatus,
+    };
+    use backend_verbs::{DeviceEngine, LabEnv};
+    use libtest_mimic::Failed;
+
+    use super::real_peer::{Engines, Peer, LINE_TIMEOUT};
+
+    /// What the cases need: the device and the real engine.
+    pub struct Lab {
+        pub env: LabEnv,
+        pub engines: Engines,
+    }
+
+    impl Lab {
+        pub fn open() -> Result<Self, String> {
+            let env = LabEnv::from_env();
+            let devices = backend_verbs::devices().map_err(|e| e.to_string())?;
+            if !devices.contains(&env.device) {
+                return Err(format!("no verbs device {} (have {devices:?}): run scripts/rdma-lab test", env.device));
+            }
+            Ok(Self { engines: Engines::find()?, env })
+        }
+
+        /// Our engine over RDMA on the lab's device (two verbs engines: the
+        /// transport polls its own).
+        fn ours(&self) -> Result<MooncakeEngine, Failed> {
+            let open = || DeviceEngine::open(&self.env.device, 1, self.env.gid_index).map_err(|e| e.to_string());
+            let nics = RdmaNics { initiator: open()? as Arc<dyn backend_verbs::Engine>, target: open()? };
+            Ok(rdma_engine(EngineConfig::default(), nics, &self.env.device).map_err(|e| e.to_string())?.0)
+        }
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed).wrapping_add((i >> 8) as u8)).collect()
+    }
+
+    fn register(e: &MooncakeEngine, buf: &mut [u8]) -> Result<u64, Failed> {
+        let a = buf.as_mut_ptr() as u64;
+        // SAFETY: every buffer outlives its engine in these cases and is read
+        // only after the transfers touching it finished.
+        e.register_memory(unsafe { MemoryRegion::new(a, buf.len() as u64) }).map_err(|e| e.to_string())?;
+        Ok(a)
+    }
+
+    fn run(e: &MooncakeEngine, reqs: &[TransferRequest]) -> Result<Vec<TaskStatus>, Failed> {
+        let b = e.allocate_batch_id(reqs.len()).map_err(|e| e.to_string())?;
+        let r = e.submit_transfer(b, reqs).map_err(|e| e.to_string())?;
+        let out = r.map(|t| e.wait_transfer(b, t, LINE_TIMEOUT)).collect::<Result<Vec<_>, _>>();
+        e.free_batch_id(b).map_err(|e| e.to_string())?;
+        Ok(out.map_err(|e| e.to_string())?)
+    }
+
+    fn ensure(ok: bool, what: impl FnOnce() -> String) -> Result<(), Failed> {
+        if ok {
+            Ok(())
+        } else {
+            Err(what().into())
+        }
+    }
+
+    /// 5 slices and a short one at an odd offset.
+    const LEN: usize = 5 * 64 * 1024 + 4321;
+
+    pub fn our_initiator_writes_and_reads_a_real_target(lab: &Lab) -> Result<(), Failed> {
+        let mut peer = Peer::start_rdma(&lab.engines, 4 << 20, &lab.env.device);
+        let remote = pattern(LEN, 3);
+        peer.put(1 << 20, &remote);
+        let mut local = pattern(2 * LEN, 77);
+        let init = lab.ours()?;
+        let la = register(&init, &mut local)?;
+        let seg = init.open_segment(&peer.segment()).map_err(|e| e.to_string())?;
+        let desc = init.segment_info(seg).map_err(|e| e.to_string())?.desc;
+        ensure(desc.protocol == "rdma" && !desc.devices.is_empty(), || format!("{desc:?}"))?;
+        let w = TransferRequest {
+            opcode: TcpOpcode::Write,
+            source: la,
+            target_id: seg,
+            target_offset: peer.addr + 7,
+            length: LEN as u64,
+        };
+        let r = TransferRequest {
+            opcode: TcpOpcode::Read,
+            source: la + LEN as u64,
+            target_id: seg,
+            target_offset: peer.addr + (1 << 20),
+            length: LEN as u64,
+        };
+        for s in run(&init, &[w, r])? {
+            ensure(s.status == TransferStatus::Completed, || format!("{s:?}"))?;
+        }
+        let landed = peer.get(7, LEN as u64);
+        drop(init);
+        ensure(landed == local[..LEN], || "our WRITE did not land byte for byte in the real target".into())?;
+        ensure(local[LEN..] == remote[..], || "our READ of the real target did not bring its bytes".into())?;
+        eprintln!("our initiator -> real target over RDMA: WRITE and READ of {LEN} bytes, byte-exact");
+        Ok(())
+    }
+
+    pub fn a_real_initiator_writes_and_reads_our_target(lab: &Lab) -> Result<(), Failed> {
+        let mut peer = Peer::start_rdma(&lab.engines, 4 << 20, &lab.env.device);
+        let theirs = pattern(LEN, 41);
+        peer.put(0, &theirs);
+        let mut ours = pattern(2 * LEN, 9);
+        let expect_read = ours[LEN..].to_vec();
+        let target = lab.ours()?;
+        let ta = register(&target, &mut ours)?;
+        let seg = target.local_segment_name();
+        let rc = peer.cmd(&format!("write {seg} 0 {ta} {LEN}"));
+        ensure(rc == "RC 0", || format!("the real initiator's WRITE into our target: {rc}"))?;
+        let rc = peer.cmd(&format!("read {seg} {} {} {LEN}", 2 << 20, ta + LEN as u64));
+        ensure(rc == "RC 0", || format!("the real initiator's READ of our target: {rc}"))?;
+        let got = peer.get(2 << 20, LEN as u64);
+        drop(peer);
+        drop(target);
+        ensure(ours[..LEN] == theirs[..], || "the real WRITE did not land byte for byte in our target".into())?;
+        ensure(got == expect_read, || "the real READ of our target did not bring our bytes".into())?;
+        eprintln!("real initiator -> our target over RDMA: WRITE and READ of {LEN} bytes, byte-exact");
+        Ok(())
+    }
+
+    pub type Check = fn(&Lab) -> Result<(), Failed>;
+    pub const CHECKS: &[(&str, Check)] = &[
+        ("rdma_real_our_initiator_writes_and_reads_a_real_target", our_initiator_writes_and_reads_a_real_target),
+        ("rdma_real_a_real_initiator_writes_and_reads_our_target", a_real_initiator_writes_and_reads_our_target),
+    ];
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let in_lab = std::env::var("KVT_RDMA_LAB").is_ok_and(|v| v == "1");
+    #[cfg(feature = "rdma-device")]
+    let trials = {
+        use std::sync::Arc;
+        let lab = on_device::Lab::open().map(Arc::new);
+        let missing = lab.as_ref().err().cloned();
+        if let (Some(why), false, false) = (&missing, in_lab, args.list) {
+            eprintln!("ignored: Mooncake over RDMA against the real engine: {why}");
+        }
+        on_device::CHECKS
+            .iter()
+            .map(|&(name, check)| {
+                let lab = lab.as_ref().ok().cloned();
+                let why = missing.clone().unwrap_or_default();
+                Trial::test(name, move || match &lab {
+                    Some(lab) => check(lab),
+                    None => Err(Failed::from(format!("needs a verbs device and the real engine: {why}"))),
+                })
+                .with_ignored_flag(missing.is_some() && !in_lab)
+            })
+            .collect::<Vec<_>>()
+    };
+    #[cfg(not(feature = "rdma-device"))]
+    let trials = {
+        if !args.list {
+            eprintln!("ignored: Mooncake over RDMA against the real engine needs the feature `rdma-device` and a verbs device (scripts/rdma-lab test)");
+        }
+        let _ = in_lab;
+        vec![Trial::test("rdma_real_needs_the_feature_rdma_device", || Ok::<(), Failed>(())).with_ignored_flag(true)]
+    };
+    libtest_mimic::run(&args, trials).exit();
+}
