@@ -58,7 +58,11 @@ impl ConnectionDesc {
     /// non-zero, at most [`MAX_QPS_PER_ENDPOINT`] of them, the GID parses
     /// (unless the message is a refusal, which carries no endpoint).
     pub fn from_json(json: &[u8]) -> Result<Self, ProtoError> {
-        let c: Self = serde_json::from_slice(json)?;
+        let v: serde_json::Value = serde_json::from_slice(json)?;
+        if !v.is_object() {
+            return Err(ProtoError::Json("a Connection message is a JSON object".into()));
+        }
+        let c: Self = serde_json::from_value(v)?;
         if !c.reply_msg.is_empty() {
             return Ok(c);
         }
