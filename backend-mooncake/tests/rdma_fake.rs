@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use backend_mooncake::proto::rdma::{ConnectionDesc, QPS_PER_ENDPOINT};
 use backend_mooncake::proto::{HandshakeFrame, HandshakeType, MAX_HANDSHAKE_LEN};
-use backend_mooncake::rdma::{rdma_engine, RdmaNics};
+use backend_mooncake::rdma::{rdma_engine, Publish, RdmaNics};
 use backend_mooncake::{
     EngineConfig, MemoryRegion, MooncakeEngine, TaskError, TaskStatus, TcpOpcode, TransferEngine, TransferRequest,
     TransferStatus,
@@ -33,7 +33,7 @@ fn engine(fabric: &FakeFabric) -> MooncakeEngine {
 
 fn engine_with(fabric: &FakeFabric, cfg: EngineConfig) -> MooncakeEngine {
     let nics = RdmaNics { initiator: fabric.nic(), target: fabric.nic() };
-    rdma_engine(cfg, nics, "fake0").unwrap().0
+    rdma_engine(cfg, nics, "fake0", Publish::Registrations).unwrap().0
 }
 
 fn run(e: &dyn TransferEngine, reqs: &[TransferRequest]) -> Vec<TaskStatus> {

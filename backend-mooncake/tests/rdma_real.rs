@@ -18,7 +18,7 @@ mod real_peer;
 mod on_device {
     use std::sync::Arc;
 
-    use backend_mooncake::rdma::{rdma_engine, RdmaNics};
+    use backend_mooncake::rdma::{rdma_engine, Publish, RdmaNics, RdmaTarget};
     use backend_mooncake::{
         EngineConfig, MemoryRegion, MooncakeEngine, TaskStatus, TcpOpcode, TransferEngine, TransferRequest,
         TransferStatus,
@@ -47,9 +47,13 @@ mod on_device {
         /// Our engine over RDMA on the lab's device (two verbs engines: the
         /// transport polls its own).
         fn ours(&self) -> Result<MooncakeEngine, Failed> {
+            Ok(self.ours_publishing(Publish::Registrations)?.0)
+        }
+
+        fn ours_publishing(&self, publish: Publish) -> Result<(MooncakeEngine, Arc<RdmaTarget>), Failed> {
             let open = || DeviceEngine::open(&self.env.device, 1, self.env.gid_index).map_err(|e| e.to_string());
             let nics = RdmaNics { initiator: open()? as Arc<dyn backend_verbs::Engine>, target: open()? };
-            Ok(rdma_engine(EngineConfig::default(), nics, &self.env.device).map_err(|e| e.to_string())?.0)
+            Ok(rdma_engine(EngineConfig::default(), nics, &self.env.device, publish).map_err(|e| e.to_string())?)
         }
     }
 
@@ -141,10 +145,120 @@ mod on_device {
         Ok(())
     }
 
+    /// How the target answers the abort of the request whose WRITE is in
+    /// flight, before the slot's next tenant writes it.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Abort {
+        /// The positive control: Mooncake's own key for the whole buffer,
+        /// the slot handed on at once.
+        Naive,
+        /// The tenancy's key revoked, and the slot granted at once to the
+        /// same initiator under a new key: what its retry finds.
+        RevokeThenRegrantToTheSameInitiator,
+        /// Revoked, and kept away from that initiator (core's retry shadow);
+        /// the next tenant is another peer's.
+        RevokeAndShadow,
+    }
+
+    const BIG: usize = 64 << 20;
+    const OLD: u8 = 0xa5;
+    const NEW: u8 = 0x5e;
+
+    /// A real initiator's 64 MiB WRITE into our slot; once its first bytes
+    /// landed, the request is aborted as `abort` says and the slot's next
+    /// tenant writes its own bytes; then, once the initiator's transfer
+    /// ended, the old request's bytes in the new tenant's slot are counted.
+    fn hazard(lab: &Lab, abort: Abort) -> Result<(usize, String), Failed> {
+        use kv_transfer_core::drain::{ExposureToken, RetryShadows};
+        use kv_transfer_core::{Generation, PeerId, PoolId, SlotId, Tenancy};
+        use std::io::Write;
+
+        let mut peer = Peer::start_rdma(&lab.engines, BIG as u64, &lab.env.device);
+        assert_eq!(peer.cmd(&format!("fill 0 {BIG} {OLD}")), "OK");
+        let mut slot = vec![0u8; BIG];
+        let publish = if abort == Abort::Naive { Publish::Registrations } else { Publish::Grants };
+        let (target, rdma) = lab.ours_publishing(publish)?;
+        let sa = register(&target, &mut slot)?;
+        let initiator = peer.segment();
+        let grant = match abort {
+            Abort::Naive => None,
+            _ => Some(rdma.grant(&initiator, sa, BIG as u64).map_err(|e| e.to_string())?.0),
+        };
+        writeln!(peer.stdin, "write {} 0 {sa} {BIG}", target.local_segment_name()).map_err(|e| e.to_string())?;
+        peer.stdin.flush().map_err(|e| e.to_string())?;
+        // In flight: its first bytes are in the slot.
+        let p = slot.as_mut_ptr();
+        let until = std::time::Instant::now() + LINE_TIMEOUT;
+        // SAFETY: in bounds; a volatile read of memory the NIC writes.
+        while unsafe { std::ptr::read_volatile(p) } != OLD {
+            ensure(std::time::Instant::now() < until, || "the real initiator's WRITE never landed".into())?;
+            std::thread::yield_now();
+        }
+        let mut shadows = RetryShadows::default();
+        let (pool, slot_id, peer_id) = (PoolId(1), SlotId(0), PeerId(1));
+        match (abort, grant) {
+            (Abort::RevokeThenRegrantToTheSameInitiator, Some(g)) => {
+                ensure(rdma.revoke(g), || "no grant to revoke".into())?;
+                rdma.grant(&initiator, sa, BIG as u64).map_err(|e| e.to_string())?;
+            }
+            (Abort::RevokeAndShadow, Some(g)) => {
+                ensure(rdma.revoke(g), || "no grant to revoke".into())?;
+                shadows.revoked(pool, peer_id, &[(Tenancy::new(slot_id, Generation(1)), ExposureToken::random())]);
+                ensure(shadows.admit(pool, &[slot_id], peer_id).is_err(), || "the shadow did not hold".into())?;
+                // The next tenant's prefill is another peer's.
+                rdma.grant("127.0.0.1:1", sa, BIG as u64).map_err(|e| e.to_string())?;
+            }
+            _ => {}
+        }
+        // SAFETY: in bounds; the new tenant's bytes (the NIC may write too).
+        unsafe { std::ptr::write_bytes(p, NEW, BIG) };
+        let rc = peer.line();
+        drop(peer);
+        drop(target);
+        Ok((slot.iter().filter(|b| **b == OLD).count(), rc))
+    }
+
+    pub fn hazard_naive_release_lets_the_real_initiators_write_into_the_next_tenant(lab: &Lab) -> Result<(), Failed> {
+        let (foreign, rc) = hazard(lab, Abort::Naive)?;
+        eprintln!(
+            "hazard, naive (Mooncake's own key, slot handed on): {foreign} old bytes in the new tenant's slot ({rc})"
+        );
+        ensure(foreign > 0, || format!("the positive control showed no corruption ({rc})"))
+    }
+
+    pub fn hazard_a_revoked_key_regranted_to_the_same_initiator_takes_its_retry(lab: &Lab) -> Result<(), Failed> {
+        let (foreign, rc) = hazard(lab, Abort::RevokeThenRegrantToTheSameInitiator)?;
+        eprintln!(
+            "hazard, revoked then regranted to the same initiator: {foreign} old bytes in the new tenant's slot ({rc})"
+        );
+        ensure(foreign > 0, || format!("the retry hazard did not show: revoking alone looked enough ({rc})"))
+    }
+
+    pub fn hazard_revoke_and_retry_shadow_leave_0_old_bytes_in_the_next_tenant(lab: &Lab) -> Result<(), Failed> {
+        let (foreign, rc) = hazard(lab, Abort::RevokeAndShadow)?;
+        eprintln!(
+            "hazard, revoked and shadowed for that initiator: {foreign} old bytes in the new tenant's slot ({rc})"
+        );
+        ensure(foreign == 0, || format!("{foreign} old bytes landed after the revocation ({rc})"))?;
+        ensure(rc != "RC 0", || "the aborted transfer reported success".into())
+    }
+
     pub type Check = fn(&Lab) -> Result<(), Failed>;
     pub const CHECKS: &[(&str, Check)] = &[
         ("rdma_real_our_initiator_writes_and_reads_a_real_target", our_initiator_writes_and_reads_a_real_target),
         ("rdma_real_a_real_initiator_writes_and_reads_our_target", a_real_initiator_writes_and_reads_our_target),
+        (
+            "rdma_real_hazard_naive_release_lets_the_real_initiators_write_into_the_next_tenant",
+            hazard_naive_release_lets_the_real_initiators_write_into_the_next_tenant,
+        ),
+        (
+            "rdma_real_hazard_a_revoked_key_regranted_to_the_same_initiator_takes_its_retry",
+            hazard_a_revoked_key_regranted_to_the_same_initiator_takes_its_retry,
+        ),
+        (
+            "rdma_real_hazard_revoke_and_retry_shadow_leave_0_old_bytes_in_the_next_tenant",
+            hazard_revoke_and_retry_shadow_leave_0_old_bytes_in_the_next_tenant,
+        ),
     ];
 }
 

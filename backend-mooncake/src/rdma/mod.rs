@@ -21,7 +21,7 @@
 
 mod target;
 
-pub use target::{RdmaTarget, RdmaTargetConfig, MAX_PEERS};
+pub use target::{GrantId, Publish, RdmaTarget, RdmaTargetConfig, MAX_PEERS};
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -216,13 +216,16 @@ pub struct RdmaNics {
 
 /// A Mooncake engine that speaks RDMA both ways: our initiator over
 /// [`RdmaTransport`], our target's Connection exchange and metadata through
-/// [`RdmaTarget`], on the device named `device` (the name peers see).
+/// [`RdmaTarget`] publishing `publish`, on the device named `device` (the
+/// name peers see).
 pub fn rdma_engine(
     cfg: crate::EngineConfig,
     nics: RdmaNics,
     device: &str,
+    publish: Publish,
 ) -> Result<(crate::MooncakeEngine, Arc<RdmaTarget>), EngineError> {
-    let target = RdmaTarget::new(nics.target, RdmaTargetConfig { device: device.into(), ..Default::default() });
+    let target =
+        RdmaTarget::new(nics.target, RdmaTargetConfig { device: device.into(), publish, ..Default::default() });
     let tcfg =
         RdmaTransportConfig { device: device.into(), handshake_timeout: cfg.handshake_timeout, ..Default::default() };
     let transport =
