@@ -337,7 +337,14 @@ impl TransferEngine for MooncakeEngine {
             if r.length == 0 {
                 return Err(EngineError::ZeroLength);
             }
-            let seg = self.segment(r.target_id)?;
+            let mut seg = self.segment(r.target_id)?;
+            if self.cfg.check_remote_bounds && seg.desc.buffer_containing(r.target_offset, r.length).is_none() {
+                // An RDMA target publishes a key per exposure: what it
+                // granted since we fetched its metadata is in a fresh copy.
+                if transport.protocol() == "rdma" && self.open_segment(&seg.desc.name).is_ok() {
+                    seg = self.segment(r.target_id)?;
+                }
+            }
             if self.cfg.check_remote_bounds && seg.desc.buffer_containing(r.target_offset, r.length).is_none() {
                 return Err(EngineError::TargetOutOfRange {
                     segment: r.target_id,

@@ -166,9 +166,16 @@ pub enum TaskError {
         /// Length.
         len: u64,
     },
-    /// RDMA: a slice completed in error (the target's NIC refused the key,
-    /// the peer is gone, or the queue pair was flushed); every slice posted
-    /// for the task has completed, so nothing more of it moves.
+    /// RDMA: the target's NIC refused the key or the range of a slice
+    /// (`REM_ACCESS_ERR`): that slice was not placed, and the target's queue
+    /// pair went to ERR with it, so nothing the task sent after it is placed
+    /// either; every slice posted for the task has completed.
+    #[error("the target's NIC refused the key or range (REM_ACCESS_ERR)")]
+    RemoteAccess,
+    /// RDMA: a slice completed in error otherwise (the peer is gone, the
+    /// retries ran out, the queue pair was flushed); every slice posted for
+    /// the task has completed, so this process sends nothing more of it, but
+    /// packets already on the wire prove nothing either way.
     #[error("RDMA slice failed: {0}")]
     Rdma(String),
 }

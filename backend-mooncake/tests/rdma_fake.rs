@@ -100,7 +100,7 @@ fn rdma_a_refused_key_fails_the_task_after_all_its_slices_completed_and_pairs_an
     target.unregister_memory(ta).unwrap();
     let s = run(&init, &[req(TcpOpcode::Write, ibuf.as_ptr() as u64, seg, ta, LEN as u64)]);
     assert_eq!(s[0].status, TransferStatus::Failed);
-    assert!(matches!(s[0].error, Some(TaskError::Rdma(_))), "{s:?}");
+    assert!(matches!(s[0].error, Some(TaskError::RemoteAccess)), "{s:?}");
     let stats = fabric.stats();
     assert!(stats.rejected_access >= 1, "{stats:?}");
 

@@ -2,7 +2,7 @@
 //! `kvt`, the conformance suite and language bindings drive any backend the
 //! same way: register a pool, learn and add peers, expose a reserved lease.
 
-use crate::drain::Capabilities;
+use crate::drain::{Capabilities, Shadowed};
 use crate::ids::PeerId;
 use crate::lease::{Exposed, Reserved, SlotLease};
 use crate::pool::{PoolConfig, PoolError, SlotPool};
@@ -37,6 +37,12 @@ pub enum ExposeErrorKind {
     /// The engine refused to grant access.
     #[error("engine refused: {0}")]
     Engine(String),
+    /// A slot's earlier tenancy was revoked while exposed to this peer, and
+    /// that peer may still retry its writes of it: the slot is not exposed
+    /// to it again until a proof covers its retries (DESIGN, "Peers that
+    /// retry after a revocation"). Another peer may take it now.
+    #[error("{0}")]
+    RetryShadow(Shadowed),
 }
 
 /// A refused exposure, with the lease handed back unexposed (rule 3).

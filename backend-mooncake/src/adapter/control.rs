@@ -1,8 +1,7 @@
 //! The control thread: Mooncake notifications in (core's drain codec, text
 //! form), DONE / ABORT_ACK through the target's exposure table, ABORT through
 //! the initiator's abort tracker, the outbox of ABORT_ACKs, and core's plans
-//! at each escalation step (drain only: Mooncake TCP can neither revoke nor
-//! fence).
+//! at each escalation step (drain, and with RDMA keys revoke; never fence).
 
 use super::*;
 pub(super) fn control_loop(inner: &Arc<Inner>) {
@@ -71,6 +70,13 @@ fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
         return;
     };
     let v = lock(&inner.exposures).accept(peer, msg);
+    if let Some(keys) = &inner.cfg.keys {
+        // Keys end before the slots can go back to the pool; the peer's word
+        // also covers its retries of a revoked tenancy.
+        let mut g = lock(&inner.grants);
+        g.settled(keys, msg.pool, &v.settled);
+        bump(&inner.counters.shadows_cleared, g.accept(peer, msg) as u64);
+    }
     bump(&inner.counters.wrong_peer, v.forged as u64);
     bump(&inner.counters.v1_completions_ignored, v.untrusted as u64);
     // Counted before delivery, so a waiter woken by it sees the count.
@@ -117,7 +123,7 @@ fn flush_outbox(inner: &Arc<Inner>) {
 
 /// Executes core's plan for one escalation action.
 fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: EscalationAction) {
-    let plan = lock(&inner.exposures).plan(pool, &action, CAPABILITIES, inner.cfg.release_policy);
+    let plan = lock(&inner.exposures).plan(pool, &action, inner.caps(), inner.cfg.release_policy);
     if let Some(ts) = plan.release_without_proof() {
         tracing::error!(slots = ts.len(), "NAIVE POSITIVE CONTROL: releasing aborted slots without a proof");
         bump(&inner.counters.naive_releases, ts.len() as u64);
@@ -140,6 +146,20 @@ fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: E
                 None => tracing::debug!(peer = peer.0, "no peer to ask to drain"),
             }
         }
+        Plan::Revoke { peer, tenancies } => {
+            let Some(keys) = &inner.cfg.keys else { return };
+            let with_tokens: Vec<_> = {
+                let ex = lock(&inner.exposures);
+                tenancies.iter().filter_map(|t| ex.token_of(pool, *t, peer).map(|k| (*t, k))).collect()
+            };
+            let confirmed = lock(&inner.grants).revoke(keys, pool, peer, &with_tokens);
+            let ts = lock(&inner.exposures).revoked(pool, peer, &confirmed);
+            if !ts.is_empty() {
+                bump(&inner.counters.revoked, ts.len() as u64);
+                tracing::debug!(peer = peer.0, slots = ts.len(), "keys revoked; slots shadowed for that peer");
+                a.deliver(a.revoked(&ts));
+            }
+        }
         Plan::Stuck { peer, tenancies } => {
             bump(&inner.counters.exhausted, 1);
             tracing::warn!(
@@ -148,7 +168,7 @@ fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: E
                 "Mooncake TCP can neither revoke nor fence: slots stay quarantined until the peer acknowledges"
             );
         }
-        // Revoke and Fence are not in this backend's ladder (CAPABILITIES).
+        // Fence is not in this backend's ladder.
         _ => {}
     }
 }

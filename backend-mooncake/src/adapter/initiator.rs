@@ -21,7 +21,7 @@ pub(super) fn driver_loop(inner: &Arc<Inner>, rx: Receiver<Job>) {
 
 fn map_task_error(e: &Option<TaskError>) -> TransferError {
     match e {
-        Some(TaskError::AddrRejected) | Some(TaskError::NoRemoteKey { .. }) => {
+        Some(TaskError::AddrRejected) | Some(TaskError::NoRemoteKey { .. }) | Some(TaskError::RemoteAccess) => {
             TransferError::Rejected(RejectReason::OutOfBounds)
         }
         Some(TaskError::Connect(m)) | Some(TaskError::Connection(m)) | Some(TaskError::Rdma(m)) => {
@@ -62,7 +62,11 @@ fn run_job(inner: &Arc<Inner>, job: Job) {
                     if st.status == TransferStatus::Failed {
                         uncertain |= !matches!(
                             st.error,
-                            Some(TaskError::AddrRejected) | Some(TaskError::Connect(_)) | Some(TaskError::Dropped)
+                            Some(TaskError::AddrRejected)
+                                | Some(TaskError::Connect(_))
+                                | Some(TaskError::Dropped)
+                                | Some(TaskError::NoRemoteKey { .. })
+                                | Some(TaskError::RemoteAccess)
                         );
                         if failure.is_none() {
                             failure = Some(map_task_error(&st.error));

@@ -115,6 +115,11 @@ use crate::TransferStatus;
 /// connections carry no peer identity, and a peer can always reconnect).
 pub const CAPABILITIES: Capabilities = Capabilities::DRAIN_ONLY;
 
+/// What Mooncake over RDMA with a key per tenancy ([`AdapterConfig::keys`])
+/// can prove: drain, and revoke (the NIC refuses an ended key); still no
+/// fence (a Mooncake initiator reconnects after an error by design).
+pub const CAPABILITIES_WITH_KEYS: Capabilities = Capabilities { drain: true, revoke: true, fence: false };
+
 /// Adapter options.
 #[derive(Debug, Clone)]
 pub struct AdapterConfig {
@@ -129,6 +134,12 @@ pub struct AdapterConfig {
     pub max_aborted: usize,
     /// What draining an aborted exposure means.
     pub release_policy: ReleasePolicy,
+    /// Access keys per tenancy, where the engine has them (Mooncake over
+    /// RDMA: `rdma::RdmaTarget` publishing grants): every exposure gets its
+    /// own key, every settlement ends it, the ladder can revoke, and a
+    /// revoked slot is kept away from the peer that may retry it
+    /// (`adapter::keys`). `None`: Mooncake TCP, drain only.
+    pub keys: Option<Arc<dyn TenancyKeys>>,
 }
 
 impl Default for AdapterConfig {
@@ -139,6 +150,7 @@ impl Default for AdapterConfig {
             poll_interval: Duration::from_millis(2),
             max_aborted: 1 << 20,
             release_policy: ReleasePolicy::Safe,
+            keys: None,
         }
     }
 }
@@ -240,6 +252,16 @@ counters! {
     exhausted,
     /// Tenancies released by the naive positive control, without evidence.
     naive_releases,
+    /// Tenancies settled `Revoked`: their key ended at the NIC (RDMA keys).
+    revoked,
+    /// Exposures refused because a slot is shadowed for that peer (it may
+    /// retry a revoked tenancy's writes).
+    shadow_refusals,
+    /// Shadows cleared by the peer's DONE / ABORT_ACK.
+    shadows_cleared,
+    /// Slots now kept away from a peer that may retry a revoked tenancy's
+    /// writes (a gauge).
+    shadowed,
 }
 
 #[derive(Debug)]
@@ -290,6 +312,8 @@ struct Inner {
     peers: Mutex<Peers>,
     /// Target side of core's drain protocol.
     exposures: Mutex<ExposureTable>,
+    /// Per-tenancy keys and retry shadows (with [`AdapterConfig::keys`]).
+    grants: Mutex<keys::Grants>,
     inflight: Mutex<Inflight>,
     counters: Counters,
     wake: (Mutex<bool>, Condvar),
@@ -359,6 +383,7 @@ impl MooncakeTransfer {
             pools: Mutex::default(),
             peers: Mutex::default(),
             exposures,
+            grants: Mutex::default(),
             inflight: Mutex::new(Inflight {
                 tracker: AbortTracker::new(cfg_max_aborted),
                 outbox: Outbox::default(),
@@ -416,6 +441,7 @@ impl MooncakeTransfer {
     pub fn metrics(&self) -> AdapterMetrics {
         let mut m = self.inner.counters.snapshot();
         m.abort_acks_withheld = lock(&self.inner.inflight).tracker.stats().acks_withheld;
+        m.shadowed = lock(&self.inner.grants).shadowed() as u64;
         m
     }
 
@@ -428,7 +454,7 @@ impl MooncakeTransfer {
         if region.host_ptr().is_none() {
             return Err(AdapterError::NotHostMemory);
         }
-        let (pool, authority) = SlotPool::new(region.clone(), config.with_capabilities(CAPABILITIES))?;
+        let (pool, authority) = SlotPool::new(region.clone(), config.with_capabilities(self.inner.caps()))?;
         // SAFETY: the region is owned by the `Arc` the adapter keeps in
         // `pools` until the engine unregistered it (or forever, leaked, if it
         // never can: see `Drop`); every byte the engine touches lies in a
@@ -466,20 +492,47 @@ impl MooncakeTransfer {
         lease: SlotLease<Reserved>,
         peer: PeerId,
     ) -> Result<(SlotLease<Exposed>, RemoteSlots), ExposeError> {
-        let v1 = match lock(&self.inner.peers).by_id.get(&peer) {
-            Some(p) => p.proto == ProtoVersion::V1 || self.inner.self_proto == ProtoVersion::V1,
+        let (v1, name) = match lock(&self.inner.peers).by_id.get(&peer) {
+            Some(p) => (p.proto == ProtoVersion::V1 || self.inner.self_proto == ProtoVersion::V1, p.name.clone()),
             None => return Err(ExposeError { lease, kind: ExposeErrorKind::UnknownPeer(peer) }),
         };
         let pools = lock(&self.inner.pools);
         let Some(entry) = pools.get(&lease.pool().id()) else {
             return Err(ExposeError { lease, kind: ExposeErrorKind::ForeignPool });
         };
+        let mut slot_keys: Option<Vec<u32>> = None;
+        if let Some(keys) = &self.inner.cfg.keys {
+            // Each slot its own key, granted to this peer only; refused if
+            // the slot is shadowed for it.
+            let size = lease.pool().slot_size() as u64;
+            let slots: Vec<(kv_transfer_core::Tenancy, u64, u64)> = lease
+                .tenancies()
+                .iter()
+                .enumerate()
+                .filter_map(|(i, t)| lease.slot_addr(i).map(|a| (*t, a, size)))
+                .collect();
+            match lock(&self.inner.grants).expose(keys, lease.pool().id(), &slots, peer, &name) {
+                Ok(k) => slot_keys = Some(k),
+                Err(kind) => {
+                    if matches!(kind, ExposeErrorKind::RetryShadow(_)) {
+                        bump(&self.inner.counters.shadow_refusals, 1);
+                    }
+                    return Err(ExposeError { lease, kind });
+                }
+            }
+        }
         // The trust is fixed now: a v1 peer's exposure is never upgraded by a
         // later refresh of the peer (it settles only by a proof its word is not).
         let trust = if v1 { Trust::Unproving } else { Trust::Proving };
         let token = lock(&self.inner.exposures).expose(lease.pool().id(), lease.tenancies(), peer, trust);
-        let (exposed, remote) = entry.authority.expose(lease, peer, 0, self.inner.segment_name.clone(), token);
+        let (exposed, mut remote) = entry.authority.expose(lease, peer, 0, self.inner.segment_name.clone(), token);
         drop(pools);
+        if let Some(k) = slot_keys {
+            // The peer checks its copy of our metadata against these.
+            for (r, key) in remote.slots.iter_mut().zip(k) {
+                r.key = Some(u64::from(key));
+            }
+        }
         if v1 {
             bump(&self.inner.counters.v1_exposures, 1);
             // Warned once per peer in `add_peer`; counted per exposure.
@@ -497,7 +550,7 @@ impl MooncakeTransfer {
 /// segment name (`ip:port` of its handshake listener).
 impl Target for MooncakeTransfer {
     fn capabilities(&self) -> Capabilities {
-        CAPABILITIES
+        self.inner.caps()
     }
     fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, BackendError> {
         MooncakeTransfer::register_pool(self, region, config).map_err(|e| match e {
@@ -527,6 +580,14 @@ impl Target for MooncakeTransfer {
 }
 
 impl Inner {
+    fn caps(&self) -> Capabilities {
+        if self.cfg.keys.is_some() {
+            CAPABILITIES_WITH_KEYS
+        } else {
+            CAPABILITIES
+        }
+    }
+
     fn wake(&self) {
         let (m, cv) = &self.wake;
         *lock(m) = true;
@@ -558,6 +619,31 @@ impl Inner {
             );
         }
         Ok(id)
+    }
+
+    /// An exposure with a key per slot (an RDMA target's grants): if our
+    /// copy of the target's metadata holds another key for a slot, it is
+    /// from an earlier tenancy (ended, and refused at the NIC): fetch the
+    /// metadata again. A key still missing then was revoked meanwhile.
+    fn fresh_keys(&self, seg: SegmentId, remote: &RemoteSlots) -> Result<(), PostErrorKind> {
+        let stale = |desc: &crate::proto::SegmentDesc| {
+            remote.slots.iter().any(|r| {
+                r.key.is_some_and(|k| {
+                    let have = desc.buffer_containing(r.addr, remote.slot_size).and_then(|b| b.rkey.first());
+                    !matches!(have, Some(h) if u64::from(*h) == k)
+                })
+            })
+        };
+        let info = self.engine.segment_info(seg).map_err(|e| engine_err(&e))?;
+        if !stale(&info.desc) {
+            return Ok(());
+        }
+        self.engine.open_segment(&info.desc.name).map_err(|e| engine_err(&e))?;
+        let info = self.engine.segment_info(seg).map_err(|e| engine_err(&e))?;
+        if stale(&info.desc) {
+            return Err(PostErrorKind::Descriptor("the target no longer grants these slots' keys".into()));
+        }
+        Ok(())
     }
 
     fn peer_by_name(&self, name: &str) -> Option<(PeerId, SegmentId, ProtoVersion)> {
@@ -637,6 +723,9 @@ impl Transfer for MooncakeTransfer {
             Ok(p) => p,
             Err(e) => return Err(PostError { lease: local, kind: PostErrorKind::Peer(e.to_string()) }),
         };
+        if let Err(kind) = inner.fresh_keys(seg, remote) {
+            return Err(PostError { lease: local, kind });
+        }
         let slot = remote.slot_size;
         let mut reqs = Vec::with_capacity(local.len());
         for (i, r) in remote.slots.iter().enumerate() {
@@ -761,6 +850,8 @@ pub use kv_transfer_core::block_on;
 
 mod control;
 mod initiator;
+mod keys;
+pub use keys::TenancyKeys;
 #[cfg(test)]
 mod tests;
 

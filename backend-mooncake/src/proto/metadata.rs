@@ -164,8 +164,14 @@ impl SegmentDesc {
         Ok(())
     }
 
-    /// The TCP framing version this peer speaks.
+    /// What this peer's completions prove: the TCP framing version it
+    /// speaks; over RDMA (RC), what v2 proves, since a WRITE completes only
+    /// once the target's NIC acknowledged it placed (Mooncake's RDMA
+    /// metadata says `tcp_proto_version` 1, meaning nothing for RDMA).
     pub fn proto_version(&self) -> ProtoVersion {
+        if self.protocol == "rdma" {
+            return ProtoVersion::V2;
+        }
         match self.tcp_proto_version {
             Some(v) if v >= 2 => ProtoVersion::V2,
             _ => ProtoVersion::V1,

@@ -447,11 +447,10 @@ impl Driver {
             t.outstanding -= 1;
             if c.status != WcStatus::Success {
                 if matches!(t.phase, Phase::Running { .. }) {
-                    let why = match c.status {
-                        WcStatus::RemoteAccess => "the target's NIC refused the key or range (REM_ACCESS_ERR)".into(),
-                        s => format!("completed {s:?}"),
-                    };
-                    t.phase = Phase::Failing(TaskError::Rdma(why));
+                    t.phase = Phase::Failing(match c.status {
+                        WcStatus::RemoteAccess => TaskError::RemoteAccess,
+                        s => TaskError::Rdma(format!("completed {s:?}")),
+                    });
                 }
                 self.break_endpoint(epid, "a slice failed");
             }

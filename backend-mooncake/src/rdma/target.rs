@@ -339,3 +339,13 @@ impl TargetHook for RdmaTarget {
         }
     }
 }
+
+impl crate::adapter::TenancyKeys for RdmaTarget {
+    fn grant(&self, peer: &str, addr: u64, len: u64) -> Result<(u64, u32), EngineError> {
+        RdmaTarget::grant(self, peer, addr, len).map(|(id, key)| (id.0, key))
+    }
+
+    fn revoke(&self, grant: u64) -> bool {
+        RdmaTarget::revoke(self, GrantId(grant))
+    }
+}
