@@ -3,6 +3,7 @@
 //! ```text
 //! mc_bench [--segment HOST:PORT] [--op write|read] [--duration SECS]
 //!          [--threads N] [--batch N] [--block BYTES] [--workers N]
+//!          [--rdma DEVICE]
 //! ```
 //! Without `--segment` it starts its own target engine in-process (our
 //! initiator → our target); with it, it targets that segment (for example a
@@ -26,8 +27,27 @@ fn arg(args: &[String], name: &str, default: &str) -> String {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.to_string())
 }
 
+/// Our engine: TCP, or with `--rdma DEVICE` Mooncake's RDMA transport on
+/// that verbs device (feature `rdma-device`; the lab's guest has `rxe_lo`).
+fn engine(cfg: EngineConfig, rdma: &str) -> Result<MooncakeEngine, Box<dyn std::error::Error>> {
+    if rdma.is_empty() {
+        return Ok(MooncakeEngine::new(cfg)?);
+    }
+    #[cfg(feature = "rdma-device")]
+    {
+        use backend_mooncake::rdma::{rdma_engine, Publish, RdmaNics};
+        let lab = backend_verbs::LabEnv::from_env();
+        let open = || backend_verbs::DeviceEngine::open(rdma, 1, lab.gid_index);
+        let nics = RdmaNics { initiator: open()?, target: open()? };
+        Ok(rdma_engine(cfg, nics, rdma, Publish::Registrations)?.0)
+    }
+    #[cfg(not(feature = "rdma-device"))]
+    Err(format!("--rdma {rdma}: build with --features rdma-device (and run where a verbs device exists)").into())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    let rdma = arg(&args, "--rdma", "");
     let segment = arg(&args, "--segment", "");
     let op = match arg(&args, "--op", "write").as_str() {
         "read" => TcpOpcode::Read,
@@ -43,7 +63,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if serve > 0.0 {
         let len: u64 = arg(&args, "--buffer", "1073741824").parse()?;
         let mut buf = vec![0u8; len as usize];
-        let t = MooncakeEngine::new(EngineConfig::default())?;
+        let t = engine(EngineConfig::default(), &rdma)?;
         // SAFETY: `buf` outlives the engine (dropped first below).
         t.register_memory(unsafe { MemoryRegion::new(buf.as_mut_ptr() as u64, len) })?;
         println!("listening on {}", t.local_segment_name());
@@ -54,6 +74,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     if args.iter().any(|a| a == "--adapter") {
+        if !rdma.is_empty() {
+            return Err("--adapter runs over TCP only (the RDMA adapter's figures come from the raw engine)".into());
+        }
         let cfg = backend_mooncake::bench::BenchConfig {
             target: (!segment.is_empty()).then(|| segment.clone()),
             op: if op == TcpOpcode::Read { kv_transfer_core::Op::Read } else { kv_transfer_core::Op::Write },
@@ -71,7 +94,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut tbuf = vec![0u8; if segment.is_empty() { span as usize } else { 0 }];
     let target = if segment.is_empty() {
-        let t = MooncakeEngine::new(EngineConfig::default())?;
+        let t = engine(EngineConfig::default(), &rdma)?;
         // SAFETY: `tbuf` outlives the engine (dropped explicitly below first).
         t.register_memory(unsafe { MemoryRegion::new(tbuf.as_mut_ptr() as u64, span) })?;
         Some(t)
@@ -81,7 +104,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seg_name = target.as_ref().map(|t| t.local_segment_name()).unwrap_or(segment);
     let mut lbuf = vec![7u8; span as usize];
     let cfg = EngineConfig { tcp: TcpTransportConfig { workers, ..Default::default() }, ..Default::default() };
-    let init = Arc::new(MooncakeEngine::new(cfg)?);
+    let init = Arc::new(engine(cfg, &rdma)?);
     let lbase = lbuf.as_mut_ptr() as u64;
     // SAFETY: `lbuf` outlives the engine (dropped explicitly below first).
     init.register_memory(unsafe { MemoryRegion::new(lbase, span) })?;

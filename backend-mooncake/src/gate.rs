@@ -7,7 +7,7 @@
 //! flight" means to a target that cannot revoke: the bytes may still come.
 
 use crate::transport::{DataTransport, TcpTransport, TcpTransportConfig, TransportWork};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 #[derive(Default)]
@@ -18,7 +18,7 @@ struct GateState {
     held: Vec<TransportWork>,
 }
 
-/// Mooncake's TCP transport behind a gate: while [`hold`](Self::hold)ing,
+/// A transport (Mooncake's TCP one, or any other) behind a gate: while [`hold`](Self::hold)ing,
 /// submitted tasks wait; [`open`](Self::open) hands them to the transport in
 /// order; [`crash`](Self::crash) drops them all (each reports FAILED: it
 /// never left) and every later one.
@@ -34,7 +34,7 @@ struct GateState {
 /// # drop(engine);
 /// ```
 pub struct GatedTransport {
-    inner: TcpTransport,
+    inner: Arc<dyn DataTransport>,
     state: Mutex<GateState>,
     cv: Condvar,
 }
@@ -53,7 +53,13 @@ impl std::fmt::Debug for GatedTransport {
 impl GatedTransport {
     /// A gated TCP transport, open.
     pub fn new(cfg: TcpTransportConfig) -> std::io::Result<Self> {
-        Ok(Self { inner: TcpTransport::new(cfg)?, state: Mutex::default(), cv: Condvar::new() })
+        Ok(Self::over(Arc::new(TcpTransport::new(cfg)?)))
+    }
+
+    /// `inner` behind a gate, open (the RDMA transport: a held task has not
+    /// reached the NIC).
+    pub fn over(inner: Arc<dyn DataTransport>) -> Self {
+        Self { inner, state: Mutex::default(), cv: Condvar::new() }
     }
 
     /// Holds what is submitted from now on; false once crashed.

@@ -52,6 +52,9 @@ pub(crate) enum Backend {
     Nixl,
     /// Mooncake Transfer Engine (feature `mooncake`).
     Mooncake,
+    /// Mooncake over its RDMA transport on backend-verbs' software NIC, a
+    /// key per exposure (feature `mooncake`; `kvt race` only).
+    MooncakeRdma,
     /// MORI-IO (feature `mori`).
     Mori,
     /// Real RDMA verbs (feature `verbs`; needs a verbs device).
@@ -64,6 +67,7 @@ impl Backend {
             Self::TcpSim => "tcp-sim",
             Self::Nixl => "nixl",
             Self::Mooncake => "mooncake",
+            Self::MooncakeRdma => "mooncake-rdma",
             Self::Mori => "mori",
             Self::Verbs => "verbs",
         }
@@ -261,6 +265,12 @@ fn check_backend(b: Backend) -> anyhow::Result<()> {
              python3 -m venv .engines && .engines/bin/pip install --no-deps \
              mooncake-transfer-engine-non-cuda==0.3.13.post1",
         ),
+        Backend::MooncakeRdma => (
+            "mooncake",
+            cfg!(feature = "mooncake"),
+            "nothing more: the race runs on backend-verbs' software NIC (Mooncake over RDMA against the real engine \
+             runs in the lab's guest: scripts/rdma-lab test)",
+        ),
         Backend::Verbs => (
             "verbs",
             cfg!(feature = "verbs"),
@@ -451,9 +461,10 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
 
 fn race_cmd(a: RaceArgs) -> anyhow::Result<bool> {
     check_backend(a.backend)?;
-    if !matches!(a.backend, Backend::TcpSim | Backend::Verbs | Backend::Mooncake) {
+    if !matches!(a.backend, Backend::TcpSim | Backend::Verbs | Backend::Mooncake | Backend::MooncakeRdma) {
         bail!(
-            "kvt race runs on tcp-sim, mooncake or verbs (the conformance suite covers {} without scenario 2)",
+            "kvt race runs on tcp-sim, mooncake, mooncake-rdma or verbs (the conformance suite covers {} without \
+             scenario 2)",
             a.backend.name()
         );
     }
@@ -483,6 +494,8 @@ fn race_cmd(a: RaceArgs) -> anyhow::Result<bool> {
             Backend::Verbs => kv_transfer_examples::race::verbs::run_verbs_race(&cfg, &mut progress),
             #[cfg(feature = "mooncake")]
             Backend::Mooncake => kv_transfer_examples::race::mooncake::run_mooncake_race(&cfg, &mut progress),
+            #[cfg(feature = "mooncake")]
+            Backend::MooncakeRdma => kv_transfer_examples::race::mooncake::run_mooncake_rdma_race(&cfg, &mut progress),
             _ => run_race(&cfg, &mut progress),
         };
         pb.finish_and_clear();

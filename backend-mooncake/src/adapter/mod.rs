@@ -629,8 +629,9 @@ impl Inner {
         let stale = |desc: &crate::proto::SegmentDesc| {
             remote.slots.iter().any(|r| {
                 r.key.is_some_and(|k| {
-                    let have = desc.buffer_containing(r.addr, remote.slot_size).and_then(|b| b.rkey.first());
-                    !matches!(have, Some(h) if u64::from(*h) == k)
+                    !desc.buffers.iter().any(|b| {
+                        b.contains(r.addr, remote.slot_size) && b.rkey.first().is_some_and(|h| u64::from(*h) == k)
+                    })
                 })
             })
         };

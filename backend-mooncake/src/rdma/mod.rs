@@ -10,34 +10,46 @@
 //! reports the task once **every slice it posted has completed**: the
 //! completion of the last one is the proof that the NIC will not touch the
 //! task's memory again, so a failed slice fails the task only after the
-//! others have completed or been flushed (its queue pairs are moved to ERR
-//! at the first error, which flushes them). No timer reports a task: a dead
+//! others have completed or been flushed. No timer reports a task: a dead
 //! peer ends the slices through the transport's own retries
 //! (`retry_cnt`), which is a completion too.
 //!
-//! One driver thread owns the queue pairs and the in-flight table, so the
-//! lifecycle of a task is one explicit enum ([`Phase`]) changed in one
-//! place.
+//! What a failure proves is kept apart (it decides whether an ABORT_ACK may
+//! be sent for the task): a slice the target's NIC refused
+//! (`REM_ACCESS_ERR`) was not placed, and its queue pair's responder went to
+//! ERR with it, so the slices flushed behind it on that queue pair were not
+//! placed either; those are posted again on a fresh pairing, **under the
+//! key they had** (never one fetched since: that is the retry hazard of
+//! DESIGN, "Peers that retry after a revocation"), and the task fails
+//! [`TaskError::RemoteAccess`]. Any other error (the peer gone, retries run
+//! out) moves the endpoint's queue pairs to ERR, and what was flushed then
+//! proves nothing about packets already on the wire:
+//! [`TaskError::Rdma`].
+//!
+//! One driver thread (`driver`) owns the queue pairs and the in-flight
+//! table, so the lifecycle of a task and of each queue pair is an explicit
+//! enum changed in one place.
 
+mod driver;
 mod target;
+
+use driver::Driver;
 
 pub use target::{GrantId, Publish, RdmaTarget, RdmaTargetConfig, MAX_PEERS};
 
-use std::collections::{HashMap, VecDeque};
-use std::net::SocketAddr;
+use std::collections::VecDeque;
 use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use backend_verbs::{Endpoint, Engine, MrAccess, MrId, QpId, WcStatus, WorkRequest};
+use backend_verbs::Engine;
 use kv_transfer_core::{MemoryKind, Region, RegionError};
 
-use crate::client;
 use crate::error::{EngineError, TaskError};
-use crate::proto::rdma::{format_gid, parse_gid, MAX_QPS_PER_ENDPOINT, QPS_PER_ENDPOINT, SLICE_SIZE};
-use crate::proto::{ConnectionDesc, NicPath, TcpOpcode};
-use crate::transport::{DataTransport, RemoteSegment, TransportWork};
+#[cfg(doc)]
+use crate::proto::rdma::{QPS_PER_ENDPOINT, SLICE_SIZE};
+use crate::transport::{DataTransport, TransportWork};
 
 /// Options of the RDMA transport.
 #[derive(Debug, Clone)]
@@ -120,41 +132,6 @@ fn check(offset: usize, len: usize, region_len: usize) -> Result<(), RegionError
     }
 }
 
-/// Where a task is. Every posted slice completes exactly once, so
-/// `outstanding` reaching 0 with nothing left to post is the end.
-#[derive(Debug)]
-enum Phase {
-    /// Slices still to post (`next` is the offset of the first), or posted
-    /// and not all completed.
-    Running { next: u64 },
-    /// A slice failed, or the endpoint broke: nothing more is posted; the
-    /// task is reported failed once the slices already posted completed.
-    Failing(TaskError),
-}
-
-#[derive(Debug)]
-struct Task {
-    work: TransportWork,
-    /// The endpoint its slices go out on.
-    endpoint: u64,
-    mr: MrId,
-    rkey: u32,
-    outstanding: usize,
-    phase: Phase,
-}
-
-/// Queue pairs paired with one target segment.
-#[derive(Debug)]
-struct PeerEndpoint {
-    segment: u64,
-    qps: Vec<QpId>,
-    /// Posted and not completed, per queue pair.
-    posted: Vec<usize>,
-    next_qp: usize,
-    /// Moved to ERR (a slice failed): nothing more is posted on it.
-    broken: bool,
-}
-
 #[derive(Debug, Default)]
 struct Inbox {
     items: VecDeque<TransportWork>,
@@ -214,6 +191,51 @@ pub struct RdmaNics {
     pub target: Arc<dyn Engine>,
 }
 
+/// The two halves of Mooncake over RDMA, before an engine holds them.
+#[derive(Debug)]
+pub struct RdmaParts {
+    /// The target half: give it to the engine as its
+    /// [`target_hook`](crate::EngineConfig::target_hook) (and to the adapter
+    /// as its keys, with [`Publish::Grants`]).
+    pub target: Arc<RdmaTarget>,
+    /// The initiator half: the engine's transport (behind a
+    /// [`GatedTransport`](crate::gate::GatedTransport), for races). Tell it
+    /// the engine's segment name once the engine listens.
+    pub transport: Arc<RdmaTransport>,
+}
+
+impl RdmaParts {
+    /// Both halves on `nics`, on the device named `device` (the name peers
+    /// see), the target publishing `publish`.
+    pub fn new(
+        nics: RdmaNics,
+        device: &str,
+        publish: Publish,
+        handshake_timeout: Duration,
+    ) -> Result<Self, EngineError> {
+        let target =
+            RdmaTarget::new(nics.target, RdmaTargetConfig { device: device.into(), publish, ..Default::default() });
+        let tcfg = RdmaTransportConfig { device: device.into(), handshake_timeout, ..Default::default() };
+        let transport =
+            Arc::new(RdmaTransport::new(nics.initiator, tcfg).map_err(|e| EngineError::io("start RDMA transport", e))?);
+        Ok(Self { target, transport })
+    }
+
+    /// The engine over `transport` (these parts' own, or a wrapper of it),
+    /// its target hook these parts' target.
+    pub fn engine(
+        &self,
+        cfg: crate::EngineConfig,
+        transport: Arc<dyn DataTransport>,
+    ) -> Result<crate::MooncakeEngine, EngineError> {
+        let hook: Arc<dyn crate::TargetHook> = self.target.clone();
+        let engine =
+            crate::MooncakeEngine::with_transport(crate::EngineConfig { target_hook: Some(hook), ..cfg }, transport)?;
+        self.transport.set_local_segment(&crate::TransferEngine::local_segment_name(&engine));
+        Ok(engine)
+    }
+}
+
 /// A Mooncake engine that speaks RDMA both ways: our initiator over
 /// [`RdmaTransport`], our target's Connection exchange and metadata through
 /// [`RdmaTarget`] publishing `publish`, on the device named `device` (the
@@ -224,19 +246,9 @@ pub fn rdma_engine(
     device: &str,
     publish: Publish,
 ) -> Result<(crate::MooncakeEngine, Arc<RdmaTarget>), EngineError> {
-    let target =
-        RdmaTarget::new(nics.target, RdmaTargetConfig { device: device.into(), publish, ..Default::default() });
-    let tcfg =
-        RdmaTransportConfig { device: device.into(), handshake_timeout: cfg.handshake_timeout, ..Default::default() };
-    let transport =
-        Arc::new(RdmaTransport::new(nics.initiator, tcfg).map_err(|e| EngineError::io("start RDMA transport", e))?);
-    let hook: Arc<dyn crate::TargetHook> = target.clone();
-    let engine = crate::MooncakeEngine::with_transport(
-        crate::EngineConfig { target_hook: Some(hook), ..cfg },
-        transport.clone(),
-    )?;
-    transport.set_local_segment(&crate::TransferEngine::local_segment_name(&engine));
-    Ok((engine, target))
+    let parts = RdmaParts::new(nics, device, publish, cfg.handshake_timeout)?;
+    let engine = parts.engine(cfg, parts.transport.clone())?;
+    Ok((engine, parts.target))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -273,344 +285,5 @@ impl DataTransport for RdmaTransport {
     fn forget_segment(&self, segment: u64) {
         lock(&self.shared.inbox).forget.push(segment);
         self.shared.wake.notify_one();
-    }
-}
-
-/// How long the driver sleeps when nothing is in flight and nothing came.
-const IDLE_WAIT: Duration = Duration::from_millis(50);
-/// Completions taken per poll.
-const POLL_BATCH: usize = 64;
-
-struct Driver {
-    sh: Arc<Shared>,
-    /// By endpoint id; a broken one stays until its flushes are polled.
-    endpoints: HashMap<u64, PeerEndpoint>,
-    /// The live (not broken) endpoint of each segment.
-    by_segment: HashMap<u64, u64>,
-    tasks: HashMap<u64, Task>,
-    /// wr_id → (task, endpoint, queue pair index).
-    slices: HashMap<u64, (u64, u64, usize)>,
-    next_task: u64,
-    next_endpoint: u64,
-    next_wr: u64,
-}
-
-impl Driver {
-    fn new(sh: Arc<Shared>) -> Self {
-        Self {
-            sh,
-            endpoints: HashMap::new(),
-            by_segment: HashMap::new(),
-            tasks: HashMap::new(),
-            slices: HashMap::new(),
-            next_task: 0,
-            next_endpoint: 0,
-            next_wr: 0,
-        }
-    }
-
-    fn run(mut self) {
-        loop {
-            let (items, forget, closed) = {
-                let mut inbox = lock(&self.sh.inbox);
-                if inbox.items.is_empty() && inbox.forget.is_empty() && !inbox.closed && self.slices.is_empty() {
-                    inbox = self
-                        .sh
-                        .wake
-                        .wait_timeout(inbox, IDLE_WAIT)
-                        .map(|(g, _)| g)
-                        .unwrap_or_else(|e| e.into_inner().0);
-                }
-                (std::mem::take(&mut inbox.items), std::mem::take(&mut inbox.forget), inbox.closed)
-            };
-            for seg in forget {
-                if let Some(ep) = self.by_segment.get(&seg).copied() {
-                    self.break_endpoint(ep, "segment closed");
-                }
-            }
-            for work in items {
-                self.start(work);
-            }
-            self.post_ready();
-            self.poll();
-            if closed {
-                self.shutdown();
-                return;
-            }
-            if !self.slices.is_empty() {
-                // Busy-polling costs a core; a yield keeps latency low
-                // without spinning the CPU a software NIC also needs.
-                std::thread::yield_now();
-            }
-        }
-    }
-
-    /// Takes a new task: checks the key, registers the memory, pairs an
-    /// endpoint if the segment has none.
-    fn start(&mut self, work: TransportWork) {
-        work.completion.started();
-        let Some(rkey) = remote_key(&work.remote, work.remote_addr, work.len) else {
-            let e = TaskError::NoRemoteKey { addr: work.remote_addr, len: work.len };
-            return finish(work, Err(e));
-        };
-        let segment = work.remote.id;
-        let endpoint = match self.by_segment.get(&segment) {
-            Some(ep) => *ep,
-            None => match connect(&self.sh, &work.remote) {
-                Ok(ep) => {
-                    self.next_endpoint += 1;
-                    self.endpoints.insert(self.next_endpoint, ep);
-                    self.by_segment.insert(segment, self.next_endpoint);
-                    self.next_endpoint
-                }
-                Err(e) => {
-                    tracing::warn!(segment, error = %e, "RDMA connection exchange failed");
-                    return finish(work, Err(TaskError::Connect(e.to_string())));
-                }
-            },
-        };
-        let range = VouchedRange { addr: work.local_addr, len: work.len as usize };
-        let mr = match self.sh.engine.register(Arc::new(range), MrAccess::Local) {
-            Ok(info) => info.id,
-            Err(e) => return finish(work, Err(TaskError::Connect(format!("register local memory: {e}")))),
-        };
-        self.next_task += 1;
-        let task = Task { work, endpoint, mr, rkey, outstanding: 0, phase: Phase::Running { next: 0 } };
-        self.tasks.insert(self.next_task, task);
-    }
-
-    /// Posts slices while queue pairs have room, in task order.
-    fn post_ready(&mut self) {
-        let max = self.sh.cfg.max_wr_per_qp.max(1);
-        let mut ids: Vec<u64> = self.tasks.keys().copied().collect();
-        ids.sort_unstable();
-        for id in ids {
-            while let Some(t) = self.tasks.get_mut(&id) {
-                let Phase::Running { next } = t.phase else { break };
-                if next >= t.work.len {
-                    break;
-                }
-                let Some(ep) = self.endpoints.get_mut(&t.endpoint).filter(|e| !e.broken) else {
-                    t.phase = Phase::Failing(TaskError::Rdma("the endpoint broke before the slice was posted".into()));
-                    break;
-                };
-                let Some(qi) = (0..ep.qps.len()).map(|k| (ep.next_qp + k) % ep.qps.len()).find(|&q| ep.posted[q] < max)
-                else {
-                    break;
-                };
-                let len = SLICE_SIZE.min(t.work.len - next) as u32;
-                let remote_addr = t.work.remote_addr + next;
-                let wr = match t.work.opcode {
-                    TcpOpcode::Write => {
-                        WorkRequest::Write { local: t.mr, offset: next, len, remote_addr, rkey: t.rkey }
-                    }
-                    TcpOpcode::Read => WorkRequest::Read { local: t.mr, offset: next, len, remote_addr, rkey: t.rkey },
-                };
-                self.next_wr += 1;
-                match self.sh.engine.post(ep.qps[qi], self.next_wr, wr) {
-                    Ok(_) => {
-                        ep.posted[qi] += 1;
-                        ep.next_qp = (qi + 1) % ep.qps.len();
-                        t.outstanding += 1;
-                        t.phase = Phase::Running { next: next + u64::from(len) };
-                        self.slices.insert(self.next_wr, (id, t.endpoint, qi));
-                    }
-                    Err(e) => {
-                        t.phase = Phase::Failing(TaskError::Rdma(format!("post: {e}")));
-                        let ep = t.endpoint;
-                        self.break_endpoint(ep, "post failed");
-                        break;
-                    }
-                }
-            }
-        }
-        self.reap();
-    }
-
-    fn poll(&mut self) {
-        let polled = match self.sh.engine.poll(POLL_BATCH) {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::error!(error = %e, "polling the completion queue failed");
-                return;
-            }
-        };
-        for c in polled {
-            let Some((id, epid, qi)) = self.slices.remove(&c.wr_id) else { continue };
-            if let Some(ep) = self.endpoints.get_mut(&epid) {
-                ep.posted[qi] = ep.posted[qi].saturating_sub(1);
-                if ep.broken && ep.posted.iter().all(|p| *p == 0) {
-                    self.endpoints.remove(&epid);
-                }
-            }
-            let Some(t) = self.tasks.get_mut(&id) else { continue };
-            t.outstanding -= 1;
-            if c.status != WcStatus::Success {
-                if matches!(t.phase, Phase::Running { .. }) {
-                    t.phase = Phase::Failing(match c.status {
-                        WcStatus::RemoteAccess => TaskError::RemoteAccess,
-                        s => TaskError::Rdma(format!("completed {s:?}")),
-                    });
-                }
-                self.break_endpoint(epid, "a slice failed");
-            }
-        }
-        self.reap();
-    }
-
-    /// Reports every task whose posted slices have all completed and that
-    /// has nothing left to post (or is failing).
-    fn reap(&mut self) {
-        let done: Vec<u64> = self
-            .tasks
-            .iter()
-            .filter(|(_, t)| {
-                t.outstanding == 0
-                    && match t.phase {
-                        Phase::Running { next } => next >= t.work.len,
-                        Phase::Failing(_) => true,
-                    }
-            })
-            .map(|(id, _)| *id)
-            .collect();
-        for id in done {
-            let Some(t) = self.tasks.remove(&id) else { continue };
-            self.sh.engine.deregister(t.mr);
-            let result = match t.phase {
-                Phase::Running { .. } => Ok(t.work.len),
-                Phase::Failing(e) => Err(e),
-            };
-            finish(t.work, result);
-        }
-    }
-
-    /// Moves the segment's queue pairs to ERR (what is posted completes
-    /// flushed) and forgets the endpoint: the next task pairs anew, as a
-    /// Mooncake initiator does after an error.
-    fn break_endpoint(&mut self, endpoint: u64, why: &str) {
-        let Some(ep) = self.endpoints.get_mut(&endpoint) else { return };
-        if !ep.broken {
-            tracing::debug!(segment = ep.segment, why, "RDMA endpoint to ERR");
-            ep.broken = true;
-            for qp in &ep.qps {
-                let _ = self.sh.engine.to_error(*qp);
-            }
-            if self.by_segment.get(&ep.segment) == Some(&endpoint) {
-                self.by_segment.remove(&ep.segment);
-            }
-        }
-        // A broken endpoint with slices posted stays until their flushes are
-        // polled (`poll` drops it then); its QPs stay in ERR.
-        if ep.posted.iter().all(|p| *p == 0) {
-            self.endpoints.remove(&endpoint);
-        }
-        for t in self.tasks.values_mut().filter(|t| t.endpoint == endpoint) {
-            if matches!(t.phase, Phase::Running { .. }) {
-                t.phase = Phase::Failing(TaskError::Rdma(format!("endpoint broken: {why}")));
-            }
-        }
-    }
-
-    /// Closing: no more posts; what is posted is flushed and polled, for at
-    /// most `drain_on_drop`. A task whose slices did not all complete in
-    /// that time is parked for good: its region stays held (it cannot be
-    /// unregistered) and its batch never reports it, since nothing proves
-    /// the NIC is done with its memory.
-    fn shutdown(&mut self) {
-        let eps: Vec<u64> = self.endpoints.keys().copied().collect();
-        for e in eps {
-            self.break_endpoint(e, "transport dropped");
-        }
-        let until = Instant::now() + self.sh.cfg.drain_on_drop;
-        while !self.slices.is_empty() && Instant::now() < until {
-            self.poll();
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        self.reap();
-        for (_, t) in self.tasks.drain() {
-            tracing::error!(outstanding = t.outstanding, "RDMA task parked: its slices never completed");
-            std::mem::forget(t.work);
-        }
-    }
-}
-
-fn finish(work: TransportWork, result: Result<u64, TaskError>) {
-    let TransportWork { local, remote, completion, .. } = work;
-    drop(local);
-    drop(remote);
-    completion.finish(result);
-}
-
-/// The key the segment's metadata gives for `[addr, addr+len)` on its
-/// first device (the one our NIC path names).
-fn remote_key(seg: &RemoteSegment, addr: u64, len: u64) -> Option<u32> {
-    seg.desc.buffer_containing(addr, len).and_then(|b| b.rkey.first().copied())
-}
-
-/// Pairs [`QPS_PER_ENDPOINT`] queue pairs with the segment's through the
-/// Connection exchange (and its ready round, if the peer has one).
-fn connect(sh: &Shared, seg: &RemoteSegment) -> Result<PeerEndpoint, EngineError> {
-    let device = seg
-        .desc
-        .devices
-        .first()
-        .ok_or_else(|| EngineError::ConnectionRejected(format!("segment {} has no RDMA device", seg.desc.name)))?;
-    let hs: SocketAddr = client::resolve_segment(&seg.desc.name)?;
-    let verbs = |e: backend_verbs::VerbsError| EngineError::Verbs(e.to_string());
-    let mut ours: Vec<Endpoint> = Vec::with_capacity(QPS_PER_ENDPOINT);
-    let result = (|| {
-        for _ in 0..QPS_PER_ENDPOINT {
-            ours.push(sh.engine.create_qp_with_psn(sh.cfg.mtu, 0).map_err(verbs)?);
-        }
-        let msg = ConnectionDesc {
-            local_gid: format_gid(&ours[0].gid.0),
-            local_lid: 0,
-            local_nic_path: NicPath::new(lock(&sh.local_segment).as_str(), &sh.cfg.device).to_string(),
-            payload: String::new(),
-            peer_nic_path: NicPath::new(&seg.desc.name, &device.name).to_string(),
-            qp_num: ours.iter().map(|e| e.qpn).collect(),
-            ready_ack: Some(false),
-            reply_msg: String::new(),
-        };
-        let reply = client::exchange_connection(hs, &msg, sh.cfg.handshake_timeout)?;
-        if reply.qp_num.len() != ours.len() || reply.qp_num.len() > MAX_QPS_PER_ENDPOINT {
-            return Err(EngineError::ConnectionRejected(format!(
-                "{} queue pairs in the reply for our {}",
-                reply.qp_num.len(),
-                ours.len()
-            )));
-        }
-        let gid = backend_verbs::Gid(parse_gid(&reply.local_gid)?);
-        for (mine, theirs) in ours.iter().zip(&reply.qp_num) {
-            let remote = Endpoint { qpn: *theirs, psn: 0, gid, mtu: sh.cfg.mtu };
-            sh.engine.connect(QpId(mine.qpn), &remote).map_err(verbs)?;
-        }
-        if reply.ready_ack.is_some() {
-            client::exchange_connection(
-                hs,
-                &ConnectionDesc { ready_ack: Some(true), ..msg },
-                sh.cfg.handshake_timeout,
-            )?;
-        }
-        Ok(())
-    })();
-    match result {
-        Ok(()) => {
-            tracing::debug!(segment = %seg.desc.name, qps = ?ours.iter().map(|e| e.qpn).collect::<Vec<_>>(), "RDMA endpoint paired");
-            Ok(PeerEndpoint {
-                segment: seg.id,
-                qps: ours.iter().map(|e| QpId(e.qpn)).collect(),
-                posted: vec![0; ours.len()],
-                next_qp: 0,
-                broken: false,
-            })
-        }
-        Err(e) => {
-            // None of them carried a work request.
-            for e in &ours {
-                sh.engine.destroy_qp(QpId(e.qpn));
-            }
-            Err(e)
-        }
     }
 }

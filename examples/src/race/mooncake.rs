@@ -29,6 +29,14 @@
 //! Under `safe` the same writes land in quarantined slots no tenant holds
 //! ([`RaceReport::stale_writes_quarantined`]) and the slots come back with
 //! the ack: zero foreign bytes.
+//!
+//! [`run_mooncake_rdma_race`] (feature `mooncake-rdma`) runs the same
+//! schedule over Mooncake's RDMA transport on backend-verbs' software NIC,
+//! the decode side granting a key per exposure: there the ladder revokes
+//! (the slots come back `Revoked`, shadowed for prefill 0, which may retry),
+//! and the held writes, released, are refused at the NIC
+//! ([`RaceReport::rejected_at_nic`]). Under `naive` the old keys are never
+//! ended and the held writes land in the next tenants' slots.
 
 use super::{
     check_config, check_lease, fill_lease, finish_report, record_consumed, run_rounds, setup_err,
@@ -52,7 +60,17 @@ use std::time::Duration;
 /// whatever is free.
 const RECLAIM_WAIT: Duration = Duration::from_millis(20);
 
+/// What carries the race's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wire {
+    Tcp,
+    #[cfg(feature = "mooncake-rdma")]
+    RdmaFake,
+}
+
 struct Rig {
+    #[cfg(feature = "mooncake-rdma")]
+    fabric: Option<backend_verbs::FakeFabric>,
     decode: MooncakeTransfer,
     p0: MooncakeTransfer,
     p1: MooncakeTransfer,
@@ -73,8 +91,49 @@ fn engine_config() -> EngineConfig {
 }
 
 fn adapter(engine: MooncakeEngine, policy: super::ReleasePolicy) -> Result<MooncakeTransfer, RaceError> {
-    MooncakeTransfer::new(Arc::new(engine), AdapterConfig { release_policy: policy, ..AdapterConfig::default() })
-        .map_err(setup_err)
+    adapter_with(engine, AdapterConfig { release_policy: policy, ..AdapterConfig::default() })
+}
+
+fn adapter_with(engine: MooncakeEngine, cfg: AdapterConfig) -> Result<MooncakeTransfer, RaceError> {
+    MooncakeTransfer::new(Arc::new(engine), cfg).map_err(setup_err)
+}
+
+/// The three adapters' engines, and prefill 0's gate.
+struct Engines {
+    decode: MooncakeTransfer,
+    p0: MooncakeEngine,
+    p1: MooncakeEngine,
+    gate: Arc<GatedTransport>,
+}
+
+fn tcp_engines(policy: super::ReleasePolicy) -> Result<Engines, RaceError> {
+    let decode = adapter(MooncakeEngine::new(engine_config()).map_err(setup_err)?, policy)?;
+    let ecfg = engine_config();
+    let gate = Arc::new(GatedTransport::new(ecfg.tcp.clone()).map_err(setup_err)?);
+    let p0 = MooncakeEngine::with_transport(ecfg, gate.clone() as Arc<dyn DataTransport>).map_err(setup_err)?;
+    let p1 = MooncakeEngine::new(engine_config()).map_err(setup_err)?;
+    Ok(Engines { decode, p0, p1, gate })
+}
+
+#[cfg(feature = "mooncake-rdma")]
+fn rdma_engines(fabric: &backend_verbs::FakeFabric, policy: super::ReleasePolicy) -> Result<Engines, RaceError> {
+    use backend_mooncake::adapter::TenancyKeys;
+    use backend_mooncake::rdma::{Publish, RdmaNics, RdmaParts};
+    let parts = || {
+        let nics = RdmaNics { initiator: fabric.nic(), target: fabric.nic() };
+        RdmaParts::new(nics, "fake0", Publish::Grants, engine_config().handshake_timeout).map_err(setup_err)
+    };
+    let d = parts()?;
+    let keys: Arc<dyn TenancyKeys> = d.target.clone();
+    let engine = d.engine(engine_config(), d.transport.clone()).map_err(setup_err)?;
+    let decode =
+        adapter_with(engine, AdapterConfig { release_policy: policy, keys: Some(keys), ..AdapterConfig::default() })?;
+    let p0 = parts()?;
+    let gate = Arc::new(GatedTransport::over(p0.transport.clone()));
+    let p0 = p0.engine(engine_config(), gate.clone() as Arc<dyn DataTransport>).map_err(setup_err)?;
+    let p1 = parts()?;
+    let p1 = p1.engine(engine_config(), p1.transport.clone()).map_err(setup_err)?;
+    Ok(Engines { decode, p0, p1, gate })
 }
 
 fn pool(t: &MooncakeTransfer, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
@@ -83,23 +142,38 @@ fn pool(t: &MooncakeTransfer, slots: usize, slot_size: usize, ladder: Escalation
 }
 
 impl Rig {
-    fn start(cfg: &RaceConfig) -> Result<Self, RaceError> {
+    fn start(cfg: &RaceConfig, wire: Wire) -> Result<Self, RaceError> {
         let k = cfg.slots_per_request;
         let safe = super::ReleasePolicy::Safe;
-        let decode = adapter(MooncakeEngine::new(engine_config()).map_err(setup_err)?, cfg.policy)?;
+        #[cfg(feature = "mooncake-rdma")]
+        let fabric = (wire == Wire::RdmaFake).then(|| backend_verbs::FakeFabric::new(cfg.seed));
+        let Engines { decode, p0: e0, p1: e1, gate } = match wire {
+            Wire::Tcp => tcp_engines(cfg.policy)?,
+            #[cfg(feature = "mooncake-rdma")]
+            Wire::RdmaFake => rdma_engines(fabric.as_ref().ok_or_else(|| setup_err("no fabric"))?, cfg.policy)?,
+        };
         let dpool = pool(&decode, cfg.round * k * 2, cfg.slot_size, super::race_ladder(cfg))?;
-        let ecfg = engine_config();
-        let gate = Arc::new(GatedTransport::new(ecfg.tcp.clone()).map_err(setup_err)?);
-        let e0 = MooncakeEngine::with_transport(ecfg, gate.clone() as Arc<dyn DataTransport>).map_err(setup_err)?;
         let p0 = adapter(e0, safe)?;
         let p0pool = pool(&p0, cfg.round * k, cfg.slot_size, EscalationLadder::default())?;
-        let p1 = adapter(MooncakeEngine::new(engine_config()).map_err(setup_err)?, safe)?;
+        let p1 = adapter(e1, safe)?;
         let p1pool = pool(&p1, cfg.round * k * 2, cfg.slot_size, EscalationLadder::default())?;
         let p0_peer = decode.add_peer(p0.segment_name()).map_err(setup_err)?;
         let p1_peer = decode.add_peer(p1.segment_name()).map_err(setup_err)?;
         p0.add_peer(decode.segment_name()).map_err(setup_err)?;
         p1.add_peer(decode.segment_name()).map_err(setup_err)?;
-        Ok(Self { decode, p0, p1, gate, dpool, p0pool, p1pool, p0_peer, p1_peer })
+        Ok(Self {
+            #[cfg(feature = "mooncake-rdma")]
+            fabric,
+            decode,
+            p0,
+            p1,
+            gate,
+            dpool,
+            p0pool,
+            p1pool,
+            p0_peer,
+            p1_peer,
+        })
     }
 
     fn counter(t: &MooncakeTransfer, name: &str) -> u64 {
@@ -185,7 +259,17 @@ impl Run<'_> {
                 self.rep.admission_rejected += 1;
                 continue;
             };
-            let (exposed, remote) = self.rig.decode.expose(lease, self.rig.p0_peer).map_err(|e| step_err(e.kind))?;
+            let (exposed, remote) = match self.rig.decode.expose(lease, self.rig.p0_peer) {
+                Ok(x) => x,
+                // Over RDMA: a slot revoked while exposed to prefill 0 is
+                // not exposed to it again until its ack (it may retry).
+                Err(e) if matches!(e.kind, kv_transfer_core::ExposeErrorKind::RetryShadow(_)) => {
+                    e.lease.release();
+                    self.rep.admission_rejected += 1;
+                    continue;
+                }
+                Err(e) => return Err(step_err(e.kind)),
+            };
             let src = self.rig.p0pool.reserve(k).map_err(|e| step_err(format!("prefill 0 reserve: {e}")))?;
             let handle = self.write(false, src, &remote, &tags_of(id, &remote))?;
             firsts.push(First { id, exposed: Some(exposed), remote, handle, doomed });
@@ -258,9 +342,11 @@ impl Run<'_> {
             self.rep.reassigned += 1;
             self.consume(n.exposed, n.written, &n.tags, size, true);
         }
-        // The aborted slots come back with prefill 0's acks before the next round.
+        // The aborted slots come back with prefill 0's acks before the next
+        // round (over RDMA: revoked, and their shadows cleared by the acks).
         let dpool = self.rig.dpool.clone();
-        if !wait_until(self.wait, || dpool.metrics().quarantined == 0) {
+        let decode = &self.rig.decode;
+        if !wait_until(self.wait, || dpool.metrics().quarantined == 0 && decode.metrics().shadowed == 0) {
             self.rep.timeouts += 1;
         }
         Ok(())
@@ -302,8 +388,28 @@ impl Run<'_> {
 /// assert!(r.pool_whole());
 /// ```
 pub fn run_mooncake_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
+    run(cfg, Wire::Tcp, progress)
+}
+
+/// Runs scenario 2 on the Mooncake adapter over Mooncake's RDMA transport
+/// on backend-verbs' software NIC, a key per exposure (see the module docs).
+///
+/// ```
+/// use kv_transfer_examples::race::{mooncake::run_mooncake_rdma_race, RaceConfig};
+/// use backend_tcp_sim::ReleasePolicy;
+/// let cfg = RaceConfig { requests: 64, policy: ReleasePolicy::Safe, ..RaceConfig::default() };
+/// let r = run_mooncake_rdma_race(&cfg, &mut |_, _| {}).unwrap();
+/// assert_eq!((r.foreign_requests, r.stale_writes_landed), (0, 0));
+/// assert!(r.pool_whole());
+/// ```
+#[cfg(feature = "mooncake-rdma")]
+pub fn run_mooncake_rdma_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
+    run(cfg, Wire::RdmaFake, progress)
+}
+
+fn run(cfg: &RaceConfig, wire: Wire, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
     check_config(cfg)?;
-    let rig = Rig::start(cfg)?;
+    let rig = Rig::start(cfg, wire)?;
     let mut run = Run {
         cfg,
         rig,
@@ -318,6 +424,10 @@ pub fn run_mooncake_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -
     finish_report(&mut rep, &rig.dpool, wait, elapsed);
     rep.stale_notifications = rig.dpool.metrics().stale_rejected;
     rep.naive_releases = Rig::counter(&rig.decode, "naive_releases");
+    #[cfg(feature = "mooncake-rdma")]
+    if let Some(f) = &rig.fabric {
+        rep.rejected_at_nic = f.stats().rejected_access;
+    }
     drop(rig);
     Ok(rep)
 }

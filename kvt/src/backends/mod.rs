@@ -41,6 +41,10 @@ pub fn loopback_rig(backend: Backend, slots: usize, block: usize) -> anyhow::Res
         Backend::Mooncake => mooncake::rig(slots, block),
         #[cfg(feature = "mori")]
         Backend::Mori => mori::rig(slots, block),
+        Backend::MooncakeRdma => bail!(
+            "mooncake-rdma runs `kvt race` only here (its NIC is a software one: speed means nothing); Mooncake over \
+             RDMA is measured in the lab's guest (scripts/rdma-lab test)"
+        ),
         #[cfg(feature = "verbs")]
         Backend::Verbs => verbs::rig(slots, block),
         #[allow(unreachable_patterns)]
