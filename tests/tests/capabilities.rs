@@ -14,6 +14,8 @@ fn declared() -> Vec<(&'static str, Capabilities)> {
     v.push(("nixl", backend_nixl::adapter::CAPABILITIES));
     #[cfg(feature = "mooncake")]
     v.push(("mooncake", backend_mooncake::adapter::CAPABILITIES));
+    #[cfg(feature = "mooncake")]
+    v.push(("mooncake-rdma", backend_mooncake::adapter::CAPABILITIES_WITH_KEYS));
     #[cfg(feature = "verbs")]
     v.push(("verbs", backend_verbs::adapter::CAPABILITIES));
     v
@@ -43,7 +45,7 @@ fn table() -> Vec<(String, [bool; 3])> {
 #[test]
 fn capabilities_table_in_the_readme_matches_what_each_backend_declares() {
     let rows = table();
-    assert_eq!(rows.len(), 5, "one row per backend: {rows:?}");
+    assert_eq!(rows.len(), 6, "one row per backend: {rows:?}");
     for (name, caps) in declared() {
         let Some((_, row)) = rows.iter().find(|(n, _)| n == name) else { panic!("no README row for {name}") };
         assert_eq!(

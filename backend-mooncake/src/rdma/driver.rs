@@ -216,8 +216,7 @@ impl Driver {
         let mut ids: Vec<u64> = self.tasks.keys().copied().collect();
         ids.sort_unstable();
         for id in ids {
-            loop {
-                let Some(t) = self.tasks.get(&id) else { break };
+            while let Some(t) = self.tasks.get(&id) {
                 if !matches!(t.phase, Phase::Running) || t.unposted.is_empty() {
                     break;
                 }
