@@ -12,7 +12,8 @@ use backend_mooncake::rdma::{rdma_engine, Publish, RdmaNics};
 use backend_mooncake::{AdapterConfig, EngineConfig, MooncakeTransfer, ProtoVersion, ReleasePolicy};
 use backend_verbs::{FakeFabric, FakeNic};
 use kv_transfer_core::{
-    EscalationLadder, ExposeErrorKind, HostRegion, PoolConfig, Region, SlotPool, Transfer, TransferOptions,
+    EscalationLadder, ExposeErrorKind, HostRegion, PeerId, PoolConfig, Region, SlotPool, Transfer, TransferHandle,
+    TransferOptions,
 };
 
 struct Side {
@@ -60,6 +61,38 @@ fn initiator_qps(fabric: &FakeFabric, nic: &FakeNic) -> Vec<u32> {
     fabric.queue_pairs().into_iter().filter(|(_, n, to)| *n == nic.id() && to.is_some()).map(|(q, _, _)| q).collect()
 }
 
+/// Pairs prefill's endpoint with one clean round, holds its queue pairs,
+/// and posts a WRITE of `0xA5` into a fresh exposure of decode's slot, held
+/// at the NIC; then aborts that exposure. Returns the write's handle and
+/// the held queue pairs.
+fn held_write_then_abort(
+    fabric: &FakeFabric,
+    prefill: &Side,
+    decode: &Side,
+    peer: PeerId,
+    slot: usize,
+) -> (TransferHandle, Vec<u32>) {
+    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    let out =
+        block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
+            .unwrap();
+    out.result.unwrap();
+    out.lease.release();
+    block_on(exposed.settled()).release();
+    let qps = initiator_qps(fabric, &prefill.nic);
+    assert!(!qps.is_empty());
+    for q in &qps {
+        fabric.hold(*q);
+    }
+    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    let mut src = prefill.pool.reserve(1).unwrap();
+    src.write_at(0, 0, &vec![0xA5u8; slot]).unwrap();
+    let h = block_on(prefill.a.write(src, &remote, TransferOptions::notify(false))).unwrap();
+    wait_until("slices posted", Duration::from_secs(5), || qps.iter().map(|q| fabric.posted(*q)).sum::<usize>() > 0);
+    exposed.abort();
+    (h, qps)
+}
+
 #[test]
 fn rdma_keys_a_write_settles_by_done_and_its_keys_end_with_the_settlement() {
     const SLOT: usize = 256 << 10;
@@ -104,26 +137,7 @@ fn rdma_keys_revoke_settles_an_abort_and_shadows_the_slot_for_that_peer_until_it
     let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
     let other_peer = decode.a.add_peer(other.a.segment_name()).unwrap();
 
-    // Pair the endpoint first (one clean round), then hold its queue pairs.
-    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
-    let out =
-        block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
-            .unwrap();
-    out.result.unwrap();
-    out.lease.release();
-    block_on(exposed.settled()).release();
-    let qps = initiator_qps(&fabric, &prefill.nic);
-    assert!(!qps.is_empty());
-    for q in &qps {
-        fabric.hold(*q);
-    }
-
-    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
-    let mut src = prefill.pool.reserve(1).unwrap();
-    src.write_at(0, 0, &vec![0xA5u8; SLOT]).unwrap();
-    let h = block_on(prefill.a.write(src, &remote, TransferOptions::notify(false))).unwrap();
-    wait_until("slices posted", Duration::from_secs(5), || qps.iter().map(|q| fabric.posted(*q)).sum::<usize>() > 0);
-    exposed.abort();
+    let (h, qps) = held_write_then_abort(&fabric, &prefill, &decode, peer, SLOT);
     wait_until("revoked", Duration::from_secs(10), || decode.a.metrics().revoked == 1);
     wait_until("slot back", Duration::from_secs(5), || decode.pool.metrics().free == 1);
     assert_eq!(decode.a.metrics().shadowed, 1);
@@ -176,23 +190,7 @@ fn rdma_keys_positive_control_naive_release_lets_the_held_write_into_the_next_te
     let decode = side_with(&fabric, 1, SLOT, ReleasePolicy::Naive);
     let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
     let other_peer = decode.a.add_peer(other.a.segment_name()).unwrap();
-    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
-    let out =
-        block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
-            .unwrap();
-    out.result.unwrap();
-    out.lease.release();
-    block_on(exposed.settled()).release();
-    let qps = initiator_qps(&fabric, &prefill.nic);
-    for q in &qps {
-        fabric.hold(*q);
-    }
-    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
-    let mut src = prefill.pool.reserve(1).unwrap();
-    src.write_at(0, 0, &vec![0xA5u8; SLOT]).unwrap();
-    let h = block_on(prefill.a.write(src, &remote, TransferOptions::notify(false))).unwrap();
-    wait_until("slices posted", Duration::from_secs(5), || qps.iter().map(|q| fabric.posted(*q)).sum::<usize>() > 0);
-    exposed.abort();
+    let (h, qps) = held_write_then_abort(&fabric, &prefill, &decode, peer, SLOT);
     wait_until("naive release", Duration::from_secs(5), || decode.pool.metrics().free == 1);
     let mut next = decode.pool.reserve(1).unwrap();
     next.write_at(0, 0, &vec![0x11u8; SLOT]).unwrap();
