@@ -163,8 +163,9 @@ fn rdma_hostile_connection_messages_are_refused_and_pair_nothing() {
         s.set_read_timeout(Some(WAIT)).unwrap();
         s.write_all(&HandshakeFrame::new(HandshakeType::Connection, body.clone()).encode()).unwrap();
         match HandshakeFrame::read_from(&mut s, MAX_HANDSHAKE_LEN) {
-            // A JSON the server cannot parse at all closes the connection.
-            Err(_) => {}
+            // Only a body that is not JSON at all closes the connection; every
+            // other one gets a typed refusal.
+            Err(_) => assert_eq!(body, b"{", "no refusal for {}", String::from_utf8_lossy(&body)),
             Ok(reply) => {
                 let r = ConnectionDesc::from_json(&reply.json).unwrap();
                 assert!(!r.reply_msg.is_empty(), "{} was not refused", String::from_utf8_lossy(&body));
