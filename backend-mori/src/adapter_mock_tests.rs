@@ -68,7 +68,7 @@ fn engine(cap: &Arc<Captured>, uid_start: u64, f: impl FnOnce(&mut MockIoEngine)
     e.expect_register_remote_engine().returning(|_| Ok(()));
     let uid = AtomicU64::new(uid_start);
     e.expect_allocate_transfer_unique_id().returning(move || uid.fetch_add(1, Ordering::Relaxed));
-    e.expect_grant_access().returning(|_, _, _, _| Ok(()));
+    e.expect_grant_access().returning(|_, _, _, _| Ok(None));
     e.expect_withdraw_access().returning(|_, _, _| Ok(()));
     let c = cap.clone();
     e.expect_send_message().returning(move |_, b| {

@@ -32,16 +32,54 @@ use crate::sim::{SimTransport, SimTransportConfig, TCP_SIM};
 use crate::types::{EngineDesc, EngineKey};
 
 /// One side: engine, transport, adapter and its pool.
-#[derive(Clone, Debug)]
-pub struct MoriSide {
+#[derive(Debug)]
+pub struct MoriSide<T = SimTransport> {
     /// The adapter (implements `kv_transfer_core::Transfer`).
     pub transfer: MoriTransfer,
     /// The pool registered with it.
     pub pool: SlotPool,
     /// The engine under the adapter.
     pub engine: Arc<MoriEngine>,
-    /// The transport under the engine (its `nic()` gives the simulated NIC's counters).
-    pub transport: Arc<SimTransport>,
+    /// The transport under the engine (the simulator's: its `nic()` gives
+    /// the simulated NIC's counters).
+    pub transport: Arc<T>,
+}
+
+impl<T> Clone for MoriSide<T> {
+    fn clone(&self) -> Self {
+        Self {
+            transfer: self.transfer.clone(),
+            pool: self.pool.clone(),
+            engine: self.engine.clone(),
+            transport: self.transport.clone(),
+        }
+    }
+}
+
+impl<T: crate::MoriTransport + 'static> MoriSide<T> {
+    /// An engine named `key` on `transport`, an adapter over it (able to
+    /// prove what `caps` says) and a pool over `region`.
+    pub fn on(
+        key: &str,
+        region: Arc<dyn Region>,
+        pool: PoolConfig,
+        transport: Arc<T>,
+        caps: kv_transfer_core::drain::Capabilities,
+        engine: EngineConfig,
+    ) -> Result<Self, AdapterError> {
+        let engine = Arc::new(MoriEngine::new(key, engine, transport.clone())?);
+        let transfer = MoriTransfer::new(engine.clone(), caps)?;
+        let pool = transfer.register_pool(region, pool)?;
+        Ok(Self { transfer, pool, engine, transport })
+    }
+
+    /// Makes `self` and `other` known to each other; returns `(other as
+    /// numbered by self, self as numbered by other)`.
+    pub fn connect<U>(&self, other: &MoriSide<U>) -> Result<(PeerId, PeerId), AdapterError> {
+        let a = self.transfer.add_peer(&other.engine.engine_desc())?;
+        let b = other.transfer.add_peer(&self.engine.engine_desc())?;
+        Ok((a, b))
+    }
 }
 
 impl MoriSide {
@@ -54,19 +92,26 @@ impl MoriSide {
         transport: SimTransportConfig,
         engine: EngineConfig,
     ) -> Result<Self, AdapterError> {
-        let t = SimTransport::new(transport);
-        let engine = Arc::new(MoriEngine::new(key, engine, t.clone())?);
-        let transfer = MoriTransfer::new(engine.clone(), crate::sim::CAPABILITIES)?;
-        let pool = transfer.register_pool(region, pool)?;
-        Ok(Self { transfer, pool, engine, transport: t })
+        Self::on(key, region, pool, SimTransport::new(transport), crate::sim::CAPABILITIES, engine)
     }
+}
 
-    /// Makes `self` and `other` known to each other; returns `(other as
-    /// numbered by self, self as numbered by other)`.
-    pub fn connect(&self, other: &MoriSide) -> Result<(PeerId, PeerId), AdapterError> {
-        let a = self.transfer.add_peer(&other.engine.engine_desc())?;
-        let b = other.transfer.add_peer(&self.engine.engine_desc())?;
-        Ok((a, b))
+#[cfg(feature = "verbs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
+impl MoriSide<crate::verbs::VerbsTransport> {
+    /// An engine named `key` on a fresh [`crate::verbs::VerbsTransport`] over
+    /// `nic`, an adapter over it and a pool over `region`.
+    pub fn on_verbs(
+        key: &str,
+        region: Arc<dyn Region>,
+        pool: PoolConfig,
+        transport: crate::verbs::VerbsTransportConfig,
+        nic: Arc<dyn backend_verbs::Engine>,
+        engine: EngineConfig,
+    ) -> Result<Self, AdapterError> {
+        let caps = crate::verbs::capabilities(transport.access);
+        let t = crate::verbs::VerbsTransport::new(transport, nic).map_err(EngineError::from)?;
+        Self::on(key, region, pool, t, caps, engine)
     }
 }
 

@@ -105,6 +105,9 @@ mod status;
 pub mod transport;
 mod types;
 mod util;
+#[cfg(feature = "verbs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
+pub mod verbs;
 mod window;
 
 #[cfg(test)]
@@ -128,3 +131,5 @@ pub use types::{
     BatchRequest, EngineDesc, EngineKey, HostBuffer, InboundStatus, MemoryDesc, MemoryId, MemoryLocation, MemoryRegion,
     Segment, Tag, TransferUniqueId,
 };
+#[cfg(feature = "verbs")]
+pub use verbs::{VerbsTransport, VerbsTransportConfig};

@@ -116,7 +116,9 @@ enum Mem {
     Host(HostBuffer),
 }
 
-struct SimMem(Mem);
+/// Registered memory as a core [`Region`], for a NIC that takes one (the
+/// simulator's, or a verbs engine's).
+pub(crate) struct SimMem(Mem);
 
 impl fmt::Debug for SimMem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -125,6 +127,16 @@ impl fmt::Debug for SimMem {
 }
 
 impl SimMem {
+    /// The host memory of `region` (and its length).
+    pub(crate) fn of(region: &MemoryRegion) -> Result<(Arc<Self>, usize), TransportError> {
+        let len = usize::try_from(region.len()).map_err(|_| TransportError::OutOfBounds)?;
+        let mem = match region.host_buffer() {
+            Some(b) => Mem::Host(b.clone()),
+            None => Mem::External { addr: region.addr(), len, _owner: region.owner().cloned() },
+        };
+        Ok((Arc::new(SimMem(mem)), len))
+    }
+
     fn check(&self, offset: usize, len: usize) -> Result<(), RegionError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len() => Ok(()),
@@ -544,7 +556,7 @@ pub(crate) fn encode_notification(n: &Notification) -> Vec<u8> {
     v
 }
 
-fn decode_notification(b: &[u8]) -> Option<Notification> {
+pub(crate) fn decode_notification(b: &[u8]) -> Option<Notification> {
     let u32_at = |i: usize| b.get(i..i + 4).and_then(|s| s.try_into().ok()).map(u32::from_le_bytes);
     let u64_at = |i: usize| b.get(i..i + 8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
     Some(Notification {
@@ -622,12 +634,7 @@ impl MoriTransport for SimTransport {
         if region.location() != MemoryLocation::Cpu {
             return Err(TransportError::Unsupported("the simulator reaches host memory only".to_owned()));
         }
-        let len = usize::try_from(region.len()).map_err(|_| TransportError::OutOfBounds)?;
-        let mem = match region.host_buffer() {
-            Some(b) => Mem::Host(b.clone()),
-            None => Mem::External { addr: region.addr(), len, _owner: region.owner().cloned() },
-        };
-        let mem = Arc::new(SimMem(mem));
+        let (mem, len) = SimMem::of(region)?;
         let slot_size = match region.slot_size() {
             Some(s) => usize::try_from(s).map_err(|_| TransportError::OutOfBounds)?,
             None => len,
@@ -824,7 +831,13 @@ impl MoriTransport for SimTransport {
         self.send_app(to, &msg)
     }
 
-    fn grant(&self, id: MemoryId, remote: &EngineKey, slot: u32, generation: u64) -> Result<(), TransportError> {
+    fn grant(
+        &self,
+        id: MemoryId,
+        remote: &EngineKey,
+        slot: u32,
+        generation: u64,
+    ) -> Result<Option<u64>, TransportError> {
         let att = self.att()?;
         let region = self.region(id).ok_or_else(|| TransportError::UnknownMemory { engine: att.key.clone(), id })?;
         let peer = self.peer_id(remote)?;
@@ -881,7 +894,8 @@ impl MoriTransport for SimTransport {
         match exposed {
             Ok((exposed, _)) => {
                 *entry = Shadow::Exposed(exposed);
-                Ok(())
+                // The region's key and the slot's generation name it.
+                Ok(None)
             }
             Err(e) => {
                 *entry = Shadow::Reserved(e.lease);

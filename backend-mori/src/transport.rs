@@ -241,11 +241,20 @@ pub trait MoriTransport: Send + Sync {
     /// Grants `remote` access to one slot of region `id` under `generation`
     /// (region registered with a slot size). A transport that checks access
     /// per slot and generation binds it; from then on an access naming another
-    /// generation is rejected. The default does nothing (MORI: one key for the
-    /// whole region, no per-slot check).
-    fn grant(&self, id: MemoryId, remote: &EngineKey, slot: u32, generation: u64) -> Result<(), TransportError> {
+    /// generation is rejected. Returns the key that grants this tenancy, where
+    /// the transport keys each one (verbs: a memory window's); the initiator
+    /// then posts with it in [`WorkRequest::remote`]'s `rkey`. `None`: the
+    /// region's key covers it. The default does nothing (MORI: one key for
+    /// the whole region, no per-slot check).
+    fn grant(
+        &self,
+        id: MemoryId,
+        remote: &EngineKey,
+        slot: u32,
+        generation: u64,
+    ) -> Result<Option<u64>, TransportError> {
         let _ = (id, remote, slot, generation);
-        Ok(())
+        Ok(None)
     }
 
     /// Withdraws a grant after its tenancy was settled (no confirmation

@@ -325,16 +325,27 @@ impl MoriTransfer {
             return Err(ExposeError { lease, kind: ExposeErrorKind::UnknownPeer(peer) });
         };
         let ts = lease.tenancies().to_vec();
+        // Each tenancy's own key, where the transport keys them (verbs: a
+        // memory window per tenancy).
+        let mut keys = Vec::with_capacity(ts.len());
         for (i, t) in ts.iter().enumerate() {
-            if let Err(e) = self.inner.engine.grant_access(&entry.desc, &key, t.slot.0, t.generation.0) {
-                for u in &ts[..i] {
-                    let _ = self.inner.engine.withdraw_access(&entry.desc, u.slot.0, u.generation.0);
+            match self.inner.engine.grant_access(&entry.desc, &key, t.slot.0, t.generation.0) {
+                Ok(k) => keys.push(k),
+                Err(e) => {
+                    for u in &ts[..i] {
+                        let _ = self.inner.engine.withdraw_access(&entry.desc, u.slot.0, u.generation.0);
+                    }
+                    return Err(ExposeError { lease, kind: ExposeErrorKind::Engine(e.to_string()) });
                 }
-                return Err(ExposeError { lease, kind: ExposeErrorKind::Engine(e.to_string()) });
             }
         }
         let token = lock(&self.inner.exposures).expose(entry.pool.id(), &ts, peer, Trust::Proving);
-        Ok(entry.authority.expose(lease, peer, entry.desc.rkey, encode_endpoint(&entry.desc), token))
+        let (exposed, mut remote) =
+            entry.authority.expose(lease, peer, entry.desc.rkey, encode_endpoint(&entry.desc), token);
+        for (s, k) in remote.slots.iter_mut().zip(keys) {
+            s.key = k;
+        }
+        Ok((exposed, remote))
     }
 
     /// Counters.

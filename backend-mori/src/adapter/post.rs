@@ -19,7 +19,7 @@ use super::state::{inc, OpHub, PoolEntry};
 use super::wire::pack_tag;
 use super::{MoriTransfer, BACKEND, TOMBSTONES};
 use crate::status::{StatusCode, StatusListener, TransferStatus};
-use crate::types::{BatchRequest, Segment, Tag};
+use crate::types::{BatchRequest, MemoryDesc, Segment, Tag};
 use crate::util::lock;
 
 /// Remote tenancies of one post (one, usually: kept inline).
@@ -152,9 +152,16 @@ impl MoriTransfer {
             let segment = |lt: &Tenancy, rs: &kv_transfer_core::RemoteSlot| {
                 Segment::new(u64::from(lt.slot.0) * entry.slot_size, rs.addr - rdesc.addr, entry.slot_size)
             };
+            // The remote memory as this slot's access names it: under the
+            // slot's own key where the target keys each tenancy.
+            let keyed = |rs: &kv_transfer_core::RemoteSlot| match rs.key {
+                Some(k) if k != rdesc.rkey => MemoryDesc { rkey: k, ..rdesc.clone() },
+                _ => rdesc.clone(),
+            };
             match (lease_ts, remote.slots.as_slice()) {
                 // One slot, the usual post: MORI's single-transfer call, no request vectors.
                 ([lt], [rs]) => Plan::One {
+                    remote: keyed(rs),
                     segment: segment(lt, rs),
                     uid: inner.engine.allocate_transfer_unique_id(),
                     tag: pack_tag(rdesc.id, rs.tenancy(), opts.notify),
@@ -165,7 +172,7 @@ impl MoriTransfer {
                         .zip(&remote.slots)
                         .map(|(lt, rs)| BatchRequest {
                             local: entry.desc.clone(),
-                            remote: rdesc.clone(),
+                            remote: keyed(rs),
                             segments: vec![segment(lt, rs)],
                             uid: inner.engine.allocate_transfer_unique_id(),
                             tag: pack_tag(rdesc.id, rs.tenancy(), opts.notify),
@@ -194,14 +201,14 @@ impl MoriTransfer {
             st.on_complete_shared(state.clone());
             keep(&state, st);
         };
-        let (l, r) = (&state.pool.desc, &rdesc);
+        let l = &state.pool.desc;
         let statuses = match (plan, op) {
-            (Plan::One { segment: s, uid, tag }, Op::Write) => {
-                listen(inner.engine.write(l, s.local_offset, r, s.remote_offset, s.size, uid, tag));
+            (Plan::One { remote: r, segment: s, uid, tag }, Op::Write) => {
+                listen(inner.engine.write(l, s.local_offset, &r, s.remote_offset, s.size, uid, tag));
                 return Ok(handle);
             }
-            (Plan::One { segment: s, uid, tag }, Op::Read) => {
-                listen(inner.engine.read(l, s.local_offset, r, s.remote_offset, s.size, uid, tag));
+            (Plan::One { remote: r, segment: s, uid, tag }, Op::Read) => {
+                listen(inner.engine.read(l, s.local_offset, &r, s.remote_offset, s.size, uid, tag));
                 return Ok(handle);
             }
             (Plan::Many(requests), Op::Write) => inner.engine.batch_write(&requests),
@@ -237,7 +244,7 @@ fn keep(op: &OpState, st: TransferStatus) {
 /// The MORI calls of one post.
 enum Plan {
     /// One slot: `write` / `read`.
-    One { segment: Segment, uid: u64, tag: Tag },
+    One { remote: MemoryDesc, segment: Segment, uid: u64, tag: Tag },
     /// Several: `batch_write` / `batch_read`, one transfer per slot.
     Many(Vec<BatchRequest>),
 }

@@ -160,9 +160,15 @@ pub trait IoEngine: Send + Sync {
 
     /// Grants a registered peer access to one slot of local memory under
     /// `generation` (see [`MoriTransport::grant`]; a no-op on transports
-    /// without per-slot checks, as on MORI).
-    fn grant_access(&self, mem: &MemoryDesc, remote: &EngineKey, slot: u32, generation: u64)
-        -> Result<(), EngineError>;
+    /// without per-slot checks, as on MORI). Returns the tenancy's own key
+    /// where the transport keys each one (see [`MoriTransport::grant`]).
+    fn grant_access(
+        &self,
+        mem: &MemoryDesc,
+        remote: &EngineKey,
+        slot: u32,
+        generation: u64,
+    ) -> Result<Option<u64>, EngineError>;
 
     /// Withdraws a grant whose tenancy was settled (see [`MoriTransport::withdraw`]).
     fn withdraw_access(&self, mem: &MemoryDesc, slot: u32, generation: u64) -> Result<(), EngineError>;

@@ -318,7 +318,7 @@ impl IoEngine for MoriEngine {
         remote: &EngineKey,
         slot: u32,
         generation: u64,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Option<u64>, EngineError> {
         {
             let state = lock(&self.inner.state);
             self.inner.check_local(&state, mem).map_err(|(code, msg)| to_engine_error(code, msg))?;
@@ -326,8 +326,7 @@ impl IoEngine for MoriEngine {
                 return Err(EngineError::NotFound(format!("remote engine {remote} is not registered")));
             }
         }
-        self.inner.transport.grant(mem.id, remote, slot, generation)?;
-        Ok(())
+        Ok(self.inner.transport.grant(mem.id, remote, slot, generation)?)
     }
 
     fn withdraw_access(&self, mem: &MemoryDesc, slot: u32, generation: u64) -> Result<(), EngineError> {
