@@ -134,6 +134,12 @@ pub trait Backend {
     fn prefill_process(&self) -> bool {
         false
     }
+    /// Whether its rigs can hold incoming writes ([`Rig::hold_writes`]):
+    /// a scenario that needs them is listed as ignored (not applicable,
+    /// with why) on a backend that cannot, never passed.
+    fn holds_writes(&self) -> bool {
+        true
+    }
     /// Whether CI runs this backend's tests somewhere else when it is not
     /// available here (the verbs backend: in `scripts/rdma-lab`'s guest).
     /// Its tests are then marked ignored even with `CI=true`, never passed.

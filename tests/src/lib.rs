@@ -29,7 +29,8 @@
 //! return `None` / `false`; the scenario then checks what it can and says
 //! what it skipped. Then add it to [`backends`]. The TCP simulator's
 //! harness, [`sim::SimBackend`], is the reference implementation; the NIXL,
-//! Mooncake and MORI harnesses go beside it (`src/nixl.rs`, ...).
+//! Mooncake and MORI harnesses go beside it (`src/nixl.rs`, ...; MORI on
+//! verbs in `src/mori_verbs.rs`).
 //!
 //! ## The matrix: one test per (scenario, backend)
 //!
@@ -65,6 +66,8 @@ pub mod hostile;
 pub mod mooncake;
 #[cfg(feature = "mori")]
 pub mod mori;
+#[cfg(feature = "mori")]
+pub mod mori_verbs;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub mod scenarios;
@@ -85,6 +88,8 @@ pub fn backends(prefill_worker: Option<std::path::PathBuf>) -> Vec<Box<dyn Backe
     all.extend(mooncake::backend());
     #[cfg(feature = "mori")]
     all.extend(mori::backend());
+    #[cfg(feature = "mori")]
+    all.extend(mori_verbs::backends());
     all.extend(verbs::backends());
     all
 }

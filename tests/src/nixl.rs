@@ -108,6 +108,12 @@ impl Backend for NixlBackend {
     fn name(&self) -> &'static str {
         "nixl"
     }
+    fn holds_writes(&self) -> bool {
+        // Held by not progressing the target: only where UCX cannot place
+        // a write without the target's progress.
+        prepare_env();
+        transports_need_target_progress()
+    }
     fn available(&self) -> Result<(), String> {
         prepare_env();
         match NixlLibrary::load() {

@@ -115,6 +115,10 @@ impl Backend for VerbsBackend {
             Nic::Fake => Ok(()),
         }
     }
+    fn holds_writes(&self) -> bool {
+        // The software NIC holds queue pairs; a device places the WRITEs.
+        matches!(self.nic, Nic::Fake)
+    }
     fn runs_elsewhere_in_ci(&self) -> bool {
         // CI runs the device column in the lab's guest, where a missing
         // device fails.

@@ -7,7 +7,10 @@
 //! a backend whose engine is missing has its tests marked *ignored* (the
 //! install hint goes to stderr, once per backend); with `CI=true` they run
 //! and fail with the hint instead. `--ignored` / `--include-ignored` run
-//! them too, and they fail with the hint.
+//! them too, and they fail with the hint. A scenario a backend cannot run
+//! anywhere (it needs an out-of-process prefill side, or writes held at the
+//! decode side) is listed as ignored with what it needs, under `CI=true`
+//! too: never shown as passed.
 
 use kv_transfer_tests::{backends, ci, test_name, Backend, Failure};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -21,30 +24,58 @@ fn worker() -> Option<PathBuf> {
 /// A scenario of the matrix.
 type Scenario = fn(&dyn Backend) -> Result<(), Failure>;
 
+/// What a scenario needs of a backend beyond a rig. A backend without it
+/// has that test listed as ignored (not applicable, with why), even under
+/// `CI=true`: it can run nowhere, and it is never shown as passed.
+#[derive(Clone, Copy)]
+enum Needs {
+    Nothing,
+    /// A prefill side in a process of its own ([`Backend::prefill_process`]).
+    PrefillProcess,
+    /// Writes held at the decode side ([`Backend::holds_writes`]).
+    HeldWrites,
+}
+
+impl Needs {
+    /// Why `b` cannot run a scenario with these needs, if it cannot.
+    fn unmet(self, b: &dyn Backend) -> Option<&'static str> {
+        match self {
+            Needs::Nothing => None,
+            Needs::PrefillProcess => (!b.prefill_process()).then_some("an out-of-process prefill side"),
+            Needs::HeldWrites => (!b.holds_writes()).then_some("writes held at the decode side (a software NIC)"),
+        }
+    }
+}
+
 /// The scenarios, by test name (scenario 2: [`RACES`], and `tests/race.rs`).
-const SCENARIOS: &[(&str, Scenario)] = &[
-    ("s1_abort_while_writes_in_flight", kv_transfer_tests::scenarios::abort_in_flight),
-    ("s3_peer_crash_in_process", |b| kv_transfer_tests::scenarios::peer_crash(b, false)),
-    ("s3_peer_crash_killed_process", |b| kv_transfer_tests::scenarios::peer_crash(b, true)),
-    ("s4_stale_ack_never_settles_new_tenancy", kv_transfer_tests::scenarios::stale_ack),
-    ("s5_bad_input", kv_transfer_tests::scenarios::bad_input),
-    ("s6_admission_overload", kv_transfer_tests::scenarios::admission_overload),
-    ("s7_dropped_handle_and_lease", kv_transfer_tests::scenarios::dropped_handles),
-    ("s8_peer_never_acks", kv_transfer_tests::scenarios::never_acks),
-    ("hostile_impersonation_and_guessed_tokens_settle_nothing", kv_transfer_tests::hostile::impersonation),
+const SCENARIOS: &[(&str, Needs, Scenario)] = &[
+    ("s1_abort_while_writes_in_flight", Needs::Nothing, kv_transfer_tests::scenarios::abort_in_flight),
+    ("s3_peer_crash_in_process", Needs::Nothing, |b| kv_transfer_tests::scenarios::peer_crash(b, false)),
+    ("s3_peer_crash_killed_process", Needs::PrefillProcess, |b| kv_transfer_tests::scenarios::peer_crash(b, true)),
+    ("s4_stale_ack_never_settles_new_tenancy", Needs::Nothing, kv_transfer_tests::scenarios::stale_ack),
+    ("s5_bad_input", Needs::Nothing, kv_transfer_tests::scenarios::bad_input),
+    ("s6_admission_overload", Needs::Nothing, kv_transfer_tests::scenarios::admission_overload),
+    ("s7_dropped_handle_and_lease", Needs::HeldWrites, kv_transfer_tests::scenarios::dropped_handles),
+    ("s8_peer_never_acks", Needs::Nothing, kv_transfer_tests::scenarios::never_acks),
+    (
+        "hostile_impersonation_and_guessed_tokens_settle_nothing",
+        Needs::Nothing,
+        kv_transfer_tests::hostile::impersonation,
+    ),
     (
         "hostile_impersonation_positive_control_settles_unwritten",
+        Needs::Nothing,
         kv_transfer_tests::hostile::impersonation_positive_control,
     ),
 ];
 
 /// Scenario 2, for the backends with a race of their own here (the
 /// simulator's is `tests/race.rs`).
-const RACES: &[(&str, Scenario)] = &[
-    ("s2_naive_policy_shows_corruption", |b| {
+const RACES: &[(&str, Needs, Scenario)] = &[
+    ("s2_naive_policy_shows_corruption", Needs::Nothing, |b| {
         kv_transfer_tests::scenarios::reassignment_race(b, kv_transfer_core::drain::ReleasePolicy::Naive)
     }),
-    ("s2_safe_policy_zero_foreign_bytes", |b| {
+    ("s2_safe_policy_zero_foreign_bytes", Needs::Nothing, |b| {
         kv_transfer_tests::scenarios::reassignment_race(b, kv_transfer_core::drain::ReleasePolicy::Safe)
     }),
 ];
@@ -82,13 +113,23 @@ fn main() {
     let mut trials = Vec::new();
     // Backend name -> (install hint, test names), for the missing ones.
     let mut missing: BTreeMap<&'static str, (String, Vec<String>, bool)> = BTreeMap::new();
+    // Test name -> why the scenario does not apply to its backend.
+    let mut not_applicable: Vec<(String, &'static str)> = Vec::new();
     for b in backends(worker()) {
         let backend = b.name();
         let unavailable = b.available().err();
         let ignore_missing = !ci || b.runs_elsewhere_in_ci();
-        let races: &[(&str, Scenario)] = if b.race().is_some() { RACES } else { &[] };
-        for &(scenario, f) in SCENARIOS.iter().chain(races) {
+        let races: &[(&str, Needs, Scenario)] = if b.race().is_some() { RACES } else { &[] };
+        for &(scenario, needs, f) in SCENARIOS.iter().chain(races) {
             let name = test_name(scenario, backend);
+            if let Some(why) = needs.unmet(b.as_ref()) {
+                let trial = Trial::test(name.clone(), move || run_one(backend, f)).with_ignored_flag(true);
+                if !args.is_filtered_out(&trial) {
+                    not_applicable.push((name, why));
+                }
+                trials.push(trial);
+                continue;
+            }
             let trial = Trial::test(name.clone(), move || run_one(backend, f))
                 .with_ignored_flag(unavailable.is_some() && ignore_missing);
             if let Some(hint) = &unavailable {
@@ -109,6 +150,9 @@ fn main() {
                 n => format!(" (and {} more ::{})", n - 1, backend.replace('-', "_")),
             };
             eprintln!("{what}: {first}{more}: needs {hint}");
+        }
+        for (name, why) in &not_applicable {
+            eprintln!("ignored (not applicable): {name}: needs {why}");
         }
     }
 

@@ -23,6 +23,11 @@
 //! registered ([`crate::MoriTransport::connect`]) and the dialer's own ticket
 //! equals the descriptor's: a stranger who knows only this side's descriptor
 //! can open a connection, but nothing it sends is taken as that engine's.
+//! A hello that names a registered engine with another ticket marks its
+//! connection an impostor's: never bound, kept open until its lifeline
+//! closes, every SEND on it dropped and counted
+//! ([`super::VerbsTransportStats::impostor_messages`]), so an operator sees
+//! the attack message by message.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

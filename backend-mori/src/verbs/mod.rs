@@ -24,7 +24,9 @@
 //! - Receives: [`RECV_DEPTH`] posted per queue pair, reposted as they
 //!   complete; a SEND is taken as its connection's engine only once that
 //!   connection is bound to it (see `handshake`); otherwise it is dropped
-//!   and counted ([`VerbsTransportStats::unbound_messages`]).
+//!   and counted ([`VerbsTransportStats::unbound_messages`], or
+//!   [`VerbsTransportStats::impostor_messages`] for a connection that
+//!   claimed a registered engine under another ticket).
 //!
 //! # What is closed: a memory window per tenancy
 //!
@@ -74,7 +76,7 @@ use std::time::{Duration, Instant};
 
 use backend_verbs::adapter::{fresh_ticket, parse_descriptor, Descriptor, Ticket};
 use backend_verbs::{Completion as Wc, Endpoint, Engine, MrAccess, MrId, MwId, QpId, WcStatus, WorkRequest as Wr};
-use kv_transfer_core::drain::Capabilities;
+use kv_transfer_core::drain::{Capabilities, ReleasePolicy};
 use kv_transfer_core::{HostRegion, Region};
 
 use crate::error::TransportError;
@@ -137,6 +139,11 @@ pub struct VerbsTransportConfig {
     pub access: Access,
     /// Bound of every wait: a handshake step, a bind, an invalidation, a fence.
     pub timeout: Duration,
+    /// Keep [`ReleasePolicy::Safe`]. `Naive` is the hostile-peer scenarios'
+    /// positive control only: a connection is bound to the engine its hello
+    /// names whatever ticket it presents, so an impostor displaces the
+    /// engine it names.
+    pub policy: ReleasePolicy,
 }
 
 impl Default for VerbsTransportConfig {
@@ -147,6 +154,7 @@ impl Default for VerbsTransportConfig {
             mtu: 1024,
             access: Access::WindowPerTenancy,
             timeout: Duration::from_secs(5),
+            policy: ReleasePolicy::Safe,
         }
     }
 }
@@ -160,6 +168,10 @@ pub struct VerbsTransportStats {
     pub refused_hellos: u64,
     /// SENDs that arrived on a connection not bound to an engine (dropped).
     pub unbound_messages: u64,
+    /// Hellos that claimed a registered engine with another ticket.
+    pub impostor_hellos: u64,
+    /// SENDs that arrived on such an impostor's connection (dropped).
+    pub impostor_messages: u64,
     /// Windows bound.
     pub windows_bound: u64,
     /// Windows invalidated (confirmed).
@@ -179,6 +191,10 @@ enum ConnState {
     Handshaking,
     /// Up, claiming an engine whose descriptor is not registered yet.
     Unbound { ticket: Ticket },
+    /// Up, claiming a registered engine under another ticket: never bound.
+    /// Kept open until its lifeline closes, so that every SEND it makes is
+    /// dropped and counted ([`VerbsTransportStats::impostor_messages`]).
+    Impostor,
     /// Up and bound to its engine.
     Bound,
     /// Queue pairs in ERR, waiting for every posted request's completion;
@@ -204,11 +220,30 @@ struct Conn {
 /// A posted request, until its completion.
 #[derive(Clone, Copy, Debug)]
 enum Pending {
-    Data { conn: u64, engine_wr: u64, mem: MemoryId },
-    Send { conn: u64, buf: usize },
-    Recv { conn: u64, buf: usize },
-    Bind { conn: u64, tenancy: (MemoryId, u32, u64) },
-    Invalidate { conn: u64, tenancy: (MemoryId, u32, u64) },
+    /// `windowed`: under a memory window's key (a refusal then means the
+    /// tenancy it was granted for is over).
+    Data {
+        conn: u64,
+        engine_wr: u64,
+        mem: MemoryId,
+        windowed: bool,
+    },
+    Send {
+        conn: u64,
+        buf: usize,
+    },
+    Recv {
+        conn: u64,
+        buf: usize,
+    },
+    Bind {
+        conn: u64,
+        tenancy: (MemoryId, u32, u64),
+    },
+    Invalidate {
+        conn: u64,
+        tenancy: (MemoryId, u32, u64),
+    },
 }
 
 impl Pending {
@@ -536,15 +571,27 @@ impl Shared {
         let ok = wc.status.is_success();
         let draining = st.conns.get(&conn).map_or(true, |c| matches!(c.state, ConnState::Draining { .. }));
         match p {
-            Pending::Data { engine_wr, mem, .. } => {
+            Pending::Data { engine_wr, mem, windowed, .. } => {
                 if let Some(r) = st.regions.get_mut(&mem) {
                     r.busy = r.busy.saturating_sub(1);
                 }
-                let result = if ok {
-                    Ok(())
-                } else {
-                    st.stats.data_errors += 1;
-                    Err(TransportError::Remote(format!("work completion {:?}", wc.status)))
+                let result = match wc.status {
+                    _ if ok => Ok(()),
+                    // The target's NIC refused the key: a window's tenancy
+                    // is over (invalidated); the region's key is not
+                    // registered any more. In the words the adapter types
+                    // as core's rejection.
+                    WcStatus::RemoteAccess => {
+                        st.stats.data_errors += 1;
+                        let why = if windowed { "stale generation" } else { "unknown key" };
+                        Err(TransportError::Remote(format!(
+                            "work completion RemoteAccess: rejected by the target: {why}"
+                        )))
+                    }
+                    status => {
+                        st.stats.data_errors += 1;
+                        Err(TransportError::Remote(format!("work completion {status:?}")))
+                    }
                 };
                 self.push(TransportEvent::Completion(Completion { wr_id: engine_wr, result }));
             }
@@ -589,11 +636,17 @@ impl Shared {
         let read = c.recv.1.read(buf * MAX_MESSAGE, &mut bytes);
         let (state, peer, recv_mr) = (c.state, c.peer.clone(), c.recv.0);
         // The buffer goes back to the queue pair it came from.
-        if matches!(state, ConnState::Bound | ConnState::Unbound { .. } | ConnState::Handshaking) {
+        if matches!(state, ConnState::Bound | ConnState::Unbound { .. } | ConnState::Impostor | ConnState::Handshaking)
+        {
             let wr = Wr::Recv { local: recv_mr, offset: (buf * MAX_MESSAGE) as u64, len: MAX_MESSAGE as u32 };
             if let Err(e) = self.post_on(st, conn, QpId(qp_num), wr, Pending::Recv { conn, buf }) {
                 tracing::warn!(error = %e, "receive not reposted");
             }
+        }
+        if state == ConnState::Impostor {
+            st.stats.impostor_messages += 1;
+            tracing::warn!(claimed = %peer, "SEND from an impostor's connection dropped");
+            return;
         }
         if state != ConnState::Bound || read.is_err() {
             st.stats.unbound_messages += 1;
@@ -736,11 +789,7 @@ impl Shared {
         let bind = st.peers.get(&peer).map(|d| tickets_match(&d.ticket, &theirs));
         match bind {
             Some(true) => self.bind(&mut st, id),
-            Some(false) => {
-                st.stats.refused_hellos += 1;
-                self.start_drain(&mut st, id, false);
-                return Err(TransportError::Remote(format!("{peer} presented another engine's ticket")));
-            }
+            Some(false) => self.impostor(&mut st, id),
             None => {
                 if let Some(c) = st.conns.get_mut(&id) {
                     c.state = ConnState::Unbound { ticket: theirs };
@@ -761,6 +810,22 @@ impl Shared {
         let peer = c.peer.clone();
         if let Some(old) = st.bound.insert(peer, id).filter(|o| *o != id) {
             self.start_drain(st, old, true);
+        }
+    }
+
+    /// Connection `id` claims a registered engine but presented another
+    /// ticket: it is marked an impostor's (never bound; what it sends is
+    /// dropped and counted). The positive control binds it instead.
+    fn impostor(&self, st: &mut State, id: u64) {
+        if self.cfg.policy.is_naive() {
+            tracing::error!("NAIVE POSITIVE CONTROL: binding a connection that presented another engine's ticket");
+            self.bind(st, id);
+            return;
+        }
+        st.stats.impostor_hellos += 1;
+        if let Some(c) = st.conns.get_mut(&id) {
+            tracing::warn!(claimed = %c.peer, "a hello under a registered engine's name with another ticket");
+            c.state = ConnState::Impostor;
         }
     }
 

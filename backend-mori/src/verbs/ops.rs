@@ -64,8 +64,12 @@ impl MoriTransport for VerbsTransport {
                 sh.changed.notify_all();
                 return Ok(());
             }
-            st.stats.refused_hellos += 1;
-            sh.start_drain(&mut st, id, false);
+            sh.impostor(&mut st, id);
+            if sh.conn_to(&st, &remote.key).is_ok() {
+                // The positive control bound it.
+                sh.changed.notify_all();
+                return Ok(());
+            }
         }
         drop(st);
         let (id, s) = sh.dial(&d)?;
@@ -138,7 +142,8 @@ impl MoriTransport for VerbsTransport {
         let conn = sh.conn_to(&st, &wr.remote.engine_key)?;
         let nqp = st.conns.get(&conn).map_or(1, |c| c.qps.len());
         // A window's key names its queue pair; the region's key works on any.
-        let (qp_index, rkey) = if wr.remote.rkey & WINDOW_KEY != 0 {
+        let windowed = wr.remote.rkey & WINDOW_KEY != 0;
+        let (qp_index, rkey) = if windowed {
             (((wr.remote.rkey >> 32) & 0xff) as usize, wr.remote.rkey as u32)
         } else {
             let rkey = u32::try_from(wr.remote.rkey).map_err(|_| TransportError::OutOfBounds)?;
@@ -161,7 +166,7 @@ impl MoriTransport for VerbsTransport {
             (Some(n), OpKind::Write) => Some(notification_bytes(n)),
             _ => None,
         };
-        sh.post_on(&mut st, conn, qp, verb, Pending::Data { conn, engine_wr, mem })?;
+        sh.post_on(&mut st, conn, qp, verb, Pending::Data { conn, engine_wr, mem, windowed })?;
         if let Some(r) = st.regions.get_mut(&mem) {
             r.busy += 1;
         }
