@@ -7,6 +7,12 @@
 //! device (or built without `rdma-device`) every case is listed as ignored,
 //! with what it needs; in the guest (`KVT_RDMA_LAB=1`) a missing device or
 //! engine fails them.
+//!
+//! And the hazard with the real initiator: its large WRITE in flight into
+//! our slot, the request aborted and the slot's next tenant written, both
+//! driving `RdmaTarget`'s grants and core's retry shadows directly and
+//! through our adapter (`MooncakeTransfer` with a key per tenancy), each
+//! with its positive control (naive release).
 
 use libtest_mimic::{Arguments, Failed, Trial};
 
@@ -243,6 +249,148 @@ mod on_device {
         ensure(rc != "RC 0", || "the aborted transfer reported success".into())
     }
 
+    /// Where the slot's next tenant is exposed, in the hazard through the adapter.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum NextTenant {
+        /// To another peer.
+        AnotherPeer,
+        /// First to the same real initiator (whose retry would take a new
+        /// key), then, refused, to another peer.
+        SameInitiatorFirst,
+    }
+
+    /// The hazard through our adapter (`MooncakeTransfer` with a key per
+    /// tenancy from `RdmaTarget`, the ladder drain then revoke): a real
+    /// initiator's 64 MiB WRITE into an exposed slot; once its first bytes
+    /// landed the exposure is aborted; the slot comes back as the ladder
+    /// settles it, the next tenant writes its bytes and is exposed as `next`
+    /// says; once the initiator's transfer ended, the old request's bytes in
+    /// the next tenant's slot are counted. Returns them, the initiator's
+    /// result line, and whether the same initiator was refused the slot.
+    fn hazard_through_the_adapter(
+        lab: &Lab,
+        policy: backend_mooncake::ReleasePolicy,
+        next: NextTenant,
+    ) -> Result<(usize, String, bool), Failed> {
+        use backend_mooncake::adapter::TenancyKeys;
+        use backend_mooncake::{AdapterConfig, MooncakeTransfer};
+        use kv_transfer_core::{EscalationLadder, ExposeErrorKind, HostRegion, PoolConfig, Region};
+        use std::io::Write;
+        use std::time::{Duration, Instant};
+
+        let mut peer = Peer::start_rdma(&lab.engines, BIG as u64, &lab.env.device);
+        assert_eq!(peer.cmd(&format!("fill 0 {BIG} {OLD}")), "OK");
+        let (engine, rdma) = lab.ours_publishing(Publish::Grants)?;
+        let keys: Arc<dyn TenancyKeys> = rdma;
+        let cfg = AdapterConfig { keys: Some(keys), release_policy: policy, ..AdapterConfig::default() };
+        let decode = MooncakeTransfer::new(Arc::new(engine), cfg).map_err(|e| e.to_string())?;
+        let region = Arc::new(HostRegion::new(BIG).map_err(|e| e.to_string())?);
+        // Drain first (the real engine never acks), revoke at once after.
+        let ladder = EscalationLadder {
+            drain: Duration::from_millis(20),
+            revoke: Duration::from_millis(20),
+            fence: Duration::from_secs(600),
+        };
+        let pool = decode
+            .register_pool(region.clone(), PoolConfig::new(BIG).with_ladder(ladder))
+            .map_err(|e| e.to_string())?;
+        let initiator = decode.add_peer(&peer.segment()).map_err(|e| e.to_string())?;
+        let other_engine = lab.ours()?;
+        let other = decode.add_peer(&other_engine.local_segment_name()).map_err(|e| e.to_string())?;
+
+        // Made before the WRITE starts: writing the next tenant is then one copy.
+        let new_bytes = vec![NEW; BIG];
+        let (exposed, remote) =
+            decode.expose(pool.reserve(1).map_err(|e| e.to_string())?, initiator).map_err(|e| e.kind.to_string())?;
+        let addr = remote.slots[0].addr;
+        writeln!(peer.stdin, "write {} 0 {addr} {BIG}", decode.segment_name()).map_err(|e| e.to_string())?;
+        peer.stdin.flush().map_err(|e| e.to_string())?;
+        // In flight: its first bytes are in the slot.
+        let until = Instant::now() + LINE_TIMEOUT;
+        let mut first = [0u8; 1];
+        while first[0] != OLD {
+            ensure(Instant::now() < until, || "the real initiator's WRITE never landed".into())?;
+            region.read(0, &mut first).map_err(|e| e.to_string())?;
+            std::thread::yield_now();
+        }
+        let t_landed = Instant::now();
+        exposed.abort();
+        // The slot back on the free list: the naive release at once; the
+        // safe one once the ladder revoked the tenancy's key.
+        let until = Instant::now() + LINE_TIMEOUT;
+        while pool.metrics().free != 1 {
+            ensure(Instant::now() < until, || format!("the aborted slot never came back: {:?}", pool.metrics()))?;
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let t_free = t_landed.elapsed();
+        let mut lease = pool.reserve(1).map_err(|e| e.to_string())?;
+        lease.write_at(0, 0, &new_bytes).map_err(|e| e.to_string())?;
+        eprintln!("first bytes landed -> slot free {t_free:?}, -> next tenant written {:?}", t_landed.elapsed());
+        let mut refused = false;
+        if next == NextTenant::SameInitiatorFirst {
+            lease = match decode.expose(lease, initiator) {
+                Err(e) if matches!(e.kind, ExposeErrorKind::RetryShadow(_)) => {
+                    refused = true;
+                    e.lease
+                }
+                Err(e) => return Err(format!("expose to the same initiator: {}", e.kind).into()),
+                Ok((exposed, _)) => {
+                    // The naive release keeps no shadow: the slot is the
+                    // initiator's again, under a new key its retry takes.
+                    let rc = peer.line();
+                    let foreign = count_old(&region)?;
+                    exposed.abort();
+                    return Ok((foreign, rc, false));
+                }
+            };
+        }
+        let (next_exposed, _) = decode.expose(lease, other).map_err(|e| e.kind.to_string())?;
+        let rc = peer.line();
+        let foreign = count_old(&region)?;
+        next_exposed.abort();
+        drop(peer);
+        Ok((foreign, rc, refused))
+    }
+
+    fn count_old(region: &kv_transfer_core::HostRegion) -> Result<usize, Failed> {
+        use kv_transfer_core::Region;
+        let mut got = vec![0u8; BIG];
+        region.read(0, &mut got).map_err(|e| e.to_string())?;
+        Ok(got.iter().filter(|b| **b == OLD).count())
+    }
+
+    pub fn adapter_naive_release_lets_the_real_initiators_write_into_the_next_tenant(lab: &Lab) -> Result<(), Failed> {
+        let (foreign, rc, _) =
+            hazard_through_the_adapter(lab, backend_mooncake::ReleasePolicy::Naive, NextTenant::AnotherPeer)?;
+        eprintln!("hazard through the adapter, naive release: {foreign} old bytes in the next tenant's slot ({rc})");
+        ensure(foreign > 0, || format!("the positive control showed no corruption ({rc})"))
+    }
+
+    pub fn adapter_safe_0_old_bytes_in_the_next_tenant_of_another_peer(lab: &Lab) -> Result<(), Failed> {
+        let (foreign, rc, _) =
+            hazard_through_the_adapter(lab, backend_mooncake::ReleasePolicy::Safe, NextTenant::AnotherPeer)?;
+        eprintln!("hazard through the adapter, safe, next tenant another peer's: {foreign} old bytes ({rc})");
+        ensure(foreign == 0, || format!("{foreign} old bytes landed in the next tenant ({rc})"))?;
+        ensure(rc != "RC 0", || "the aborted transfer reported success".into())
+    }
+
+    /// Its positive control is
+    /// [`hazard_a_revoked_key_regranted_to_the_same_initiator_takes_its_retry`]:
+    /// without the shadow, the same initiator's retry takes the new key.
+    pub fn adapter_safe_the_same_initiator_is_refused_the_slot_and_its_retry_lands_nothing(
+        lab: &Lab,
+    ) -> Result<(), Failed> {
+        let (foreign, rc, refused) =
+            hazard_through_the_adapter(lab, backend_mooncake::ReleasePolicy::Safe, NextTenant::SameInitiatorFirst)?;
+        eprintln!(
+            "hazard through the adapter, safe, next tenant offered to the same initiator first: refused {refused}, \
+             {foreign} old bytes ({rc})"
+        );
+        ensure(refused, || "the revoked slot was exposed again to the initiator that may retry it".into())?;
+        ensure(foreign == 0, || format!("{foreign} old bytes landed in the next tenant ({rc})"))?;
+        ensure(rc != "RC 0", || "the aborted transfer reported success".into())
+    }
+
     pub type Check = fn(&Lab) -> Result<(), Failed>;
     pub const CHECKS: &[(&str, Check)] = &[
         ("rdma_real_our_initiator_writes_and_reads_a_real_target", our_initiator_writes_and_reads_a_real_target),
@@ -258,6 +406,18 @@ mod on_device {
         (
             "rdma_real_hazard_revoke_and_retry_shadow_leave_0_old_bytes_in_the_next_tenant",
             hazard_revoke_and_retry_shadow_leave_0_old_bytes_in_the_next_tenant,
+        ),
+        (
+            "rdma_real_adapter_naive_release_lets_the_real_initiators_write_into_the_next_tenant",
+            adapter_naive_release_lets_the_real_initiators_write_into_the_next_tenant,
+        ),
+        (
+            "rdma_real_adapter_safe_0_old_bytes_in_the_next_tenant_of_another_peer",
+            adapter_safe_0_old_bytes_in_the_next_tenant_of_another_peer,
+        ),
+        (
+            "rdma_real_adapter_safe_the_same_initiator_is_refused_the_slot_and_its_retry_lands_nothing",
+            adapter_safe_the_same_initiator_is_refused_the_slot_and_its_retry_lands_nothing,
         ),
     ];
 }
