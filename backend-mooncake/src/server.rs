@@ -31,6 +31,13 @@ pub trait TargetHook: Send + Sync + std::fmt::Debug {
     /// The region at `addr` is being unregistered: once this returns, no
     /// remote peer may reach it.
     fn unregistered(&self, addr: u64);
+    /// Whether the TCP data server may place requests into registered
+    /// memory. A target whose data path is another transport (RDMA, whose
+    /// keys are per tenancy) says `false`: TCP carries no key, so a request
+    /// on it would reach any registered byte, revoked tenancies included.
+    fn serves_tcp_data(&self) -> bool {
+        true
+    }
 }
 
 /// Most concurrent handshake or data connections a server serves.
@@ -317,9 +324,15 @@ fn serve_data(mut s: TcpStream, sh: &ServerShared) {
             Ok(h) => (Some(h), h.v2),
             Err(_) => (None, hb[16] & 0x80 != 0),
         };
-        let guard = hdr.and_then(|h| sh.registry.acquire(h.addr, h.size));
+        let tcp_data = sh.hook.as_ref().map_or(true, |h| h.serves_tcp_data());
+        let guard = hdr.filter(|_| tcp_data).and_then(|h| sh.registry.acquire(h.addr, h.size));
         let (Some(h), Some(guard)) = (hdr, guard) else {
-            tracing::warn!(?peer, ?hdr, "rejecting request outside registered memory");
+            tracing::warn!(
+                ?peer,
+                ?hdr,
+                tcp_data,
+                "rejecting request outside registered memory (or any, if tcp_data is off)"
+            );
             sh.stats.rejected.fetch_add(1, Ordering::Relaxed);
             if v2 {
                 let _ = s.write_all(&StatusWord::AddrRejected.encode());

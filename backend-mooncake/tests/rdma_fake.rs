@@ -187,3 +187,45 @@ fn rdma_hostile_connection_messages_are_refused_and_pair_nothing() {
     drop(target);
     assert!(tbuf == ibuf);
 }
+
+/// A raw TCP WRITE by address into `e`'s data port: what a peer that
+/// ignores the metadata can put on the wire. Returns the status word, if any.
+fn raw_tcp_write(e: &MooncakeEngine, addr: u64, data: &[u8]) -> Option<[u8; 4]> {
+    use backend_mooncake::proto::{RequestHeader, TcpOpcode as Op};
+    use std::io::Read;
+    let mut s = TcpStream::connect_timeout(&e.data_addr().unwrap(), WAIT).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let h = RequestHeader { size: data.len() as u64, addr, opcode: Op::Write, v2: true };
+    s.write_all(&h.encode()).unwrap();
+    let _ = s.write_all(data);
+    let mut w = [0u8; 4];
+    s.read_exact(&mut w).ok().map(|()| w)
+}
+
+/// The keys per tenancy live on the RDMA path; TCP carries none. So an
+/// engine whose target half is RDMA refuses every request on its TCP data
+/// port (counted), and the memory is unchanged. Positive control: a TCP
+/// engine places the same request.
+#[test]
+fn rdma_target_refuses_tcp_data_requests_which_would_bypass_its_keys() {
+    const LEN: usize = 4096;
+    let fabric = FakeFabric::new(77);
+    let mut mem = vec![0x11u8; LEN];
+    let target = engine(&fabric);
+    register(&target, &mut mem);
+    let addr = mem.as_ptr() as u64;
+    let before = target.target_stats().rejected;
+    let _ = raw_tcp_write(&target, addr, &[0xee; LEN]);
+    assert_eq!(target.target_stats().rejected, before + 1, "{:?}", target.target_stats());
+    drop(target);
+    assert!(mem.iter().all(|b| *b == 0x11), "a TCP WRITE reached memory behind RDMA keys");
+
+    // Positive control: Mooncake TCP places it.
+    let mut open = vec![0x11u8; LEN];
+    let tcp = MooncakeEngine::new(EngineConfig::default()).unwrap();
+    register(&tcp, &mut open);
+    let status = raw_tcp_write(&tcp, open.as_ptr() as u64, &[0xee; LEN]);
+    assert!(status.is_some(), "no status word from the TCP engine");
+    drop(tcp);
+    assert!(open.iter().all(|b| *b == 0xee), "the positive control's TCP WRITE did not land");
+}

@@ -246,6 +246,13 @@ impl RdmaTarget {
 }
 
 impl TargetHook for RdmaTarget {
+    /// The data path is RDMA (the metadata says `tcp_data_port` 0, as a real
+    /// Mooncake RDMA target's does): the engine's TCP data server refuses
+    /// every request, or a peer could write by address past the keys.
+    fn serves_tcp_data(&self) -> bool {
+        false
+    }
+
     fn descriptor(&self, mut base: SegmentDesc, peer: Option<&str>) -> SegmentDesc {
         let gid = self.gid().map(|g| format_gid(&g.0)).unwrap_or_default();
         base.protocol = "rdma".into();
