@@ -194,6 +194,15 @@ pub trait Rig {
     fn can_revoke(&self) -> bool {
         true
     }
+    /// Whether a slot whose tenancy was revoked is refused to the same peer
+    /// until that peer's ack (core's retry shadows: Mooncake over RDMA,
+    /// whose initiator retries a refused slice under whatever key the
+    /// metadata holds next). [`Rig::expose`] then waits for the ack
+    /// (bounded), and a scenario that needs the slot again at once exposes
+    /// it to another peer.
+    fn shadows_revoked_slots(&self) -> bool {
+        false
+    }
     /// Whether a stale write refused by the decode NIC also ends the
     /// connection it came on (RC verbs: `REM_ACCESS_ERR` puts both ends of
     /// the queue pair in ERR, so what was posted behind it is flushed and

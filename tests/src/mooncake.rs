@@ -1,36 +1,44 @@
 //! The Mooncake adapter's harness: our [`MooncakeTransfer`] on both sides,
-//! over our pure-Rust [`MooncakeEngine`] on loopback TCP (protocol v2).
+//! over our pure-Rust [`MooncakeEngine`], on one of three data paths
+//! ([`Wire`]): loopback TCP (protocol v2, the `mooncake` column), and
+//! Mooncake's RDMA transport with a key per tenancy, on `backend-verbs`'
+//! software NIC (`mooncake-rdma-fake`) or a verbs device
+//! (`mooncake-rdma`, in `scripts/rdma-lab`'s guest).
 //!
 //! - Decode side: a `MooncakeTransfer` target with the decode pool; it
-//!   exposes leases to the prefill side's segment.
+//!   exposes leases to the prefill side's segment (over RDMA with keys from
+//!   `rdma::RdmaTarget` publishing grants).
 //! - Prefill side: a `MooncakeTransfer` initiator with its own pool, whose
-//!   engine runs the TCP transport behind a gate ([`GatedTransport`]) that
-//!   can hold posted tasks before their bytes reach the wire.
+//!   engine runs its transport behind a gate ([`GatedTransport`]) that can
+//!   hold posted tasks before their bytes reach the wire.
 //!
 //! What the adapter can and cannot do, as the scenarios see it:
 //!
-//! | capability | here | why |
-//! | --- | --- | --- |
-//! | hold writes | yes, at the initiator's transport | the target's data server has no hook; a held task is posted and not terminal, which is all "in flight" means without revocation |
-//! | revoke | **no** ([`Rig::can_revoke`]) | Mooncake TCP has no access key per tenancy: the address is the key |
-//! | fence | **no** ([`Rig::can_fence`]) | a data connection carries no peer identity and a peer can always reconnect |
-//! | raw one-sided access | **no** ([`Rig::raw_write`] is `None`) | the target checks only that a request lies in registered memory: no key, slot or generation to reject |
-//! | malformed frame | yes | a bad request header makes the data server reject it and close the connection |
-//! | raw peer (notifications) | yes | a bare engine sends hand-made `kvt1` notifications |
-//! | stalled peer | yes | a raw data connection sends half a WRITE and stalls |
-//! | out-of-process prefill | no | runs in this process; its crash strikes its engine dead (nothing more leaves it), then drops it |
+//! | capability | TCP | RDMA | why |
+//! | --- | --- | --- | --- |
+//! | hold writes | yes | yes | at the initiator's transport: a held task is posted and not terminal |
+//! | revoke ([`Rig::can_revoke`]) | **no** | yes | TCP has no access key per tenancy (the address is the key); over RDMA each exposure's key is its own, and the ladder ends it |
+//! | retry shadows ([`Rig::shadows_revoked_slots`]) | no | yes | a revoked slot is refused to the peer that may retry into it, until its ack |
+//! | fence ([`Rig::can_fence`]) | **no** | **no** | a peer can always reconnect and pair again |
+//! | raw one-sided access | **no** | **no** | TCP checks only that a request lies in registered memory; over RDMA the NIC sends whole messages |
+//! | malformed frame | yes | yes | a bad request header on the data port is rejected and the connection closed (over RDMA every TCP data request is) |
+//! | raw peer (notifications) | yes | yes | a bare engine (of the same wire) sends hand-made `kvt1` notifications |
+//! | stalled peer | yes | no | a raw TCP data connection sends half a WRITE and stalls; the RDMA engine refuses TCP data |
+//! | out-of-process prefill | no | no | runs in this process; its crash strikes its engine dead (nothing more leaves it), then drops it |
 //!
-//! So an aborted exposure settles only by the peer's ABORT_ACK (or its
-//! completion notification); a peer that never acks leaves the slots
+//! So over TCP an aborted exposure settles only by the peer's ABORT_ACK (or
+//! its completion notification); a peer that never acks leaves the slots
 //! quarantined to the end of the ladder, counted as stuck (DESIGN rule 2).
+//! Over RDMA the ladder's revocation settles it too.
 //!
 //! The real Mooncake engine (`mooncake-transfer-engine`) is exercised by
-//! `backend-mooncake/tests/interop.rs`, not here: this rig needs nothing
-//! outside the workspace.
+//! `backend-mooncake/tests/interop.rs` and (over RDMA) `tests/rdma_real.rs`,
+//! not here: this rig needs nothing outside the workspace.
 
 use crate::ensure;
 use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::post_tagged;
+use backend_mooncake::adapter::TenancyKeys;
 use backend_mooncake::gate::GatedTransport;
 use backend_mooncake::proto::NotifyDesc;
 use backend_mooncake::proto::{RequestHeader, TcpOpcode, HEADER_LEN};
@@ -40,8 +48,8 @@ use backend_mooncake::{
 };
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
-    Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
-    TransferError, TransferHandle,
+    ExposeErrorKind, Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy,
+    Transfer, TransferError, TransferHandle,
 };
 use std::any::Any;
 use std::io::{Read, Write};
@@ -51,14 +59,44 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// The Mooncake adapter, target and initiator both ours, on loopback.
-/// Always available: the engine is pure Rust.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct MooncakeBackend;
+/// Which data path a Mooncake rig runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wire {
+    /// Mooncake TCP (protocol v2) on loopback.
+    Tcp,
+    /// Mooncake RDMA on `backend-verbs`' software NIC, a key per tenancy
+    /// (feature `mooncake-rdma`).
+    #[cfg(feature = "mooncake-rdma")]
+    RdmaFake,
+    /// Mooncake RDMA on a verbs device (Soft-RoCE in `scripts/rdma-lab`'s
+    /// guest), a key per tenancy (features `mooncake-rdma` and `verbs`).
+    #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+    RdmaDevice,
+}
 
-/// The mooncake harness.
-pub fn backend() -> Option<Box<dyn Backend>> {
-    Some(Box::new(MooncakeBackend))
+impl Wire {
+    fn keyed(self) -> bool {
+        self != Wire::Tcp
+    }
+}
+
+/// The Mooncake adapter, target and initiator both ours, on one data path.
+/// TCP and the software NIC are always available (pure Rust).
+#[derive(Clone, Copy, Debug)]
+pub struct MooncakeBackend {
+    /// The data path.
+    pub wire: Wire,
+}
+
+/// The Mooncake backends compiled in.
+pub fn backend() -> Vec<Box<dyn Backend>> {
+    #[allow(unused_mut)]
+    let mut v: Vec<Box<dyn Backend>> = vec![Box::new(MooncakeBackend { wire: Wire::Tcp })];
+    #[cfg(feature = "mooncake-rdma")]
+    v.push(Box::new(MooncakeBackend { wire: Wire::RdmaFake }));
+    #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+    v.push(Box::new(MooncakeBackend { wire: Wire::RdmaDevice }));
+    v
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -148,37 +186,137 @@ struct Prefill {
     gate: Arc<GatedTransport>,
 }
 
+/// Where a rig's engines come from.
+enum Engines {
+    Tcp,
+    #[cfg(feature = "mooncake-rdma")]
+    Rdma {
+        nics: Box<dyn Fn() -> Result<backend_mooncake::rdma::RdmaNics, Failure>>,
+        device: String,
+    },
+}
+
+impl Engines {
+    fn of(wire: Wire) -> Self {
+        match wire {
+            Wire::Tcp => Engines::Tcp,
+            #[cfg(feature = "mooncake-rdma")]
+            Wire::RdmaFake => {
+                let fabric = backend_verbs::FakeFabric::new(0x6d63 ^ u64::from(std::process::id()));
+                let nics =
+                    move || Ok(backend_mooncake::rdma::RdmaNics { initiator: fabric.nic(), target: fabric.nic() });
+                Engines::Rdma { nics: Box::new(nics), device: "fake0".into() }
+            }
+            #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+            Wire::RdmaDevice => {
+                let env = backend_verbs::LabEnv::from_env();
+                let device = env.device.clone();
+                let nics = move || {
+                    let open = || {
+                        backend_verbs::DeviceEngine::open(&env.device, 1, env.gid_index)
+                            .map(|e| e as Arc<dyn backend_verbs::Engine>)
+                            .map_err(|e| fail("verbs device")(&e))
+                    };
+                    Ok(backend_mooncake::rdma::RdmaNics { initiator: open()?, target: open()? })
+                };
+                Engines::Rdma { nics: Box::new(nics), device }
+            }
+        }
+    }
+
+    /// An engine for a target: with the key-per-tenancy hook over RDMA.
+    fn target(&self) -> Result<(MooncakeEngine, Option<Arc<dyn TenancyKeys>>), Failure> {
+        match self {
+            Engines::Tcp => Ok((MooncakeEngine::new(engine_config()).map_err(|e| fail("engine")(&e))?, None)),
+            #[cfg(feature = "mooncake-rdma")]
+            Engines::Rdma { nics, device } => {
+                use backend_mooncake::rdma::{rdma_engine, Publish};
+                let (e, target) =
+                    rdma_engine(engine_config(), nics()?, device, Publish::Grants).map_err(|e| fail("engine")(&e))?;
+                Ok((e, Some(target as Arc<dyn TenancyKeys>)))
+            }
+        }
+    }
+
+    /// An initiator's engine, its data transport behind a gate.
+    fn gated(&self) -> Result<(MooncakeEngine, Arc<GatedTransport>), Failure> {
+        match self {
+            Engines::Tcp => {
+                let ecfg = engine_config();
+                let gate = Arc::new(GatedTransport::new(ecfg.tcp.clone()).map_err(|e| fail("prefill transport")(&e))?);
+                let e = MooncakeEngine::with_transport(ecfg, gate.clone() as Arc<dyn DataTransport>)
+                    .map_err(|e| fail("prefill engine")(&e))?;
+                Ok((e, gate))
+            }
+            #[cfg(feature = "mooncake-rdma")]
+            Engines::Rdma { nics, device } => {
+                use backend_mooncake::rdma::{Publish, RdmaParts};
+                let ecfg = engine_config();
+                let parts = RdmaParts::new(nics()?, device, Publish::Grants, ecfg.handshake_timeout)
+                    .map_err(|e| fail("prefill parts")(&e))?;
+                let gate = Arc::new(GatedTransport::over(parts.transport.clone()));
+                let e = parts
+                    .engine(ecfg, gate.clone() as Arc<dyn DataTransport>)
+                    .map_err(|e| fail("prefill engine")(&e))?;
+                Ok((e, gate))
+            }
+        }
+    }
+}
+
 impl Backend for MooncakeBackend {
     fn name(&self) -> &'static str {
-        "mooncake"
+        match self.wire {
+            Wire::Tcp => "mooncake",
+            #[cfg(feature = "mooncake-rdma")]
+            Wire::RdmaFake => "mooncake-rdma-fake",
+            #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+            Wire::RdmaDevice => "mooncake-rdma",
+        }
     }
     fn race(&self) -> Option<crate::harness::RaceRunner> {
-        Some(kv_transfer_examples::race::mooncake::run_mooncake_race)
+        match self.wire {
+            Wire::Tcp => Some(kv_transfer_examples::race::mooncake::run_mooncake_race),
+            // The software NIC's race: `tests/race_mooncake_rdma.rs`.
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
     }
     fn available(&self) -> Result<(), String> {
-        Ok(())
+        match self.wire {
+            #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+            Wire::RdmaDevice => {
+                let env = backend_verbs::LabEnv::from_env();
+                backend_verbs::Context::open(&env.device).map(|_| ()).map_err(|e| e.to_string())
+            }
+            _ => Ok(()),
+        }
+    }
+    fn runs_elsewhere_in_ci(&self) -> bool {
+        match self.wire {
+            // CI runs the device column in the lab's guest.
+            #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+            Wire::RdmaDevice => !backend_verbs::LabEnv::from_env().in_lab,
+            _ => false,
+        }
     }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
         if cfg.prefill_process {
-            eprintln!(
-                "[mooncake] no out-of-process prefill worker: the prefill side runs in this process \
-                 and its crash drops its engine without goodbyes"
-            );
+            return Err(Failure("the Mooncake rig has no out-of-process prefill side".into()));
         }
-        let decode_engine = Arc::new(MooncakeEngine::new(engine_config()).map_err(|e| fail("decode engine")(&e))?);
+        let engines = Engines::of(self.wire);
+        let (decode_engine, keys) = engines.target()?;
+        let decode_engine = Arc::new(decode_engine);
         let decode = MooncakeTransfer::new(
             decode_engine.clone(),
-            AdapterConfig { release_policy: cfg.policy, ..AdapterConfig::default() },
+            AdapterConfig { release_policy: cfg.policy, keys, ..AdapterConfig::default() },
         )
         .map_err(|e| fail("decode adapter")(&e))?;
         let region = HostRegion::new(cfg.decode_slots * cfg.slot_size).map_err(|e| fail("decode region")(&e))?;
         let dpool = decode
             .register_pool(Arc::new(region), PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
             .map_err(|e| fail("decode pool")(&e))?;
-        let ecfg = engine_config();
-        let gate = Arc::new(GatedTransport::new(ecfg.tcp.clone()).map_err(|e| fail("prefill transport")(&e))?);
-        let pengine = MooncakeEngine::with_transport(ecfg, gate.clone() as Arc<dyn DataTransport>)
-            .map_err(|e| fail("prefill engine")(&e))?;
+        let (pengine, gate) = engines.gated()?;
         let engine = Arc::new(CrashableEngine { inner: pengine, dead: AtomicBool::new(false) });
         let transfer =
             MooncakeTransfer::new(engine.clone(), AdapterConfig::default()).map_err(|e| fail("prefill adapter")(&e))?;
@@ -188,6 +326,9 @@ impl Backend for MooncakeBackend {
             .map_err(|e| fail("prefill pool")(&e))?;
         let prefill_peer = decode.add_peer(transfer.segment_name()).map_err(|e| fail("decode add_peer")(&e))?;
         Ok(Box::new(MooncakeRig {
+            name: self.name(),
+            wire: self.wire,
+            engines,
             decode_engine,
             decode,
             dpool,
@@ -204,6 +345,10 @@ impl Backend for MooncakeBackend {
 /// A Mooncake rig: our adapter as decode target and as prefill initiator,
 /// connected on 127.0.0.1.
 pub struct MooncakeRig {
+    name: &'static str,
+    wire: Wire,
+    /// Where raw peers' engines come from (they speak the rig's wire).
+    engines: Engines,
     decode_engine: Arc<MooncakeEngine>,
     decode: MooncakeTransfer,
     dpool: SlotPool,
@@ -263,7 +408,7 @@ impl MooncakeRig {
     }
 
     fn raw_engine(&self) -> Result<(MooncakeEngine, PeerId), Failure> {
-        let engine = MooncakeEngine::new(engine_config()).map_err(|e| fail("raw engine")(&e))?;
+        let (engine, _) = self.engines.target()?;
         let peer = self.decode.add_peer(&engine.local_segment_name()).map_err(|e| fail("decode add_peer")(&e))?;
         Ok((engine, peer))
     }
@@ -277,7 +422,7 @@ impl Drop for MooncakeRig {
 
 impl Rig for MooncakeRig {
     fn backend(&self) -> &'static str {
-        "mooncake"
+        self.name
     }
     fn diagnostics(&self) -> String {
         let p = match &self.prefill {
@@ -300,7 +445,21 @@ impl Rig for MooncakeRig {
         self.prefill.as_ref().map(|p| &p.transfer as &dyn Transfer)
     }
     fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
-        self.decode.expose(lease, self.prefill_peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
+        // With keys, a revoked slot is refused to the peer that may retry
+        // into it until that peer's ack (typed, the lease back): a serving
+        // engine waits for it or picks another slot. Bounded.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut lease = lease;
+        loop {
+            match self.decode.expose(lease, self.prefill_peer) {
+                Ok(x) => return Ok(x),
+                Err(e) if matches!(e.kind, ExposeErrorKind::RetryShadow(_)) && Instant::now() < deadline => {
+                    lease = e.lease;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(Failure(format!("expose: {}; {}", e.kind, self.diagnostics()))),
+            }
+        }
     }
     fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
         let Some(p) = &self.prefill else { return Err(Failure("the prefill side is dead".into())) };
@@ -318,7 +477,12 @@ impl Rig for MooncakeRig {
         self.prefill.as_ref().is_some_and(|p| p.gate.wait_held(timeout))
     }
     fn can_revoke(&self) -> bool {
-        false
+        // Over RDMA every exposure has a key of its own, which the ladder
+        // can end; Mooncake TCP has none.
+        self.wire.keyed()
+    }
+    fn shadows_revoked_slots(&self) -> bool {
+        self.wire.keyed()
     }
     fn can_fence(&self) -> bool {
         false
@@ -388,6 +552,11 @@ impl Rig for MooncakeRig {
         self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
     }
     fn expose_to_stalled_peer(&self, lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
+        if self.wire.keyed() {
+            // Over RDMA a WRITE is the NIC's whole message, and the TCP data
+            // port refuses everything (the lease goes back to the pool).
+            return None;
+        }
         Some((|| {
             // The peer: a bare engine (it receives the ABORT and never acks).
             let (engine, peer) = self.raw_engine()?;

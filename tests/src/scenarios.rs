@@ -277,6 +277,9 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
         eprintln!("[{}] stale_ack: cannot hold writes; the stale-write half skipped", rig.backend());
         return stale_notify_replay(rig.as_ref());
     }
+    if rig.shadows_revoked_slots() {
+        return stale_ack_past_a_retry_shadow(rig.as_ref());
+    }
     let (a, remote_a) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
     let h = rig.write_tagged(&remote_a, 1)?;
     ensure!(rig.wait_held(WAIT), "the write never arrived");
@@ -326,6 +329,60 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
     serve(rig.as_ref(), b_exp, &remote_b, 2)?;
     wait_whole(&pool)?;
     stale_notify_replay(rig.as_ref())
+}
+
+/// Scenario 4 on a backend whose revoked slots are refused to their peer
+/// until its ack ([`Rig::shadows_revoked_slots`]): the old tenancy's write
+/// is held, aborted and revoked; the same slots' new tenancy goes to
+/// another peer (the raw one). The held write, released, is refused and
+/// lands nothing; the old peer's ABORT_ACK that follows names the old
+/// tenancies only and settles nothing of the new one; the new tenancy's
+/// own peer settles it.
+fn stale_ack_past_a_retry_shadow(rig: &dyn Rig) -> Result<(), Failure> {
+    let pool = rig.decode_pool().clone();
+    let mut other = rig.raw_peer().ok_or_else(|| Failure("a shadowing backend needs a raw peer".into()))??;
+    let (a, remote_a) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+    let h = rig.write_tagged(&remote_a, 1)?;
+    ensure!(rig.wait_held(WAIT), "the write never arrived");
+    a.abort();
+    ensure!(wait_until(WAIT, || pool.metrics().quarantined == 0), "the aborted slots were not revoked");
+    let (b_exp, remote_b) = rig.expose_to_raw(pool.reserve(2).map_err(err("reserve"))?)?;
+    ensure!(
+        same_slots_newer(&remote_a.tenancies(), &remote_b.tenancies()),
+        "expected the new tenancy on the same slots"
+    );
+    let before = region_bytes(&pool);
+    let stale0 = pool.metrics().stale_rejected;
+    rig.release_writes();
+    match wait_handle(h)? {
+        Some(out) => ensure!(
+            out.result == Err(TransferError::Rejected(RejectReason::StaleGeneration)),
+            "the old tenancy's write should be refused as stale, got {:?}",
+            out.result
+        ),
+        None => return Err(Failure("no handle for the old tenancy's write".into())),
+    }
+    ensure!(region_bytes(&pool) == before, "the refused write changed the new tenancy's slots");
+    // The old peer's ABORT_ACK (its write is over) names the two old
+    // tenancies: counted stale, and it settles nothing of the new one.
+    ensure!(
+        wait_until(WAIT, || pool.metrics().stale_rejected >= stale0 + 2),
+        "the old peer's ack was not counted as stale: {} -> {}; {}",
+        stale0,
+        pool.metrics().stale_rejected,
+        rig.diagnostics()
+    );
+    std::thread::sleep(Duration::from_millis(20));
+    let b_exp = match b_exp.try_settled() {
+        Ok(_) => return Err(Failure("the stale ack settled the new tenancy".into())),
+        Err(e) => e,
+    };
+    other.notify(&remote_b, &remote_b.tenancies())?;
+    let s = settle(b_exp)?;
+    ensure!(region_bytes(&pool) == before, "the new tenancy's slots changed without a write");
+    s.release();
+    wait_whole(&pool)?;
+    stale_notify_replay(rig)
 }
 
 /// Scenario 4, notification half: a peer replays the NOTIFY of a slot's

@@ -19,8 +19,11 @@ pub(super) fn driver_loop(inner: &Arc<Inner>, rx: Receiver<Job>) {
     }
 }
 
-fn map_task_error(e: &Option<TaskError>) -> TransferError {
+/// `keyed`: the exposure carried a key per tenancy.
+fn map_task_error(e: &Option<TaskError>, keyed: bool) -> TransferError {
     match e {
+        // The target's NIC refused a key of the tenancy's own: it ended.
+        Some(TaskError::RemoteAccess) if keyed => TransferError::Rejected(RejectReason::StaleGeneration),
         Some(TaskError::AddrRejected) | Some(TaskError::NoRemoteKey { .. }) | Some(TaskError::RemoteAccess) => {
             TransferError::Rejected(RejectReason::OutOfBounds)
         }
@@ -41,7 +44,7 @@ fn map_task_error(e: &Option<TaskError>) -> TransferError {
 }
 
 fn run_job(inner: &Arc<Inner>, job: Job) {
-    let Job { id, batch, tasks, completer, notify } = job;
+    let Job { id, batch, tasks, completer, notify, keyed } = job;
     let engine = &inner.engine;
     let mut failure: Option<TransferError> = None;
     let mut v1 = false;
@@ -69,7 +72,7 @@ fn run_job(inner: &Arc<Inner>, job: Job) {
                                 | Some(TaskError::RemoteAccess)
                         );
                         if failure.is_none() {
-                            failure = Some(map_task_error(&st.error));
+                            failure = Some(map_task_error(&st.error, keyed));
                         }
                     }
                     continue 'tasks;

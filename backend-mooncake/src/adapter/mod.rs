@@ -299,6 +299,9 @@ struct Job {
     /// The DONE to send after the data, with its target's segment and
     /// segment name, and whether to digest the local slots into it.
     notify: Option<(SegmentId, String, ControlMessage, bool)>,
+    /// The exposure carried a key per tenancy: a refusal by the target's
+    /// NIC then means the tenancy's key ended (a stale generation).
+    keyed: bool,
 }
 
 struct Inner {
@@ -804,7 +807,8 @@ impl Transfer for MooncakeTransfer {
             let done = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote_ts);
             (seg, remote.endpoint.clone(), done, opts.digest && op == Op::Write)
         });
-        let job = Job { id, batch, tasks, completer, notify };
+        let keyed = remote.slots.iter().any(|s| s.key.is_some());
+        let job = Job { id, batch, tasks, completer, notify, keyed };
         let n = inner.jobs.len().max(1);
         let k = inner.next_driver.fetch_add(1, Ordering::Relaxed) % n;
         if let Some(tx) = inner.jobs.get(k) {
