@@ -206,7 +206,7 @@ pub enum WindowState {
     },
 }
 
-/// A type-2 memory window.
+/// A memory window (type 2, or type 1: [`MemoryWindow::new_type1`]).
 #[derive(Debug)]
 pub struct MemoryWindow {
     mw: NonNull<ffi::ibv_mw>,
@@ -222,12 +222,23 @@ unsafe impl Sync for MemoryWindow {}
 impl MemoryWindow {
     /// Allocates a type-2 window in `pd`.
     pub fn new(pd: &Arc<ProtectionDomain>) -> Result<Self, VerbsError> {
+        Self::of_type(pd, ffi::IBV_MW_TYPE_2)
+    }
+
+    /// Allocates a type-1 window in `pd`: bound by a `BIND_MW` posted on any
+    /// queue pair of `pd` (what `ibv_bind_mw` does), its key then good
+    /// through every queue pair of `pd`; freeing it ends the key.
+    pub fn new_type1(pd: &Arc<ProtectionDomain>) -> Result<Self, VerbsError> {
+        Self::of_type(pd, ffi::IBV_MW_TYPE_1)
+    }
+
+    fn of_type(pd: &Arc<ProtectionDomain>, kind: ffi::ibv_mw_type) -> Result<Self, VerbsError> {
         // SAFETY: `alloc_mw` is the provider's entry for `ibv_alloc_mw` (an
         // inline in verbs.h); `pd` is live.
         let mw = unsafe {
             let ctx = pd.ctx.ctx.as_ptr();
             match (*ctx).ops.alloc_mw {
-                Some(alloc) => alloc(pd.pd.as_ptr(), ffi::IBV_MW_TYPE_2),
+                Some(alloc) => alloc(pd.pd.as_ptr(), kind),
                 None => return Err(VerbsError::invalid("ibv_alloc_mw", "the provider has no memory windows")),
             }
         };

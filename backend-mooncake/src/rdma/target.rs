@@ -19,12 +19,17 @@
 //!   that peer until a proof covers its retries (core's
 //!   [`RetryShadows`](kv_transfer_core::drain::RetryShadows)).
 //!
-//! A grant is a memory registration of its own, not a memory window: a
-//! type-2 window grants access through one queue pair only, and a Mooncake
-//! initiator stripes its slices over its two (a window bound on one refuses
-//! the slices of the other); a type-1 window (any queue pair of the
-//! protection domain, which rxe supports) is the lighter way to the same
-//! property, and the next step. Either way the NIC refuses a revoked key.
+//! A grant is a **type-1 memory window** of its own over the buffer's one
+//! registration (made `LOCAL_WRITE | MW_BIND` only, so its own key grants
+//! nothing remote): bound by a `BIND_MW` on a queue pair pair the target
+//! keeps connected to itself for the purpose, its key good through every
+//! queue pair of the protection domain, as it must be: a Mooncake initiator
+//! stripes its slices over its two queue pairs, and a type-2 window would
+//! grant through one only. The key is published once the bind completed
+//! (admission before exposure); [`RdmaTarget::revoke`] frees the window
+//! (`ibv_dealloc_mw`), after which the NIC refuses the key. A fresh window
+//! per grant, never a rebound one, so no key of an ended grant comes back
+//! by the 8-bit key's wrap on that window.
 //!
 //! Peers are told apart by the segment name their own metadata declares:
 //! all Mooncake's handshake carries. A peer that can reach our handshake
@@ -33,8 +38,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use backend_verbs::{Endpoint, Engine, Gid, MrAccess, MrId, QpId};
+use backend_verbs::{Endpoint, Engine, Gid, MrAccess, MrId, MwId, QpId, WcStatus, WorkRequest};
 
 use super::VouchedRange;
 use crate::error::EngineError;
@@ -88,15 +94,24 @@ struct Grant {
     peer: String,
     addr: u64,
     len: u64,
-    mr: MrId,
+    /// Its type-1 window.
+    mw: MwId,
     rkey: u32,
 }
 
+/// How long a bind may take before the grant fails.
+const BIND_TIMEOUT: Duration = Duration::from_secs(5);
+
 #[derive(Debug, Default)]
 struct State {
-    /// Registered buffers published under their region's key
-    /// ([`Publish::Registrations`]): start → (length, memory region, its key).
+    /// Registered buffers' memory regions: start → (length, memory region,
+    /// its key). [`Publish::Registrations`]: remote access, published;
+    /// [`Publish::Grants`]: windows only, never published.
     regions: BTreeMap<u64, (u64, MrId, u32)>,
+    /// The queue pair binds are posted on (one of a pair connected to each
+    /// other), made at the first grant.
+    binder: Option<(QpId, QpId)>,
+    next_wr: u64,
     /// Every buffer registered with the engine: start → length.
     registered: BTreeMap<u64, u64>,
     /// Queue pairs per peer NIC path (a peer that pairs again replaces its
@@ -114,6 +129,9 @@ pub struct RdmaTarget {
     engine: Arc<dyn Engine>,
     cfg: RdmaTargetConfig,
     state: Mutex<State>,
+    /// One bind at a time: its poller then sees only its own completion
+    /// (nothing else is posted on the target's engine).
+    binding: Mutex<()>,
 }
 
 impl std::fmt::Debug for RdmaTarget {
@@ -125,7 +143,7 @@ impl std::fmt::Debug for RdmaTarget {
 impl RdmaTarget {
     /// A target over `engine`.
     pub fn new(engine: Arc<dyn Engine>, cfg: RdmaTargetConfig) -> Arc<Self> {
-        Arc::new(Self { engine, cfg, state: Mutex::default() })
+        Arc::new(Self { engine, cfg, state: Mutex::default(), binding: Mutex::new(()) })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -133,37 +151,100 @@ impl RdmaTarget {
     }
 
     /// Grants `[addr, addr+len)` to `peer` (the segment name its metadata
-    /// declares) under a key of its own, published from now on in the
-    /// metadata that peer fetches ([`Publish::Grants`]). The range must lie
+    /// declares) under a type-1 window of its own, published from now on in
+    /// the metadata that peer fetches ([`Publish::Grants`]) and returned
+    /// once the bind completed (the NIC honours the key). The range must lie
     /// in memory registered with the engine; the caller vouched for it then.
     pub fn grant(&self, peer: &str, addr: u64, len: u64) -> Result<(GrantId, u32), EngineError> {
-        if len == 0 {
-            return Err(EngineError::InvalidRegion { addr, len });
-        }
-        let inside =
-            self.lock().registered.iter().any(|(a, l)| addr >= *a && addr.checked_add(len).is_some_and(|e| e <= a + l));
-        if !inside {
-            return Err(EngineError::RegionNotRegistered(addr));
-        }
-        let range = VouchedRange { addr, len: len as usize };
-        let info = self
+        let verbs = |e: backend_verbs::VerbsError| EngineError::Verbs(e.to_string());
+        let len32 = u32::try_from(len).ok().filter(|l| *l > 0).ok_or(EngineError::InvalidRegion { addr, len })?;
+        let (mr, offset) = {
+            let st = self.lock();
+            let inside = |(a, (l, _, _)): (&u64, &(u64, MrId, u32))| {
+                addr >= *a && addr.checked_add(len).is_some_and(|e| e <= a + l)
+            };
+            let region = st.regions.iter().find(|r| inside(*r)).map(|(a, (_, mr, _))| (*mr, addr - a));
+            region.ok_or(EngineError::RegionNotRegistered(addr))?
+        };
+        let _one = self.binding.lock().unwrap_or_else(|e| e.into_inner());
+        let (qp, wr_id) = self.binder()?;
+        let mw = self.engine.alloc_pd_window().map_err(verbs)?;
+        let bound = self
             .engine
-            .register(Arc::new(range), MrAccess::RemoteWriteRead)
-            .map_err(|e| EngineError::Verbs(e.to_string()))?;
+            .post(qp, wr_id, WorkRequest::Bind { window: mw, mr, offset, len: len32 })
+            .map_err(verbs)
+            .and_then(|key| key.ok_or_else(|| EngineError::Verbs("the bind returned no key".into())))
+            .and_then(|key| self.wait_bind(wr_id).map(|()| key));
+        let rkey = match bound {
+            Ok(k) => k,
+            Err(e) => {
+                self.engine.free_window(mw);
+                return Err(e);
+            }
+        };
         let mut st = self.lock();
         st.next_grant += 1;
         let id = GrantId(st.next_grant);
-        st.grants.insert(id, Grant { peer: peer.to_string(), addr, len, mr: info.id, rkey: info.rkey });
-        tracing::debug!(peer, addr, len, rkey = info.rkey, "RDMA grant");
-        Ok((id, info.rkey))
+        st.grants.insert(id, Grant { peer: peer.to_string(), addr, len, mw, rkey });
+        tracing::debug!(peer, addr, len, rkey, "RDMA grant (type-1 window)");
+        Ok((id, rkey))
     }
 
-    /// Ends a grant: once this returns the NIC refuses its key, and the
-    /// peer's metadata no longer holds it. `false` if there was none.
+    /// The binder queue pair and a fresh work request id; the pair is made
+    /// (two queue pairs of our engine, connected to each other) at first use.
+    fn binder(&self) -> Result<(QpId, u64), EngineError> {
+        let verbs = |e: backend_verbs::VerbsError| EngineError::Verbs(e.to_string());
+        let mut st = self.lock();
+        st.next_wr += 1;
+        let wr_id = st.next_wr;
+        if let Some((a, _)) = st.binder {
+            return Ok((a, wr_id));
+        }
+        let a = self.engine.create_qp(self.cfg.mtu).map_err(verbs)?;
+        let b = match self.engine.create_qp(self.cfg.mtu) {
+            Ok(b) => b,
+            Err(e) => {
+                self.engine.destroy_qp(QpId(a.qpn));
+                return Err(verbs(e));
+            }
+        };
+        let joined = self.engine.connect(QpId(a.qpn), &b).and_then(|()| self.engine.connect(QpId(b.qpn), &a));
+        if let Err(e) = joined {
+            self.engine.destroy_qp(QpId(a.qpn));
+            self.engine.destroy_qp(QpId(b.qpn));
+            return Err(verbs(e));
+        }
+        st.gid.get_or_insert(a.gid);
+        st.binder = Some((QpId(a.qpn), QpId(b.qpn)));
+        Ok((QpId(a.qpn), wr_id))
+    }
+
+    /// Waits (bounded) for the completion of bind `wr_id`.
+    fn wait_bind(&self, wr_id: u64) -> Result<(), EngineError> {
+        let deadline = Instant::now() + BIND_TIMEOUT;
+        loop {
+            let done = self.engine.poll(16).map_err(|e| EngineError::Verbs(e.to_string()))?;
+            if let Some(c) = done.iter().find(|c| c.wr_id == wr_id) {
+                return if c.status == WcStatus::Success {
+                    Ok(())
+                } else {
+                    Err(EngineError::Verbs(format!("bind of a grant's window: {:?}", c.status)))
+                };
+            }
+            if Instant::now() >= deadline {
+                return Err(EngineError::Verbs(format!("bind of a grant's window: no completion in {BIND_TIMEOUT:?}")));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// Ends a grant: once this returns the NIC refuses its key (its window
+    /// is freed), and the peer's metadata no longer holds it. `false` if
+    /// there was none.
     pub fn revoke(&self, id: GrantId) -> bool {
         let Some(g) = self.lock().grants.remove(&id) else { return false };
-        // ibv_dereg_mr returns once the NIC no longer grants the key.
-        self.engine.deregister(g.mr);
+        // ibv_dealloc_mw returns once the NIC no longer grants the key.
+        self.engine.free_window(g.mw);
         tracing::debug!(peer = %g.peer, addr = g.addr, rkey = g.rkey, "RDMA grant revoked");
         true
     }
@@ -311,12 +392,14 @@ impl TargetHook for RdmaTarget {
 
     fn registered(&self, addr: u64, len: u64) -> Result<(), EngineError> {
         self.lock().registered.insert(addr, len);
-        if self.cfg.publish == Publish::Grants {
-            // Nothing is reachable until granted.
-            return Ok(());
-        }
         let range = VouchedRange { addr, len: len as usize };
-        match self.engine.register(Arc::new(range), MrAccess::RemoteWriteRead) {
+        // With grants nothing is reachable until granted: the region's own
+        // key grants nothing remote, windows bound over it do.
+        let access = match self.cfg.publish {
+            Publish::Registrations => MrAccess::RemoteWriteRead,
+            Publish::Grants => MrAccess::WindowsOnly,
+        };
+        match self.engine.register(Arc::new(range), access) {
             Ok(info) => {
                 self.lock().regions.insert(addr, (len, info.id, info.rkey));
                 Ok(())

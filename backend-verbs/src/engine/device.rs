@@ -69,6 +69,14 @@ impl std::fmt::Debug for DeviceEngine {
 }
 
 impl DeviceEngine {
+    fn add_window(&self, mw: MemoryWindow) -> Result<MwId, VerbsError> {
+        let mut t = lock(&self.tables);
+        t.next_mw += 1;
+        let id = MwId(t.next_mw);
+        t.mws.insert(id, mw);
+        Ok(id)
+    }
+
     /// Opens `device`; queue pairs use `port` and GID `gid_index`.
     pub fn open(device: &str, port: u8, gid_index: u8) -> Result<Arc<Self>, VerbsError> {
         let ctx = Context::open(device)?;
@@ -120,12 +128,11 @@ impl Engine for DeviceEngine {
     }
 
     fn alloc_window(&self) -> Result<MwId, VerbsError> {
-        let mw = MemoryWindow::new(&self.pd)?;
-        let mut t = lock(&self.tables);
-        t.next_mw += 1;
-        let id = MwId(t.next_mw);
-        t.mws.insert(id, mw);
-        Ok(id)
+        self.add_window(MemoryWindow::new(&self.pd)?)
+    }
+
+    fn alloc_pd_window(&self) -> Result<MwId, VerbsError> {
+        self.add_window(MemoryWindow::new_type1(&self.pd)?)
     }
 
     fn free_window(&self, mw: MwId) {

@@ -85,6 +85,8 @@ struct Grant {
 #[derive(Default)]
 struct Mw {
     rkey: u32,
+    /// Type 1: its grant works through every queue pair of its NIC.
+    pd_wide: bool,
     /// A bind or invalidation is posted and not executed.
     pending: bool,
     grant: Option<Grant>,
@@ -290,7 +292,7 @@ impl Fabric {
         }
         for mw in n.mws.values() {
             match &mw.grant {
-                Some(g) if mw.rkey == rkey && g.qp == qpn && within(g.addr, g.len) => {
+                Some(g) if mw.rkey == rkey && (g.qp == qpn || mw.pd_wide) && within(g.addr, g.len) => {
                     return Some((Arc::clone(&g.region), (addr - g.region.addr()) as usize));
                 }
                 _ => {}
@@ -444,6 +446,20 @@ fn local_region(n: &Nic, op: &'static str, mr: MrId, offset: u64, len: u32) -> R
     Ok(Arc::clone(&m.region))
 }
 
+impl FakeNic {
+    fn new_window(&self, pd_wide: bool) -> Result<MwId, VerbsError> {
+        self.with(|f, nic| {
+            f.next_key += 0x100;
+            let rkey = f.next_key;
+            let n = &mut f.nics[nic];
+            n.next_mw += 1;
+            let id = MwId(n.next_mw);
+            n.mws.insert(id, Mw { rkey, pd_wide, ..Mw::default() });
+            Ok(id)
+        })
+    }
+}
+
 impl Engine for FakeNic {
     fn register(&self, region: Arc<dyn Region>, access: MrAccess) -> Result<MrInfo, VerbsError> {
         if region.is_empty() {
@@ -466,15 +482,11 @@ impl Engine for FakeNic {
     }
 
     fn alloc_window(&self) -> Result<MwId, VerbsError> {
-        self.with(|f, nic| {
-            f.next_key += 0x100;
-            let rkey = f.next_key;
-            let n = &mut f.nics[nic];
-            n.next_mw += 1;
-            let id = MwId(n.next_mw);
-            n.mws.insert(id, Mw { rkey, ..Mw::default() });
-            Ok(id)
-        })
+        self.new_window(false)
+    }
+
+    fn alloc_pd_window(&self) -> Result<MwId, VerbsError> {
+        self.new_window(true)
     }
 
     fn free_window(&self, mw: MwId) {

@@ -37,8 +37,14 @@ pub trait Engine: Send + Sync + 'static {
     /// Gives up the engine's handle on `mr`; requests still posted that
     /// name it keep it registered until their completions are polled.
     fn deregister(&self, mr: MrId);
-    /// A new type-2 memory window (unbound).
+    /// A new type-2 memory window (unbound): a bind posted on a queue pair
+    /// grants access through that queue pair only.
     fn alloc_window(&self) -> Result<MwId, VerbsError>;
+    /// A new type-1 memory window (unbound): a bind posted on any queue pair
+    /// of this engine grants access through every queue pair of it (the
+    /// protection domain), for peers that stripe one grant over several.
+    /// Its key ends when it is freed ([`Engine::free_window`]).
+    fn alloc_pd_window(&self) -> Result<MwId, VerbsError>;
     /// Frees `mw` (its key, if bound, stops granting anything).
     fn free_window(&self, mw: MwId);
     /// A new RC queue pair in RESET, and what its peer needs to connect to
