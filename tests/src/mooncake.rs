@@ -278,8 +278,10 @@ impl Backend for MooncakeBackend {
         match self.wire {
             Wire::Tcp => Some(kv_transfer_examples::race::mooncake::run_mooncake_race),
             // The software NIC's race: `tests/race_mooncake_rdma.rs`.
-            #[allow(unreachable_patterns)]
-            _ => None,
+            #[cfg(feature = "mooncake-rdma")]
+            Wire::RdmaFake => None,
+            #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+            Wire::RdmaDevice => Some(kv_transfer_examples::race::mooncake::run_mooncake_rdma_device_race),
         }
     }
     fn available(&self) -> Result<(), String> {

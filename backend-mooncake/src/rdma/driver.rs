@@ -294,6 +294,7 @@ impl Driver {
             match (c.status, qp_was) {
                 (WcStatus::Success, _) => {}
                 (WcStatus::RemoteAccess, _) => {
+                    self.sh.refused_slices.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if let Some(ep) = self.endpoints.get_mut(&s.endpoint) {
                         tracing::debug!(
                             segment = ep.segment,

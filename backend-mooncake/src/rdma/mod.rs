@@ -146,6 +146,8 @@ struct Shared {
     local_segment: Mutex<String>,
     inbox: Mutex<Inbox>,
     wake: Condvar,
+    /// Slices the target's NIC refused (`REM_ACCESS_ERR`).
+    refused_slices: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Shared {
@@ -166,7 +168,14 @@ impl RdmaTransport {
     /// an engine of its own).
     pub fn new(engine: Arc<dyn Engine>, cfg: RdmaTransportConfig) -> std::io::Result<Self> {
         let local_segment = Mutex::new(cfg.local_segment.clone());
-        let shared = Arc::new(Shared { engine, cfg, local_segment, inbox: Mutex::default(), wake: Condvar::new() });
+        let shared = Arc::new(Shared {
+            engine,
+            cfg,
+            local_segment,
+            inbox: Mutex::default(),
+            wake: Condvar::new(),
+            refused_slices: Default::default(),
+        });
         let sh = Arc::clone(&shared);
         let driver = std::thread::Builder::new().name("mc-rdma".into()).spawn(move || Driver::new(sh).run())?;
         Ok(Self { shared, driver: Mutex::new(Some(driver)) })
@@ -174,6 +183,12 @@ impl RdmaTransport {
 }
 
 impl RdmaTransport {
+    /// Slices the target's NIC refused so far (`REM_ACCESS_ERR`: a key that
+    /// ended, or a range it does not cover).
+    pub fn refused_slices(&self) -> u64 {
+        self.shared.refused_slices.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Sets our segment name (the engine's, once it listens).
     pub fn set_local_segment(&self, name: &str) {
         *lock(&self.shared.local_segment) = name.to_string();

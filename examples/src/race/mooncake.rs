@@ -66,11 +66,17 @@ enum Wire {
     Tcp,
     #[cfg(feature = "mooncake-rdma")]
     RdmaFake,
+    #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+    RdmaDevice,
 }
 
 struct Rig {
     #[cfg(feature = "mooncake-rdma")]
     fabric: Option<backend_verbs::FakeFabric>,
+    /// Prefill 0's RDMA transport (its refused slices: the stale writes the
+    /// target's NIC refused, on a device that keeps no such count for us).
+    #[cfg(feature = "mooncake-rdma")]
+    p0_rdma: Option<Arc<backend_mooncake::rdma::RdmaTransport>>,
     decode: MooncakeTransfer,
     p0: MooncakeTransfer,
     p1: MooncakeTransfer,
@@ -104,6 +110,8 @@ struct Engines {
     p0: MooncakeEngine,
     p1: MooncakeEngine,
     gate: Arc<GatedTransport>,
+    #[cfg(feature = "mooncake-rdma")]
+    p0_rdma: Option<Arc<backend_mooncake::rdma::RdmaTransport>>,
 }
 
 fn tcp_engines(policy: super::ReleasePolicy) -> Result<Engines, RaceError> {
@@ -112,28 +120,38 @@ fn tcp_engines(policy: super::ReleasePolicy) -> Result<Engines, RaceError> {
     let gate = Arc::new(GatedTransport::new(ecfg.tcp.clone()).map_err(setup_err)?);
     let p0 = MooncakeEngine::with_transport(ecfg, gate.clone() as Arc<dyn DataTransport>).map_err(setup_err)?;
     let p1 = MooncakeEngine::new(engine_config()).map_err(setup_err)?;
-    Ok(Engines { decode, p0, p1, gate })
+    Ok(Engines {
+        decode,
+        p0,
+        p1,
+        gate,
+        #[cfg(feature = "mooncake-rdma")]
+        p0_rdma: None,
+    })
 }
 
+/// The NICs of one Mooncake engine over RDMA.
 #[cfg(feature = "mooncake-rdma")]
-fn rdma_engines(fabric: &backend_verbs::FakeFabric, policy: super::ReleasePolicy) -> Result<Engines, RaceError> {
+type NicsFn<'a> = &'a dyn Fn() -> Result<backend_mooncake::rdma::RdmaNics, RaceError>;
+
+#[cfg(feature = "mooncake-rdma")]
+fn rdma_engines(nics: NicsFn<'_>, device: &str, policy: super::ReleasePolicy) -> Result<Engines, RaceError> {
     use backend_mooncake::adapter::TenancyKeys;
-    use backend_mooncake::rdma::{Publish, RdmaNics, RdmaParts};
-    let parts = || {
-        let nics = RdmaNics { initiator: fabric.nic(), target: fabric.nic() };
-        RdmaParts::new(nics, "fake0", Publish::Grants, engine_config().handshake_timeout).map_err(setup_err)
-    };
+    use backend_mooncake::rdma::{Publish, RdmaParts};
+    let parts =
+        || RdmaParts::new(nics()?, device, Publish::Grants, engine_config().handshake_timeout).map_err(setup_err);
     let d = parts()?;
     let keys: Arc<dyn TenancyKeys> = d.target.clone();
     let engine = d.engine(engine_config(), d.transport.clone()).map_err(setup_err)?;
     let decode =
         adapter_with(engine, AdapterConfig { release_policy: policy, keys: Some(keys), ..AdapterConfig::default() })?;
     let p0 = parts()?;
+    let p0_rdma = Some(p0.transport.clone());
     let gate = Arc::new(GatedTransport::over(p0.transport.clone()));
     let p0 = p0.engine(engine_config(), gate.clone() as Arc<dyn DataTransport>).map_err(setup_err)?;
     let p1 = parts()?;
     let p1 = p1.engine(engine_config(), p1.transport.clone()).map_err(setup_err)?;
-    Ok(Engines { decode, p0, p1, gate })
+    Ok(Engines { decode, p0, p1, gate, p0_rdma })
 }
 
 fn pool(t: &MooncakeTransfer, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
@@ -147,11 +165,30 @@ impl Rig {
         let safe = super::ReleasePolicy::Safe;
         #[cfg(feature = "mooncake-rdma")]
         let fabric = (wire == Wire::RdmaFake).then(|| backend_verbs::FakeFabric::new(cfg.seed));
-        let Engines { decode, p0: e0, p1: e1, gate } = match wire {
+        let engines = match wire {
             Wire::Tcp => tcp_engines(cfg.policy)?,
             #[cfg(feature = "mooncake-rdma")]
-            Wire::RdmaFake => rdma_engines(fabric.as_ref().ok_or_else(|| setup_err("no fabric"))?, cfg.policy)?,
+            Wire::RdmaFake => {
+                let f = fabric.clone().ok_or_else(|| setup_err("no fabric"))?;
+                let nics = move || Ok(backend_mooncake::rdma::RdmaNics { initiator: f.nic(), target: f.nic() });
+                rdma_engines(&nics, "fake0", cfg.policy)?
+            }
+            #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+            Wire::RdmaDevice => {
+                let env = backend_verbs::LabEnv::from_env();
+                let open = || {
+                    backend_verbs::DeviceEngine::open(&env.device, 1, env.gid_index)
+                        .map(|e| e as Arc<dyn backend_verbs::Engine>)
+                        .map_err(setup_err)
+                };
+                let nics = || Ok(backend_mooncake::rdma::RdmaNics { initiator: open()?, target: open()? });
+                rdma_engines(&nics, &env.device, cfg.policy)?
+            }
         };
+        #[cfg(feature = "mooncake-rdma")]
+        let Engines { decode, p0: e0, p1: e1, gate, p0_rdma } = engines;
+        #[cfg(not(feature = "mooncake-rdma"))]
+        let Engines { decode, p0: e0, p1: e1, gate } = engines;
         let dpool = pool(&decode, cfg.round * k * 2, cfg.slot_size, super::race_ladder(cfg))?;
         let p0 = adapter(e0, safe)?;
         let p0pool = pool(&p0, cfg.round * k, cfg.slot_size, EscalationLadder::default())?;
@@ -164,6 +201,8 @@ impl Rig {
         Ok(Self {
             #[cfg(feature = "mooncake-rdma")]
             fabric,
+            #[cfg(feature = "mooncake-rdma")]
+            p0_rdma,
             decode,
             p0,
             p1,
@@ -407,6 +446,18 @@ pub fn run_mooncake_rdma_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u6
     run(cfg, Wire::RdmaFake, progress)
 }
 
+/// Runs scenario 2 on the Mooncake adapter over Mooncake's RDMA transport
+/// on a verbs device (`KVT_VERBS_DEVICE`, Soft-RoCE in `scripts/rdma-lab`'s
+/// guest), a key per exposure: as [`run_mooncake_rdma_race`], on a real
+/// NIC; the refusals counted are those prefill 0 saw.
+#[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
+pub fn run_mooncake_rdma_device_race(
+    cfg: &RaceConfig,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<RaceReport, RaceError> {
+    run(cfg, Wire::RdmaDevice, progress)
+}
+
 fn run(cfg: &RaceConfig, wire: Wire, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
     check_config(cfg)?;
     let rig = Rig::start(cfg, wire)?;
@@ -425,8 +476,12 @@ fn run(cfg: &RaceConfig, wire: Wire, progress: &mut dyn FnMut(u64, u64)) -> Resu
     rep.stale_notifications = rig.dpool.metrics().stale_rejected;
     rep.naive_releases = Rig::counter(&rig.decode, "naive_releases");
     #[cfg(feature = "mooncake-rdma")]
-    if let Some(f) = &rig.fabric {
-        rep.rejected_at_nic = f.stats().rejected_access;
+    match (&rig.fabric, &rig.p0_rdma) {
+        (Some(f), _) => rep.rejected_at_nic = f.stats().rejected_access,
+        // On a device: the refusals prefill 0 saw (the target's NIC keeps
+        // no count for us).
+        (None, Some(t)) => rep.rejected_at_nic = t.refused_slices(),
+        (None, None) => {}
     }
     drop(rig);
     Ok(rep)
