@@ -287,18 +287,14 @@ impl Backend for MooncakeBackend {
     fn available(&self) -> Result<(), String> {
         match self.wire {
             #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
-            Wire::RdmaDevice => {
-                let env = backend_verbs::LabEnv::from_env();
-                backend_verbs::Context::open(&env.device).map(|_| ()).map_err(|e| e.to_string())
-            }
+            Wire::RdmaDevice => crate::verbs::Nic::Device.available(),
             _ => Ok(()),
         }
     }
     fn runs_elsewhere_in_ci(&self) -> bool {
         match self.wire {
-            // CI runs the device column in the lab's guest.
             #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
-            Wire::RdmaDevice => !backend_verbs::LabEnv::from_env().in_lab,
+            Wire::RdmaDevice => crate::verbs::Nic::Device.runs_elsewhere_in_ci(),
             _ => false,
         }
     }

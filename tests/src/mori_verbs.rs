@@ -94,27 +94,13 @@ impl Backend for MoriVerbsBackend {
         }
     }
     fn available(&self) -> Result<(), String> {
-        match self.nic {
-            #[cfg(feature = "verbs")]
-            Nic::Device => {
-                let env = backend_verbs::LabEnv::from_env();
-                backend_verbs::Context::open(&env.device).map(|_| ()).map_err(|e| e.to_string())
-            }
-            Nic::Fake => Ok(()),
-        }
+        self.nic.available()
     }
     fn holds_writes(&self) -> bool {
-        // The software NIC holds queue pairs; a device places the WRITEs.
-        matches!(self.nic, Nic::Fake)
+        self.nic.holds_writes()
     }
     fn runs_elsewhere_in_ci(&self) -> bool {
-        // CI runs the device column in the lab's guest, where a missing
-        // device fails.
-        match self.nic {
-            #[cfg(feature = "verbs")]
-            Nic::Device => !backend_verbs::LabEnv::from_env().in_lab,
-            Nic::Fake => false,
-        }
+        self.nic.runs_elsewhere_in_ci()
     }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
         if cfg.prefill_process {

@@ -43,6 +43,36 @@ pub enum Nic {
     Fake,
 }
 
+impl Nic {
+    /// `Ok` where this NIC can run here; otherwise what it needs.
+    pub fn available(self) -> Result<(), String> {
+        match self {
+            #[cfg(feature = "verbs")]
+            Nic::Device => {
+                let env = LabEnv::from_env();
+                backend_verbs::Context::open(&env.device).map(|_| ()).map_err(|e| e.to_string())
+            }
+            Nic::Fake => Ok(()),
+        }
+    }
+
+    /// Whether CI runs this NIC's columns elsewhere when it is missing
+    /// here: the device's run in the lab's guest, where a missing device fails.
+    pub fn runs_elsewhere_in_ci(self) -> bool {
+        match self {
+            #[cfg(feature = "verbs")]
+            Nic::Device => !LabEnv::from_env().in_lab,
+            Nic::Fake => false,
+        }
+    }
+
+    /// Whether writes can be held: the software NIC holds queue pairs; a
+    /// device places the WRITEs.
+    pub fn holds_writes(self) -> bool {
+        matches!(self, Nic::Fake)
+    }
+}
+
 /// The verbs backend on one kind of NIC.
 #[derive(Clone, Copy, Debug)]
 pub struct VerbsBackend {
@@ -106,27 +136,13 @@ impl Backend for VerbsBackend {
         }
     }
     fn available(&self) -> Result<(), String> {
-        match self.nic {
-            #[cfg(feature = "verbs")]
-            Nic::Device => {
-                let env = LabEnv::from_env();
-                backend_verbs::Context::open(&env.device).map(|_| ()).map_err(|e| e.to_string())
-            }
-            Nic::Fake => Ok(()),
-        }
+        self.nic.available()
     }
     fn holds_writes(&self) -> bool {
-        // The software NIC holds queue pairs; a device places the WRITEs.
-        matches!(self.nic, Nic::Fake)
+        self.nic.holds_writes()
     }
     fn runs_elsewhere_in_ci(&self) -> bool {
-        // CI runs the device column in the lab's guest, where a missing
-        // device fails.
-        match self.nic {
-            #[cfg(feature = "verbs")]
-            Nic::Device => !LabEnv::from_env().in_lab,
-            Nic::Fake => false,
-        }
+        self.nic.runs_elsewhere_in_ci()
     }
     fn race(&self) -> Option<crate::harness::RaceRunner> {
         match self.nic {

@@ -10,6 +10,8 @@ fn declared() -> Vec<(&'static str, Capabilities)> {
     let mut v = vec![("tcp-sim", backend_tcp_sim::CAPABILITIES)];
     #[cfg(feature = "mori")]
     v.push(("mori", backend_mori::sim::CAPABILITIES));
+    #[cfg(feature = "mori")]
+    v.push(("mori-verbs", backend_mori::verbs::capabilities(backend_mori::verbs::Access::WindowPerTenancy)));
     #[cfg(feature = "nixl")]
     v.push(("nixl", backend_nixl::adapter::CAPABILITIES));
     #[cfg(feature = "mooncake")]
@@ -45,7 +47,7 @@ fn table() -> Vec<(String, [bool; 3])> {
 #[test]
 fn capabilities_table_in_the_readme_matches_what_each_backend_declares() {
     let rows = table();
-    assert_eq!(rows.len(), 6, "one row per backend: {rows:?}");
+    assert_eq!(rows.len(), 7, "one row per backend: {rows:?}");
     for (name, caps) in declared() {
         let Some((_, row)) = rows.iter().find(|(n, _)| n == name) else { panic!("no README row for {name}") };
         assert_eq!(
