@@ -308,6 +308,8 @@ fn serve_data(mut s: TcpStream, sh: &ServerShared) {
     // Idle connections may stay open; only stalls mid-request time out.
     let _ = s.set_write_timeout(Some(sh.io_timeout));
     let peer = s.peer_addr().ok();
+    // Fixed for the engine's life: whether any request here may be placed.
+    let tcp_data = sh.hook.as_ref().map_or(true, |h| h.serves_tcp_data());
     loop {
         let _ = s.set_read_timeout(None);
         let mut hb = [0u8; HEADER_LEN];
@@ -324,7 +326,6 @@ fn serve_data(mut s: TcpStream, sh: &ServerShared) {
             Ok(h) => (Some(h), h.v2),
             Err(_) => (None, hb[16] & 0x80 != 0),
         };
-        let tcp_data = sh.hook.as_ref().map_or(true, |h| h.serves_tcp_data());
         let guard = hdr.filter(|_| tcp_data).and_then(|h| sh.registry.acquire(h.addr, h.size));
         let (Some(h), Some(guard)) = (hdr, guard) else {
             tracing::warn!(

@@ -229,3 +229,34 @@ fn rdma_target_refuses_tcp_data_requests_which_would_bypass_its_keys() {
     drop(tcp);
     assert!(open.iter().all(|b| *b == 0xee), "the positive control's TCP WRITE did not land");
 }
+
+/// A bind that fails (its queue pair in ERR) fails that grant, typed, and
+/// the next grant binds on a fresh queue pair pair: one broken queue pair
+/// does not end every later exposure.
+#[test]
+fn rdma_grant_after_a_failed_bind_binds_on_a_fresh_queue_pair() {
+    use backend_mooncake::rdma::{RdmaTarget, RdmaTargetConfig};
+    use backend_mooncake::TargetHook;
+    use backend_verbs::{Engine, QpId};
+    let fabric = FakeFabric::new(91);
+    let nic = fabric.fake_nic();
+    let target = RdmaTarget::new(
+        std::sync::Arc::new(nic.clone()),
+        RdmaTargetConfig { device: "fake0".into(), publish: Publish::Grants, ..Default::default() },
+    );
+    let mut mem = vec![0u8; 8192];
+    let addr = mem.as_mut_ptr() as u64;
+    target.registered(addr, mem.len() as u64).unwrap();
+    target.grant("peer", addr, 4096).unwrap();
+    // The binder's queue pairs are the only ones on this NIC: break them.
+    let ours: Vec<u32> = fabric.queue_pairs().into_iter().filter(|q| q.1 == nic.id()).map(|q| q.0).collect();
+    assert_eq!(ours.len(), 2, "{ours:?}");
+    for q in &ours {
+        nic.to_error(QpId(*q)).unwrap();
+    }
+    assert!(target.grant("peer", addr + 4096, 4096).is_err(), "a bind on a queue pair in ERR succeeded");
+    let (_, key) = target.grant("peer", addr + 4096, 4096).expect("the next grant, on a fresh pair");
+    assert_ne!(key, 0);
+    drop(target);
+    drop(mem);
+}

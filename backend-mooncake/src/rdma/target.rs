@@ -179,6 +179,9 @@ impl RdmaTarget {
             Ok(k) => k,
             Err(e) => {
                 self.engine.free_window(mw);
+                // A failed bind leaves the binder in ERR (or unknown): the
+                // next grant makes a new pair rather than fail forever.
+                self.drop_binder();
                 return Err(e);
             }
         };
@@ -217,6 +220,14 @@ impl RdmaTarget {
         st.gid.get_or_insert(a.gid);
         st.binder = Some((QpId(a.qpn), QpId(b.qpn)));
         Ok((QpId(a.qpn), wr_id))
+    }
+
+    /// Destroys the binder pair (its requests complete flushed).
+    fn drop_binder(&self) {
+        if let Some((a, b)) = self.lock().binder.take() {
+            self.engine.destroy_qp(a);
+            self.engine.destroy_qp(b);
+        }
     }
 
     /// Waits (bounded) for the completion of bind `wr_id`.

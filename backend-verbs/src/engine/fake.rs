@@ -436,17 +436,7 @@ impl FakeNic {
         let mut fab = lock(&self.fabric.inner);
         f(&mut fab, self.nic)
     }
-}
 
-fn local_region(n: &Nic, op: &'static str, mr: MrId, offset: u64, len: u32) -> Result<Arc<dyn Region>, VerbsError> {
-    let m = n.mrs.get(&mr).ok_or_else(|| bad(op, format!("unknown memory region {}", mr.0)))?;
-    if offset.checked_add(u64::from(len)).is_none_or(|e| e > m.region.len() as u64) {
-        return Err(bad(op, format!("{offset}+{len} is past the region's {} bytes", m.region.len())));
-    }
-    Ok(Arc::clone(&m.region))
-}
-
-impl FakeNic {
     fn new_window(&self, pd_wide: bool) -> Result<MwId, VerbsError> {
         self.with(|f, nic| {
             f.next_key += 0x100;
@@ -458,6 +448,14 @@ impl FakeNic {
             Ok(id)
         })
     }
+}
+
+fn local_region(n: &Nic, op: &'static str, mr: MrId, offset: u64, len: u32) -> Result<Arc<dyn Region>, VerbsError> {
+    let m = n.mrs.get(&mr).ok_or_else(|| bad(op, format!("unknown memory region {}", mr.0)))?;
+    if offset.checked_add(u64::from(len)).is_none_or(|e| e > m.region.len() as u64) {
+        return Err(bad(op, format!("{offset}+{len} is past the region's {} bytes", m.region.len())));
+    }
+    Ok(Arc::clone(&m.region))
 }
 
 impl Engine for FakeNic {
