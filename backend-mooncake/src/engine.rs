@@ -1,7 +1,7 @@
 //! The batch engine: a trait shaped like Mooncake's `TransferEngine` and its
 //! implementation [`MooncakeEngine`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -10,6 +10,8 @@ use std::time::Duration;
 use crate::batch::{BatchState, TaskStatus};
 use crate::client;
 use crate::error::EngineError;
+use crate::exposed::{ExposedRanges, RangeAccess, RangeId, TcpServe};
+use crate::limits::{ConnLimits, NotifyLimits};
 use crate::memory::{MemoryRegion, MemoryRegistry};
 use crate::proto::{NotifyDesc, ProtoVersion, SegmentDesc, TcpOpcode};
 use crate::server::{self, Listener, ServerShared, TargetHook, TargetStats};
@@ -93,6 +95,27 @@ pub trait TransferEngine: Send + Sync {
     fn send_notify(&self, target: SegmentId, msg: &str) -> Result<(), EngineError>;
     /// Takes the notifications received so far (oldest first).
     fn get_notifies(&self) -> Vec<NotifyDesc>;
+    /// From now on the TCP data server serves only ranges opened with
+    /// [`expose_range`](Self::expose_range), if the engine's
+    /// [`TcpServe`] allows (`Auto`); whether it does now. The adapter calls
+    /// it when it takes the engine. The default (an engine without such a
+    /// server) says `false`.
+    fn serve_exposed_only(&self) -> bool {
+        false
+    }
+    /// Opens `[addr, addr+len)` of registered memory to remote requests of
+    /// `access` (while [`serve_exposed_only`](Self::serve_exposed_only)
+    /// holds, nothing else is served). Refused if it overlaps an open range.
+    /// `Ok(None)`: the engine does not filter by exposure.
+    fn expose_range(&self, _addr: u64, _len: u64, _access: RangeAccess) -> Result<Option<RangeId>, EngineError> {
+        Ok(None)
+    }
+    /// Closes an exposed range: once this returns, no remote request touches
+    /// it (requests inside it have had their connections shut down).
+    /// `false`: unknown id, or a request did not leave in time (logged).
+    fn unexpose_range(&self, _id: RangeId) -> bool {
+        true
+    }
 }
 
 /// Engine options.
@@ -111,8 +134,18 @@ pub struct EngineConfig {
     /// Reject requests outside the target's advertised buffers at submit time.
     /// Disable only to exercise the target's own rejection (status word 1).
     pub check_remote_bounds: bool,
-    /// Most queued notifications kept (oldest dropped beyond).
-    pub max_notifies: usize,
+    /// Budgets of the notification queue, in all and per source address
+    /// (refused beyond, never evicting another's; [`NotifyLimits::legacy`]
+    /// restores the old drop-oldest queue).
+    pub notify_limits: NotifyLimits,
+    /// What the TCP data server serves: any registered byte, or only ranges
+    /// exposed now ([`TcpServe`]; `Auto`: restricted once an adapter takes
+    /// the engine).
+    pub serve: TcpServe,
+    /// Connection caps and deadlines of the data port.
+    pub data_limits: ConnLimits,
+    /// Connection caps and deadlines of the handshake port.
+    pub handshake_limits: ConnLimits,
     /// `tcp_proto_version` our descriptor advertises (2; set 1 to make peers,
     /// including our own initiator, speak the legacy framing, for tests).
     pub advertised_tcp_proto_version: u32,
@@ -132,7 +165,10 @@ impl Default for EngineConfig {
             handshake_timeout: Duration::from_secs(5),
             transfer_timeout: None,
             check_remote_bounds: true,
-            max_notifies: 65536,
+            notify_limits: NotifyLimits::default(),
+            serve: TcpServe::Auto,
+            data_limits: ConnLimits::DATA,
+            handshake_limits: ConnLimits::HANDSHAKE,
             advertised_tcp_proto_version: 2,
             tcp: TcpTransportConfig::default(),
             target_hook: None,
@@ -179,16 +215,18 @@ impl MooncakeEngine {
         let registry = Arc::new(MemoryRegistry::default());
         let shared = Arc::new(ServerShared {
             registry: registry.clone(),
-            notifies: Mutex::new(VecDeque::new()),
+            notifies: Mutex::default(),
+            notify_limits: cfg.notify_limits,
             segment_name: format!("{}:{}", cfg.local_host, hs_addr.port()),
             data_host: cfg.local_host.clone(),
             data_port,
-            io_timeout: cfg.handshake_timeout.max(Duration::from_secs(1)),
+            data_limits: cfg.data_limits,
+            handshake_limits: cfg.handshake_limits,
             stop: AtomicBool::new(false),
-            max_notifies: cfg.max_notifies.max(1),
             advertised_version: cfg.advertised_tcp_proto_version.max(1),
             stats: Default::default(),
             hook: cfg.target_hook.clone(),
+            ranges: ExposedRanges::new(cfg.serve),
         });
         let handshake = server::start_handshake(hs_addr, shared.clone())?;
         let data = server::start_data(data_l, shared.clone())?;
@@ -219,13 +257,16 @@ impl MooncakeEngine {
 
     /// Target-side counters (which framing initiators use, rejections, bytes).
     pub fn target_stats(&self) -> TargetStats {
-        self.shared.stats.snapshot()
+        let mut s = self.shared.stats.snapshot();
+        s.ranges_exposed = self.shared.ranges.len() as u64;
+        s.notify_bytes_queued = self.shared.notifies.lock().unwrap_or_else(|e| e.into_inner()).bytes() as u64;
+        s
     }
 
     /// Our descriptor as a Metadata handshake from an anonymous peer
     /// returns it.
     pub fn local_descriptor(&self) -> SegmentDesc {
-        self.shared.published(None)
+        self.shared.published(None, None)
     }
 
     fn transport(&self) -> Result<&Arc<dyn DataTransport>, EngineError> {
@@ -277,7 +318,7 @@ impl TransferEngine for MooncakeEngine {
 
     fn open_segment(&self, name: &str) -> Result<SegmentId, EngineError> {
         let hs = client::resolve_segment(name)?;
-        let desc = client::fetch_metadata(hs, &self.shared.published(Some(name)), self.cfg.handshake_timeout)?;
+        let desc = client::fetch_metadata(hs, &self.shared.published(Some(name), None), self.cfg.handshake_timeout)?;
         let ours = self.transport()?.protocol();
         if desc.protocol != ours {
             return Err(crate::proto::ProtoError::InvalidDescriptor(format!(
@@ -403,7 +444,19 @@ impl TransferEngine for MooncakeEngine {
     }
 
     fn get_notifies(&self) -> Vec<NotifyDesc> {
-        self.shared.notifies.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect()
+        self.shared.notifies.lock().unwrap_or_else(|e| e.into_inner()).drain()
+    }
+
+    fn serve_exposed_only(&self) -> bool {
+        self.shared.ranges.restrict()
+    }
+
+    fn expose_range(&self, addr: u64, len: u64, access: RangeAccess) -> Result<Option<RangeId>, EngineError> {
+        self.shared.ranges.open(addr, len, access).map(Some)
+    }
+
+    fn unexpose_range(&self, id: RangeId) -> bool {
+        self.shared.ranges.close(id)
     }
 }
 

@@ -70,7 +70,9 @@ pub mod bench;
 pub mod client;
 mod engine;
 mod error;
+pub mod exposed;
 pub mod gate;
+pub mod limits;
 pub mod memory;
 pub mod proto;
 #[cfg(feature = "rdma")]
@@ -85,6 +87,8 @@ pub use batch::{TaskStatus, TransferStatus};
 pub use engine::MockTransferEngine;
 pub use engine::{BatchId, EngineConfig, MooncakeEngine, SegmentId, SegmentInfo, TransferEngine, TransferRequest};
 pub use error::{EngineError, TaskError};
+pub use exposed::{RangeAccess, RangeId, TcpServe};
+pub use limits::{ConnLimits, NotifyLimits};
 pub use memory::MemoryRegion;
 pub use proto::{ProtoVersion, TcpOpcode};
 pub use server::{TargetHook, TargetStats};

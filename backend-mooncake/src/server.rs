@@ -1,14 +1,16 @@
 //! Target side: the P2P handshake server and the TCP data server.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::EngineError;
+use crate::exposed::ExposedRanges;
+use crate::limits::{AddrCounts, ConnLimits, ConnRefusal, NotifyLimits, NotifyQueue};
 use crate::memory::MemoryRegistry;
 use crate::proto::{
     BufferDesc, HandshakeFrame, HandshakeType, NotifyDesc, NotifyReply, ProbeReply, RequestHeader, SegmentDesc,
@@ -22,10 +24,14 @@ use crate::proto::{
 /// so that what remote peers may reach follows the registry.
 pub trait TargetHook: Send + Sync + std::fmt::Debug {
     /// Our descriptor as `peer` (the segment name its own metadata gave,
-    /// if it sent any) is to see it; `base` is the TCP descriptor.
-    fn descriptor(&self, base: SegmentDesc, peer: Option<&str>) -> SegmentDesc;
-    /// The reply to a Connection message (`request` is its JSON body).
-    fn connection(&self, request: &[u8]) -> Vec<u8>;
+    /// if it sent any) is to see it; `base` is the TCP descriptor. `from`:
+    /// the source address of the request that asks (a name is only what a
+    /// request declares, the address is what TCP vouched for); `None` when
+    /// we send it ourselves, on a connection we dialed to that peer.
+    fn descriptor(&self, base: SegmentDesc, peer: Option<&str>, from: Option<IpAddr>) -> SegmentDesc;
+    /// The reply to a Connection message (`request` is its JSON body;
+    /// `from` the source address of its connection, what TCP vouched for).
+    fn connection(&self, request: &[u8], from: IpAddr) -> Vec<u8>;
     /// `[addr, addr+len)` was registered with the engine.
     fn registered(&self, addr: u64, len: u64) -> Result<(), EngineError>;
     /// The region at `addr` is being unregistered: once this returns, no
@@ -40,70 +46,88 @@ pub trait TargetHook: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Most concurrent handshake or data connections a server serves.
-const MAX_CONNS: usize = 1024;
-
 /// Shared state the servers need.
 #[derive(Debug)]
 pub(crate) struct ServerShared {
     pub(crate) registry: Arc<MemoryRegistry>,
-    pub(crate) notifies: Mutex<VecDeque<NotifyDesc>>,
+    pub(crate) notifies: Mutex<NotifyQueue>,
+    pub(crate) notify_limits: NotifyLimits,
     pub(crate) segment_name: String,
     pub(crate) data_host: String,
     pub(crate) data_port: u16,
-    pub(crate) io_timeout: Duration,
+    pub(crate) data_limits: ConnLimits,
+    pub(crate) handshake_limits: ConnLimits,
     pub(crate) stop: AtomicBool,
-    pub(crate) max_notifies: usize,
     pub(crate) advertised_version: u32,
     pub(crate) stats: TargetCounters,
     pub(crate) hook: Option<Arc<dyn TargetHook>>,
+    /// What the data server may touch ([`crate::TcpServe`]).
+    pub(crate) ranges: ExposedRanges,
 }
 
-/// Target-side counters (see [`TargetStats`]).
-#[derive(Debug, Default)]
-pub(crate) struct TargetCounters {
-    v1: AtomicU64,
-    v2: AtomicU64,
-    rejected: AtomicU64,
-    bytes_written: AtomicU64,
-    bytes_read: AtomicU64,
-}
+macro_rules! target_counters {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        /// Target-side counters (see [`TargetStats`]).
+        #[derive(Debug, Default)]
+        pub(crate) struct TargetCounters { $(pub(crate) $name: AtomicU64,)* }
 
-impl TargetCounters {
-    pub(crate) fn snapshot(&self) -> TargetStats {
-        TargetStats {
-            v1_requests: self.v1.load(Ordering::Relaxed),
-            v2_requests: self.v2.load(Ordering::Relaxed),
-            rejected: self.rejected.load(Ordering::Relaxed),
-            bytes_written: self.bytes_written.load(Ordering::Relaxed),
-            bytes_read: self.bytes_read.load(Ordering::Relaxed),
+        /// What the data and handshake servers have served and refused so
+        /// far. A non-zero `v1_requests` means some initiator speaks v1: its
+        /// completions prove nothing about our memory (it cannot learn of a
+        /// rejection or of when bytes were applied).
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        pub struct TargetStats { $($(#[$doc])* pub $name: u64,)* }
+
+        impl TargetCounters {
+            pub(crate) fn snapshot(&self) -> TargetStats {
+                TargetStats { $($name: self.$name.load(Ordering::Relaxed),)* }
+            }
         }
-    }
+    };
 }
 
-/// What the data server has served so far. A non-zero `v1_requests` means
-/// some initiator speaks v1: its completions prove nothing about our memory
-/// (it cannot learn of a rejection or of when bytes were applied).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TargetStats {
+target_counters! {
     /// Accepted requests without the v2 flag.
-    pub v1_requests: u64,
+    v1_requests,
     /// Accepted requests with the v2 flag.
-    pub v2_requests: u64,
-    /// Rejected requests (outside registered memory, size 0, bad opcode).
-    pub rejected: u64,
+    v2_requests,
+    /// Rejected requests (outside registered memory, outside every exposed
+    /// range, size 0, bad opcode).
+    rejected,
+    /// Of `rejected`: inside registered memory but outside every range
+    /// exposed for that operation ([`crate::TcpServe::ExposedOnly`]).
+    unexposed_rejected,
     /// Bytes applied by remote WRITEs.
-    pub bytes_written: u64,
+    bytes_written,
     /// Bytes served to remote READs.
-    pub bytes_read: u64,
+    bytes_read,
+    /// Connections (data or handshake) closed at accept: the port's
+    /// `max_conns` was reached.
+    conns_refused_global,
+    /// Connections closed at accept: their address's `max_conns_per_addr`
+    /// was reached.
+    conns_refused_per_addr,
+    /// Connections closed for sending nothing within `idle_timeout`.
+    idle_closed,
+    /// Connections closed for a request not finished within `request_timeout`.
+    deadline_closed,
+    /// Notifications refused (answered not `success`): their address's
+    /// budget, or the queue's, was spent.
+    notifies_refused,
+    /// Notifications dropped to make room (legacy queue only).
+    notifies_dropped,
+    /// Ranges exposed to the data server now (a gauge).
+    ranges_exposed,
+    /// Bytes of notifications queued now (a gauge).
+    notify_bytes_queued,
 }
 
 impl ServerShared {
     /// Our descriptor as `peer` is to see it: the TCP one, or what the
     /// target hook makes of it.
-    pub(crate) fn published(&self, peer: Option<&str>) -> SegmentDesc {
+    pub(crate) fn published(&self, peer: Option<&str>, from: Option<IpAddr>) -> SegmentDesc {
         match &self.hook {
-            Some(hook) => hook.descriptor(self.descriptor(), peer),
+            Some(hook) => hook.descriptor(self.descriptor(), peer, from),
             None => self.descriptor(),
         }
     }
@@ -182,17 +206,36 @@ impl Drop for Listener {
     }
 }
 
+/// One accepted connection, as its handler sees it.
+pub(crate) struct Conn {
+    /// The listener's id for it (what [`ExposedRanges`] shuts down by).
+    pub(crate) id: u64,
+    /// The source address: a peer's identity here (see [`crate::limits`]).
+    pub(crate) peer: SocketAddr,
+}
+
+type Handler = fn(TcpStream, &ServerShared, &Conn);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn spawn_listener(
     listener: TcpListener,
     shared: Arc<ServerShared>,
-    name: &str,
-    handler: fn(TcpStream, &ServerShared),
+    name: &'static str,
+    limits: ConnLimits,
+    handler: Handler,
 ) -> Result<Listener, EngineError> {
     let addr = listener.local_addr().map_err(|e| EngineError::io("local_addr", e))?;
     let handle = listener.try_clone().ok();
     let sh = shared.clone();
     let live = Arc::new(AtomicUsize::new(0));
     let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+    if name == "data" {
+        shared.ranges.set_conns(conns.clone());
+    }
+    let counts: Arc<Mutex<AddrCounts>> = Arc::default();
     let (live_l, conns_l) = (live.clone(), conns.clone());
     let mut next_id = 0u64;
     let thread = std::thread::Builder::new()
@@ -208,24 +251,38 @@ fn spawn_listener(
                     Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
                     Err(_) => continue,
                 };
-                if live.load(Ordering::Acquire) >= MAX_CONNS {
-                    tracing::warn!("too many connections; dropping one");
+                let Ok(peer) = stream.peer_addr() else { continue };
+                // Refused at once, before a thread or a byte of buffer is
+                // spent on it: the caps are what bound both.
+                if let Err(why) = lock(&counts).admit(peer.ip(), &limits) {
+                    let c = match why {
+                        ConnRefusal::Global => &sh.stats.conns_refused_global,
+                        ConnRefusal::PerAddr => &sh.stats.conns_refused_per_addr,
+                    };
+                    c.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(port = name, %peer, ?why, "connection refused at a cap");
+                    drop(stream);
                     continue;
                 }
-                let Ok(clone) = stream.try_clone() else { continue };
+                let Ok(clone) = stream.try_clone() else {
+                    lock(&counts).release(peer.ip());
+                    continue;
+                };
                 next_id += 1;
                 let id = next_id;
-                conns_l.lock().unwrap_or_else(|e| e.into_inner()).insert(id, clone);
+                lock(&conns_l).insert(id, clone);
                 live.fetch_add(1, Ordering::AcqRel);
                 let sh2 = sh.clone();
-                let (live2, conns2) = (live.clone(), conns_l.clone());
+                let (live2, conns2, counts2) = (live.clone(), conns_l.clone(), counts.clone());
                 let spawned = std::thread::Builder::new().name("mc-conn".into()).spawn(move || {
-                    handler(stream, &sh2);
-                    conns2.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                    handler(stream, &sh2, &Conn { id, peer });
+                    lock(&conns2).remove(&id);
+                    lock(&counts2).release(peer.ip());
                     live2.fetch_sub(1, Ordering::AcqRel);
                 });
                 if spawned.is_err() {
-                    conns_l.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                    lock(&conns_l).remove(&id);
+                    lock(&counts).release(peer.ip());
                     live.fetch_sub(1, Ordering::AcqRel);
                 }
             }
@@ -237,18 +294,125 @@ fn spawn_listener(
 /// Starts the handshake server on `bind`.
 pub(crate) fn start_handshake(bind: SocketAddr, shared: Arc<ServerShared>) -> Result<Listener, EngineError> {
     let l = TcpListener::bind(bind).map_err(|e| EngineError::io(format!("bind handshake {bind}"), e))?;
-    spawn_listener(l, shared, "handshake", serve_handshake)
+    let limits = shared.handshake_limits;
+    spawn_listener(l, shared, "handshake", limits, serve_handshake)
 }
 
 /// Starts the data server on an already bound listener.
 pub(crate) fn start_data(l: TcpListener, shared: Arc<ServerShared>) -> Result<Listener, EngineError> {
-    spawn_listener(l, shared, "data", serve_data)
+    let limits = shared.data_limits;
+    spawn_listener(l, shared, "data", limits, serve_data)
 }
 
-fn serve_handshake(mut s: TcpStream, sh: &ServerShared) {
-    let _ = s.set_read_timeout(Some(sh.io_timeout));
-    let _ = s.set_write_timeout(Some(sh.io_timeout));
-    let frame = match HandshakeFrame::read_from(&mut s, MAX_HANDSHAKE_LEN) {
+/// Which deadline ended a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expiry {
+    Idle,
+    Request,
+}
+
+/// A connection under its port's deadlines: before a request's first byte
+/// the idle timeout applies, from it on the whole-request deadline, which
+/// every read and write is bounded by (a peer trickling one byte at a time
+/// cannot stretch it).
+struct Timed<'a> {
+    s: &'a TcpStream,
+    limits: ConnLimits,
+    /// A request's first byte came and its last has not been handled.
+    in_request: bool,
+    deadline: Option<Instant>,
+    expired: Option<Expiry>,
+}
+
+impl<'a> Timed<'a> {
+    fn new(s: &'a TcpStream, limits: ConnLimits) -> Self {
+        Self { s, limits, in_request: false, deadline: None, expired: None }
+    }
+
+    /// A request started (its first byte came): its deadline runs.
+    fn begin(&mut self) {
+        if !self.in_request {
+            self.in_request = true;
+            self.deadline = self.limits.request_timeout.map(|t| Instant::now() + t);
+        }
+    }
+
+    /// The request ended: the idle timeout applies again.
+    fn end(&mut self) {
+        self.in_request = false;
+        self.deadline = None;
+    }
+
+    /// The timeout of the next socket call.
+    fn timeout(&mut self) -> std::io::Result<Option<Duration>> {
+        if !self.in_request {
+            return Ok(self.limits.idle_timeout);
+        }
+        let Some(d) = self.deadline else { return Ok(None) };
+        let now = Instant::now();
+        if now >= d {
+            self.expired = Some(Expiry::Request);
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        // A zero timeout means "none" to the socket: at least 1 ms.
+        Ok(Some((d - now).max(Duration::from_millis(1))))
+    }
+
+    fn timed_out(&mut self, e: &std::io::Error) {
+        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            self.expired = Some(if self.in_request { Expiry::Request } else { Expiry::Idle });
+        }
+    }
+
+    /// Counts the deadline that closed the connection, if one did.
+    fn count(&self, sh: &ServerShared) {
+        match self.expired {
+            Some(Expiry::Idle) => sh.stats.idle_closed.fetch_add(1, Ordering::Relaxed),
+            Some(Expiry::Request) => sh.stats.deadline_closed.fetch_add(1, Ordering::Relaxed),
+            None => 0,
+        };
+    }
+}
+
+impl Read for Timed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let t = self.timeout()?;
+        self.s.set_read_timeout(t)?;
+        match (&mut &*self.s).read(buf) {
+            Ok(n) => {
+                if n > 0 {
+                    self.begin();
+                }
+                Ok(n)
+            }
+            Err(e) => {
+                self.timed_out(&e);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Write for Timed<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.begin();
+        let t = self.timeout()?;
+        self.s.set_write_timeout(t)?;
+        (&mut &*self.s).write(buf).inspect_err(|e| self.timed_out(e))
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn serve_handshake(s: TcpStream, sh: &ServerShared, conn: &Conn) {
+    let mut t = Timed::new(&s, sh.handshake_limits);
+    serve_handshake_on(&mut t, sh, conn);
+    t.count(sh);
+}
+
+fn serve_handshake_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
+    let frame = match HandshakeFrame::read_from(s, MAX_HANDSHAKE_LEN) {
         Ok(f) => f,
         Err(e) => {
             tracing::debug!(error = %e, "bad handshake frame");
@@ -265,36 +429,49 @@ fn serve_handshake(mut s: TcpStream, sh: &ServerShared) {
             // The peer's own descriptor names it; any other shape is answered
             // as an anonymous peer.
             let peer = value.as_ref().ok().and_then(|v| v.get("name")).and_then(|n| n.as_str());
-            sh.published(peer).to_json()
+            sh.published(peer, Some(conn.peer.ip())).to_json()
         }
         HandshakeType::Notify => match NotifyDesc::from_json(&frame.json) {
-            Ok(n) => {
-                let mut q = sh.notifies.lock().unwrap_or_else(|e| e.into_inner());
-                if q.len() >= sh.max_notifies {
-                    tracing::warn!("notify queue full, dropping oldest");
-                    q.pop_front();
-                }
-                tracing::debug!(from = %n.name, "notify received");
-                q.push_back(n);
-                to_json_line(&NotifyReply::success())
-            }
+            Ok(n) => to_json_line(&queue_notify(sh, conn, n)),
             Err(_) => return,
         },
         HandshakeType::Probe => to_json_line(&ProbeReply { status: "success".into() }),
         HandshakeType::Connection => match &sh.hook {
-            Some(hook) => hook.connection(&frame.json),
+            Some(hook) => hook.connection(&frame.json, conn.peer.ip()),
             // RDMA QP exchange; nothing to do for TCP.
             None => b"{}\n".to_vec(),
         },
         HandshakeType::OldProtocol => b"{}\n".to_vec(),
     };
-    if HandshakeFrame::new(frame.kind, reply).write_to(&mut s).is_err() {
+    if HandshakeFrame::new(frame.kind, reply).write_to(s).is_err() {
         return;
     }
-    let _ = s.shutdown(Shutdown::Write);
-    // Wait (bounded by the read timeout) for the client to close.
+    let _ = s.s.shutdown(Shutdown::Write);
+    // Wait (bounded by the whole-handshake deadline) for the client to close.
     let mut b = [0u8; 64];
     let _ = s.read(&mut b);
+}
+
+/// Queues a notification under the sender address's budget (never evicting
+/// another's); the reply says whether it was queued.
+fn queue_notify(sh: &ServerShared, conn: &Conn, n: NotifyDesc) -> NotifyReply {
+    let from = n.name.clone();
+    let pushed = lock(&sh.notifies).push(conn.peer.ip(), n, &sh.notify_limits);
+    match pushed {
+        Ok(dropped) => {
+            if dropped > 0 {
+                sh.stats.notifies_dropped.fetch_add(dropped as u64, Ordering::Relaxed);
+                tracing::warn!(dropped, "notify queue full, dropped the oldest (legacy queue)");
+            }
+            tracing::debug!(from = %from, "notify received");
+            NotifyReply::success()
+        }
+        Err(why) => {
+            sh.stats.notifies_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(peer = %conn.peer, from = %from, ?why, "notify refused: queue budget spent");
+            NotifyReply { notify_msg: format!("rejected: notify queue budget spent ({why:?})") }
+        }
+    }
 }
 
 fn to_json_line<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -303,17 +480,21 @@ fn to_json_line<T: serde::Serialize>(v: &T) -> Vec<u8> {
     out
 }
 
-fn serve_data(mut s: TcpStream, sh: &ServerShared) {
+fn serve_data(s: TcpStream, sh: &ServerShared, conn: &Conn) {
     let _ = s.set_nodelay(true);
-    // Idle connections may stay open; only stalls mid-request time out.
-    let _ = s.set_write_timeout(Some(sh.io_timeout));
-    let peer = s.peer_addr().ok();
+    let mut t = Timed::new(&s, sh.data_limits);
+    serve_data_on(&mut t, sh, conn);
+    t.count(sh);
+}
+
+fn serve_data_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
+    let peer = conn.peer;
     // Fixed for the engine's life: whether any request here may be placed.
     let tcp_data = sh.hook.as_ref().map_or(true, |h| h.serves_tcp_data());
     loop {
-        let _ = s.set_read_timeout(None);
+        s.end();
         let mut hb = [0u8; HEADER_LEN];
-        match read_full(&mut s, &mut hb, &sh.stop) {
+        match read_full(s, &mut hb, &sh.stop) {
             Ok(true) => {}
             Ok(false) => return, // clean EOF between requests
             Err(e) => {
@@ -321,34 +502,44 @@ fn serve_data(mut s: TcpStream, sh: &ServerShared) {
                 return;
             }
         }
-        let _ = s.set_read_timeout(Some(sh.io_timeout));
         let (hdr, v2) = match RequestHeader::decode(&hb) {
             Ok(h) => (Some(h), h.v2),
             Err(_) => (None, hb[16] & 0x80 != 0),
         };
         let guard = hdr.filter(|_| tcp_data).and_then(|h| sh.registry.acquire(h.addr, h.size));
-        let (Some(h), Some(guard)) = (hdr, guard) else {
-            tracing::warn!(
-                ?peer,
-                ?hdr,
-                tcp_data,
-                "rejecting request outside registered memory (or any, if tcp_data is off)"
-            );
+        // Inside registered memory is not enough under `ExposedOnly`: the
+        // range must be exposed now for this operation.
+        let exposure = match (hdr, &guard) {
+            (Some(h), Some(_)) if sh.ranges.exposed_only() => {
+                sh.ranges.admit(h.addr, h.size, h.opcode, conn.id).map(Some)
+            }
+            _ => Some(None),
+        };
+        let (Some(h), Some(guard), Some(exposure)) = (hdr, guard, exposure) else {
+            let unexposed = hdr.is_some() && tcp_data && sh.ranges.exposed_only();
+            if unexposed {
+                sh.stats.unexposed_rejected.fetch_add(1, Ordering::Relaxed);
+            }
+            tracing::warn!(?peer, ?hdr, tcp_data, unexposed, "rejecting request outside what this target serves");
             sh.stats.rejected.fetch_add(1, Ordering::Relaxed);
             if v2 {
                 let _ = s.write_all(&StatusWord::AddrRejected.encode());
             }
             return;
         };
-        let ctr = if v2 { &sh.stats.v2 } else { &sh.stats.v1 };
+        let ctr = if v2 { &sh.stats.v2_requests } else { &sh.stats.v1_requests };
         ctr.fetch_add(1, Ordering::Relaxed);
         let ok = match h.opcode {
             TcpOpcode::Write => {
                 // SAFETY: the range lies inside a region held by `guard`; this
                 // thread is the only engine writer of it for this request.
                 let Some(dst) = (unsafe { guard.slice_mut(h.addr, h.size) }) else { return };
-                match read_exact_stop(&mut s, dst, &sh.stop) {
+                match read_exact_stop(s, dst, &sh.stop) {
                     Ok(()) => {
+                        // Out of the exposure before the status word: the
+                        // initiator's DONE (which closes the exposure) can
+                        // only follow it.
+                        drop(exposure);
                         sh.stats.bytes_written.fetch_add(h.size, Ordering::Relaxed);
                         !v2 || s.write_all(&StatusWord::Ok.encode()).is_ok()
                     }
@@ -359,6 +550,7 @@ fn serve_data(mut s: TcpStream, sh: &ServerShared) {
                 // SAFETY: as above; we only read the bytes.
                 let Some(src) = (unsafe { guard.slice(h.addr, h.size) }) else { return };
                 let ok = (!v2 || s.write_all(&StatusWord::Ok.encode()).is_ok()) && s.write_all(src).is_ok();
+                drop(exposure);
                 if ok {
                     sh.stats.bytes_read.fetch_add(h.size, Ordering::Relaxed);
                 }
@@ -374,7 +566,7 @@ fn serve_data(mut s: TcpStream, sh: &ServerShared) {
 }
 
 /// Reads exactly `buf`; `Ok(false)` on EOF before the first byte.
-fn read_full(s: &mut TcpStream, buf: &mut [u8], stop: &AtomicBool) -> std::io::Result<bool> {
+fn read_full(s: &mut impl Read, buf: &mut [u8], stop: &AtomicBool) -> std::io::Result<bool> {
     let mut have = 0;
     while have < buf.len() {
         if stop.load(Ordering::Relaxed) {
@@ -391,7 +583,7 @@ fn read_full(s: &mut TcpStream, buf: &mut [u8], stop: &AtomicBool) -> std::io::R
     Ok(true)
 }
 
-fn read_exact_stop(s: &mut TcpStream, buf: &mut [u8], stop: &AtomicBool) -> std::io::Result<()> {
+fn read_exact_stop(s: &mut impl Read, buf: &mut [u8], stop: &AtomicBool) -> std::io::Result<()> {
     if read_full(s, buf, stop)? || buf.is_empty() {
         Ok(())
     } else {

@@ -7,7 +7,7 @@ use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::batch::BatchState;
 use crate::error::TaskError;
@@ -107,6 +107,11 @@ pub struct TcpTransportConfig {
     pub io_timeout: Duration,
     /// Open a connection per request, like Mooncake's default (slower).
     pub connection_per_request: bool,
+    /// A pooled connection idle this long is closed rather than reused:
+    /// below the target's idle deadline (its `ConnLimits::idle_timeout`,
+    /// 120 s by default), so a request never goes out on a connection the
+    /// target is about to close.
+    pub max_idle: Duration,
 }
 
 impl Default for TcpTransportConfig {
@@ -116,6 +121,7 @@ impl Default for TcpTransportConfig {
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
             connection_per_request: false,
+            max_idle: Duration::from_secs(60),
         }
     }
 }
@@ -186,7 +192,7 @@ impl DataTransport for TcpTransport {
 }
 
 fn worker(sh: Arc<(Mutex<Queue>, Condvar)>, cfg: TcpTransportConfig) {
-    let mut conns: HashMap<u64, TcpStream> = HashMap::new();
+    let mut conns: HashMap<u64, (TcpStream, Instant)> = HashMap::new();
     let mut seen_forget = 0usize;
     loop {
         let work = {
@@ -210,8 +216,9 @@ fn worker(sh: Arc<(Mutex<Queue>, Condvar)>, cfg: TcpTransportConfig) {
         let Some(work) = work else { return };
         work.completion.started();
         let seg = work.remote.id;
-        let stream = match conns.remove(&seg) {
-            Some(s) => s,
+        let pooled = conns.remove(&seg).filter(|(s, since)| since.elapsed() < cfg.max_idle && still_open(s));
+        let stream = match pooled {
+            Some((s, _)) => s,
             None => match connect(&work.remote.data_addr, &cfg) {
                 Ok(s) => s,
                 Err(e) => {
@@ -231,7 +238,7 @@ fn worker(sh: Arc<(Mutex<Queue>, Condvar)>, cfg: TcpTransportConfig) {
         match result {
             Ok(n) => {
                 if !cfg.connection_per_request {
-                    conns.insert(seg, stream);
+                    conns.insert(seg, (stream, Instant::now()));
                 }
                 completion.finish(Ok(n));
             }
@@ -245,6 +252,18 @@ fn worker(sh: Arc<(Mutex<Queue>, Condvar)>, cfg: TcpTransportConfig) {
             }
         }
     }
+}
+
+/// Whether the peer has not closed a pooled connection (nothing to read,
+/// no EOF): a target closes idle connections, and a request sent on a
+/// closed one would fail after its bytes may have left.
+fn still_open(s: &TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    if s.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let open = matches!(s.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    s.set_nonblocking(false).is_ok() && open
 }
 
 fn connect(addr: &SocketAddr, cfg: &TcpTransportConfig) -> std::io::Result<TcpStream> {

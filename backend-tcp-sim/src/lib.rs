@@ -59,8 +59,8 @@ pub mod wire;
 
 pub use fault::{splitmix64, DelayDist, DropSpec, FaultPlan, Gate};
 pub use nic::{
-    ExposeError, ExposeErrorKind, FaultRecord, InboundEvent, MessageHook, NicConfig, NicError, PeerInfo, RawAccess,
-    RawCallback, RawCompletions, RawHandle, ReleasePolicy, SimNic, CAPABILITIES,
+    ExposeError, ExposeErrorKind, FaultRecord, InboundEvent, ListenerLimits, MessageHook, NicConfig, NicError,
+    PeerInfo, RawAccess, RawCallback, RawCompletions, RawHandle, ReleasePolicy, SimNic, CAPABILITIES,
 };
 pub use stats::NicStats;
 

@@ -91,6 +91,13 @@ stats! {
     connections_opened,
     /// Connections accepted by this NIC.
     connections_accepted,
+    /// Accepted connections closed at once: handshakes at their cap.
+    handshakes_refused_busy,
+    /// Accepted connections closed at once: their address's handshakes at its cap.
+    handshakes_refused_per_address,
+    /// Accepted connections closed at once: their address's established
+    /// connections at its cap.
+    connections_refused_per_address,
     /// Naive policy only: Completed proofs minted without evidence on quarantine.
     naive_releases,
     /// WRITE completions that arrived before the WR's bytes had all left

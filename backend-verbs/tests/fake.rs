@@ -54,9 +54,11 @@ fn ladder(drain_ms: u64) -> EscalationLadder {
     }
 }
 
-/// `prefill` dials `decode`; the decode side's id for it.
+/// `prefill` dials `decode`, and the decode side adds it (its owner
+/// confirms the connection); the decode side's id for it.
 fn connect(decode: &Side, prefill: &Side) -> PeerId {
     prefill.t.add_peer(decode.t.descriptor()).expect("add peer");
+    decode.t.add_peer(prefill.t.descriptor()).expect("decode adds prefill");
     let name = prefill.t.descriptor().rsplit_once('@').map(|(n, _)| n.to_owned()).unwrap_or_default();
     let mut peer = None;
     assert!(eventually(|| {

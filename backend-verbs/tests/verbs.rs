@@ -528,7 +528,11 @@ mod on_device {
             endpoint: qp.endpoint(MTU).map_err(|x| e(&x))?,
             ticket: d.ticket,
         };
-        s.write_all(&ours.encode().map_err(|x| e(&x))?).map_err(|x| e(&x))?;
+        // A dialer's hello is followed by its connection's nonce (the claim
+        // the named peer would have to confirm; the garbler's never is).
+        let mut hello = ours.encode().map_err(|x| e(&x))?;
+        hello.extend_from_slice(&[0x6b; 16]);
+        s.write_all(&hello).map_err(|x| e(&x))?;
         let theirs = Hello::read_from(&mut s).map_err(|x| e(&x))?;
         qp.connect(&theirs.endpoint).map_err(|x| e(&x))?;
         let send = |wr: u64, bytes: &[u8]| -> Result<WcStatus, String> {

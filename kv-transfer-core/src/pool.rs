@@ -226,7 +226,7 @@ pub(crate) struct PoolState {
     /// nothing here; the lease's own writes and `into_reserved` drop its
     /// entries (the same tenancy's bytes are its own again). One entry per
     /// slot at most.
-    pub(crate) digests: HashMap<u32, (u64, u32)>,
+    pub(crate) digests: HashMap<u32, SlotDigest>,
     pub(crate) counters: Counters,
     pub(crate) leased: u64,
     pub(crate) quarantined: u64,
@@ -318,7 +318,29 @@ impl fmt::Debug for SlotPool {
     }
 }
 
+/// The digest a DONE carried for a settled tenancy of a slot, with the key
+/// (its exposure's token) to check it under.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SlotDigest {
+    pub(crate) generation: u64,
+    pub(crate) tag: crate::drain::Digest,
+    pub(crate) key: crate::drain::ExposureToken,
+}
+
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A pool's id: 48 bits from the OS's random source over a 16-bit process
+/// counter. Peers see ids (descriptors carry them); a sequential id let a
+/// hostile peer name a pool it was never shown in a forged ABORT, so an id is
+/// not guessable, and still distinct within a process for 65,536 pools.
+fn fresh_pool_id() -> PoolId {
+    let n = NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed) & 0xffff;
+    let mut b = [0u8; 8];
+    if let Err(e) = getrandom::fill(&mut b) {
+        tracing::error!(error = %e, "OS random source failed: pool id is guessable");
+    }
+    PoolId((u64::from_le_bytes(b) & !0xffff) | n)
+}
 
 /// What a delivered proof did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -371,7 +393,7 @@ impl SlotPool {
             fence_epoch: 0,
         };
         let inner = PoolInner {
-            id: PoolId(NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed)),
+            id: fresh_pool_id(),
             region,
             slot_size: config.slot_size,
             capacity,
@@ -851,6 +873,7 @@ impl SlotPool {
             ProofScope::Tenancies(_) | ProofScope::Digested(_) => {
                 let (ts, digests) = proof.scope.tenancies().unwrap_or_default();
                 let digests = (!digests.is_empty()).then_some(digests);
+                let key = proof.scope.digest_key().unwrap_or_default();
                 for t in ts {
                     let Some(meta) = st.slots.get(t.slot.0 as usize).copied() else {
                         report.stale += 1;
@@ -864,7 +887,7 @@ impl SlotPool {
                         EXPOSED => {
                             st.slots[t.slot.0 as usize].state = PROVEN;
                             if let Some((_, d)) = digests.and_then(|ds| ds.iter().find(|(dt, _)| dt == t)) {
-                                st.digests.insert(t.slot.0, (t.generation.0, *d));
+                                st.digests.insert(t.slot.0, SlotDigest { generation: t.generation.0, tag: *d, key });
                             }
                             if !st.waiters.is_empty() {
                                 if let Some(w) = st.waiters.remove(&t.slot.0) {
@@ -1074,18 +1097,18 @@ impl SlotPool {
     }
 
     /// The digest a DONE (or a READ's own completion) recorded for `t`, if any.
-    pub(crate) fn digest_of(&self, t: Tenancy) -> Option<u32> {
+    pub(crate) fn digest_of(&self, t: Tenancy) -> Option<SlotDigest> {
         let st = lock(&self.inner.state);
         if st.digests.is_empty() {
             return None;
         }
-        st.digests.get(&t.slot.0).filter(|(g, _)| *g == t.generation.0).map(|(_, d)| *d)
+        st.digests.get(&t.slot.0).filter(|d| d.generation == t.generation.0).copied()
     }
 
     /// Checks `bytes` (the whole slot of `t`, as they will be handed over)
     /// against `t`'s digest; a mismatch is counted and refused.
-    pub(crate) fn check_digest(&self, t: Tenancy, expected: u32, bytes: &[u8]) -> bool {
-        if crate::drain::digest(bytes) == expected {
+    pub(crate) fn check_digest(&self, t: Tenancy, expected: SlotDigest, bytes: &[u8]) -> bool {
+        if crate::drain::digest(&expected.key, bytes).ct_eq(&expected.tag) {
             return true;
         }
         lock(&self.inner.state).counters.integrity_failures += 1;

@@ -6,6 +6,7 @@
 //! [`SettlementAuthority`], which the backend keeps, can make one, and each
 //! carries its pool's id so it cannot settle another pool's slots.
 
+use crate::drain::{Digest, ExposureToken};
 use crate::escalation::EscalationAction;
 use crate::ids::{PeerId, PoolId, Tenancy};
 use crate::lease::{Exposed, Reserved, SlotLease, Tenancies};
@@ -27,11 +28,13 @@ pub(crate) enum ProofScope {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Digested {
     pub(crate) tenancies: Tenancies,
-    pub(crate) digests: Vec<(Tenancy, u32)>,
+    pub(crate) digests: Vec<(Tenancy, Digest)>,
+    /// The exposure token the digests are keyed by.
+    pub(crate) key: ExposureToken,
 }
 
 /// A tenancy and the digest of its bytes.
-pub(crate) type TenancyDigest = (Tenancy, u32);
+pub(crate) type TenancyDigest = (Tenancy, Digest);
 
 impl ProofScope {
     /// The tenancies a tenancy-scoped proof names, and their digests if any
@@ -41,6 +44,14 @@ impl ProofScope {
             Self::Tenancies(ts) => Some((ts, &[])),
             Self::Digested(d) => Some((&d.tenancies, &d.digests)),
             Self::Peer(..) => None,
+        }
+    }
+
+    /// The token a digested proof's digests are keyed by.
+    pub(crate) fn digest_key(&self) -> Option<ExposureToken> {
+        match self {
+            Self::Digested(d) => Some(d.key),
+            _ => None,
         }
     }
 }
@@ -158,8 +169,14 @@ impl SettlementAuthority {
     /// A `Completed` proof for these tenancies whose DONE carried a digest
     /// of each one's bytes: the pool keeps them with the settled tenancies,
     /// and reading a settled lease checks its bytes against them.
-    pub fn completed_with_digests(&self, tenancies: &[Tenancy], digests: &[(Tenancy, u32)]) -> Completed {
-        let d = Digested { tenancies: Tenancies::from_slice(tenancies), digests: digests.to_vec() };
+    /// `key` is the token the digests were taken under ([`crate::drain::digest`]).
+    pub fn completed_with_digests(
+        &self,
+        tenancies: &[Tenancy],
+        digests: &[(Tenancy, Digest)],
+        key: ExposureToken,
+    ) -> Completed {
+        let d = Digested { tenancies: Tenancies::from_slice(tenancies), digests: digests.to_vec(), key };
         Completed(self.mint(SettlementKind::Completed, ProofScope::Digested(Box::new(d))))
     }
     /// A `Completed` proof covering an exposed lease's slots.

@@ -840,8 +840,8 @@ fn integrity_a_settled_slot_whose_bytes_changed_after_its_done_is_refused() {
     let (exposed, remote) = authority.expose(pool.reserve(2).unwrap(), PeerId(1), 1, "t", Default::default());
     let ts = remote.tenancies();
     // The sender's bytes: zeroes (what the region holds), then a late write.
-    let zero = kv_transfer_core::drain::digest(&[0u8; SLOT]);
-    authority.deliver(authority.completed_with_digests(&ts, &[(ts[0], zero), (ts[1], zero)]));
+    let zero = kv_transfer_core::drain::digest(&remote.token, &[0u8; SLOT]);
+    authority.deliver(authority.completed_with_digests(&ts, &[(ts[0], zero), (ts[1], zero)], remote.token));
     let settled = exposed.try_settled().unwrap();
     assert_eq!(settled.bytes().unwrap(), vec![0u8; 2 * SLOT]);
     // A write lands in slot 1 after the DONE (what a stale NIC write does).
@@ -857,6 +857,80 @@ fn integrity_a_settled_slot_whose_bytes_changed_after_its_done_is_refused() {
     assert!(settled.bytes().is_ok());
     settled.release();
     pool.check_invariants().unwrap();
+}
+
+/// Returns `bytes` with 64 bytes at `at` replaced by `evil` and 4 bytes at
+/// `fix` chosen so that the crc32c is unchanged: crc32c is linear over
+/// GF(2), so the 32 bits at `fix` can cancel any change (solved here by
+/// Gaussian elimination), which is why a checksum is no integrity check
+/// against a writer.
+fn crc32c_forgery(bytes: &[u8], at: usize, evil: &[u8; 64], fix: usize) -> Vec<u8> {
+    let zero = vec![0u8; bytes.len()];
+    let lin = |v: &[u8]| crc32c::crc32c(v) ^ crc32c::crc32c(&zero);
+    let mut delta = zero.clone();
+    for (i, b) in evil.iter().enumerate() {
+        delta[at + i] = bytes[at + i] ^ b;
+    }
+    let target = lin(&delta);
+    // Columns: the effect of flipping each bit of the 4 bytes at `fix`.
+    let mut rows: Vec<(u32, u32)> = (0..32)
+        .map(|bit| {
+            let mut v = zero.clone();
+            v[fix + bit / 8] = 1 << (bit % 8);
+            (lin(&v), 1u32 << bit)
+        })
+        .collect();
+    // Reduce to find a combination of columns equal to `target`.
+    let mut basis: Vec<(u32, u32)> = Vec::new();
+    for (mut v, mut m) in rows.drain(..) {
+        for (bv, bm) in &basis {
+            if v ^ bv < v {
+                v ^= bv;
+                m ^= bm;
+            }
+        }
+        if v != 0 {
+            basis.push((v, m));
+            basis.sort_by_key(|b| std::cmp::Reverse(b.0));
+        }
+    }
+    let (mut t, mut mask) = (target, 0u32);
+    for (bv, bm) in &basis {
+        if t ^ bv < t {
+            t ^= bv;
+            mask ^= bm;
+        }
+    }
+    assert_eq!(t, 0, "the 32 bits at `fix` span every crc difference");
+    let mut out = bytes.to_vec();
+    out[at..at + 64].copy_from_slice(evil);
+    for (i, b) in mask.to_le_bytes().iter().enumerate() {
+        out[fix + i] ^= b;
+    }
+    out
+}
+
+#[test]
+fn hostile_a_writer_without_the_token_cannot_forge_a_slot_digest() {
+    let (pool, authority) = pool(1);
+    let (exposed, remote) = authority.expose(pool.reserve(1).unwrap(), PeerId(1), 1, "t", Default::default());
+    let ts = remote.tenancies();
+    let sent: Vec<u8> = (0..SLOT).map(|i| (i * 7 + 3) as u8).collect();
+    pool.region().write(0, &sent).unwrap();
+    let mac = kv_transfer_core::drain::digest(&remote.token, &sent);
+    authority.deliver(authority.completed_with_digests(&ts, &[(ts[0], mac)], remote.token));
+    let settled = exposed.try_settled().unwrap();
+    assert_eq!(settled.bytes().unwrap(), sent);
+    // A third party that can write the slot replaces 64 bytes and fixes 4
+    // others. Positive control: a crc32c digest would pass the forgery.
+    let forged = crc32c_forgery(&sent, 16, &[0xee; 64], 200);
+    assert_ne!(forged, sent);
+    assert_eq!(crc32c::crc32c(&forged), crc32c::crc32c(&sent), "positive control: crc32c is forgeable");
+    pool.region().write(0, &forged).unwrap();
+    // The MAC, keyed by the exposure's token, refuses it: no byte handed over.
+    assert_eq!(settled.bytes().unwrap_err(), AccessError::Integrity { index: 0 });
+    assert_eq!(pool.metrics().integrity_failures, 1);
+    settled.release();
 }
 
 #[test]

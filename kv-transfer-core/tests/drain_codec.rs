@@ -5,8 +5,8 @@
 #![cfg(not(loom))]
 
 use kv_transfer_core::drain::{
-    ControlKind, ControlMessage, DecodeError, ExposureToken, HEADER_LEN, MAGIC, MAX_LEN, MAX_TENANCIES, TEXT_PREFIX,
-    VERSION,
+    ControlKind, ControlMessage, DecodeError, Digest, ExposureToken, DIGEST_LEN, HEADER_LEN, MAGIC, MAX_LEN,
+    MAX_TENANCIES, TEXT_PREFIX, VERSION,
 };
 use kv_transfer_core::{Generation, PoolId, SlotId, Tenancy};
 use proptest::collection::vec;
@@ -27,13 +27,13 @@ fn message_with(counts: BoxedStrategy<usize>) -> impl Strategy<Value = ControlMe
     (kind(), any::<u64>(), any::<[u8; 16]>(), counts, any::<bool>()).prop_flat_map(
         |(kind, pool, token, n, with_digests)| {
             let digests = if with_digests && kind == ControlKind::Done { n } else { 0 };
-            (vec((any::<u32>(), any::<u64>()), n), vec(any::<u32>(), digests)).prop_map(move |(ts, digests)| {
+            (vec((any::<u32>(), any::<u64>()), n), vec(any::<[u8; 16]>(), digests)).prop_map(move |(ts, digests)| {
                 ControlMessage {
                     kind,
                     pool: PoolId(pool),
                     token: ExposureToken::from_bytes(token),
                     tenancies: ts.into_iter().map(|(s, g)| Tenancy::new(SlotId(s), Generation(g))).collect(),
-                    digests,
+                    digests: digests.into_iter().map(Digest).collect(),
                 }
             })
         },
@@ -173,7 +173,7 @@ proptest! {
     #[test]
     fn codec_round_trips_at_max_tenancies(m in message_with(Just(MAX_TENANCIES).boxed())) {
         let bin = m.encode().unwrap();
-        prop_assert_eq!(bin.len(), HEADER_LEN + MAX_TENANCIES * if m.digests.is_empty() { 12 } else { 16 });
+        prop_assert_eq!(bin.len(), HEADER_LEN + MAX_TENANCIES * if m.digests.is_empty() { 12 } else { 12 + DIGEST_LEN });
         prop_assert_eq!(ControlMessage::decode(&bin), Ok(m.clone()));
         prop_assert_eq!(ControlMessage::decode_text(m.encode_text().unwrap().as_bytes()), Ok(m));
     }

@@ -181,6 +181,8 @@ struct World {
     /// Per initiator: per slot, the newest generation aborted or handed
     /// back, with its exposure's token.
     tombstones: [HashMap<SlotId, (Generation, ExposureToken)>; 2],
+    /// Per initiator: ABORTs under a token it had not seen, by token.
+    early: [HashMap<ExposureToken, HashSet<Tenancy>>; 2],
     pending: Vec<PendingAbort>,
     wire: Vec<Wire>,
     /// DONEs and ABORT_ACKs the target received, for replays.
@@ -223,6 +225,7 @@ impl World {
             next_op: 1,
             unproven: Default::default(),
             tombstones: Default::default(),
+            early: Default::default(),
             pending: Vec::new(),
             wire: Vec::new(),
             received: Vec::new(),
@@ -328,6 +331,11 @@ impl World {
         let op = self.next_op;
         self.next_op += 1;
         let got = self.trackers[peer].admit(op, &TARGET, &remote, exclusive);
+        // The post shows the token: ABORTs kept under it become tombstones.
+        if let Some(early) = self.early[peer].remove(&remote.token) {
+            let early: Vec<Tenancy> = early.into_iter().collect();
+            self.tombstone(peer, remote.token, &early);
+        }
         // (c) a tombstoned tenancy is refused; the first one is named.
         if let Some(t) = ts.iter().find(|t| self.tombstoned(peer, &remote.token, t)) {
             prop_assert_eq!(got, Err(Refusal::Tombstoned(*t)), "post to a tombstoned tenancy");
@@ -421,7 +429,17 @@ impl World {
 
     /// An ABORT (or a hand-back) reaches initiator `peer`.
     fn on_abort(&mut self, peer: usize, msg: ControlMessage, hand_back: bool) -> R {
-        self.tombstone(peer, msg.token, &msg.tenancies);
+        // Rule 9: under a token the initiator has seen (an operation of its
+        // in flight carries it, or a tombstone of one of the named slots
+        // holds it) the tombstones are verified; under another they are kept
+        // apart, by token, until a post shows the token.
+        let known = self.ops.values().any(|o| o.peer == peer && o.token == msg.token)
+            || msg.tenancies.iter().any(|t| self.tombstones[peer].get(&t.slot).is_some_and(|(_, k)| *k == msg.token));
+        if hand_back || known {
+            self.tombstone(peer, msg.token, &msg.tenancies);
+        } else {
+            self.early[peer].entry(msg.token).or_default().extend(msg.tenancies.iter().copied());
+        }
         let waiting: HashSet<u64> = self
             .ops
             .iter()
@@ -437,7 +455,17 @@ impl World {
         .map(|out| out.msg);
         prop_assert_eq!(&got, &expected, "the answer to an ABORT");
         if !waiting.is_empty() {
-            self.pending.push(PendingAbort { peer, msg, waiting });
+            // A repeated ABORT for an exposure merges into the one waiting.
+            if let Some(p) = self.pending.iter_mut().find(|p| p.peer == peer && p.msg.token == msg.token) {
+                for t in &msg.tenancies {
+                    if !p.msg.tenancies.contains(t) {
+                        p.msg.tenancies.push(*t);
+                    }
+                }
+                p.waiting.extend(waiting);
+            } else {
+                self.pending.push(PendingAbort { peer, msg, waiting });
+            }
         }
         self.send_acks(peer, got.into_iter().collect())
     }
@@ -450,6 +478,7 @@ impl World {
             !self.ops.values().any(|o| o.peer == peer && o.tenancies.contains(t))
                 && !self.unproven[peer].contains(t)
                 && !self.tombstoned(peer, &remote.token, t)
+                && !self.early[peer].get(&remote.token).is_some_and(|e| e.contains(t))
         });
         if !quiet {
             return Ok(()); // an initiator says DONE only after its operations all succeeded

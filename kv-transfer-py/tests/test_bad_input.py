@@ -55,7 +55,7 @@ def test_malformed_registrations_are_refused_and_stored_nowhere(sglang):
 def _ctrl(mgr, payload: bytes) -> dict:
     from kv_transfer.sglang import wire
 
-    host, port = mgr._ctrl.getsockname()[:2]
+    host, port = mgr.control.address
     with socket.create_connection((host, port), 5) as s:
         wire.send_frame(s, payload)
         return json.loads(wire.recv_frame(s))
@@ -110,8 +110,8 @@ def test_hostile_control_messages_get_typed_errors_and_change_no_kv_byte(sglang,
     for payload in hostile:
         reply = _ctrl(pmgr, payload)
         assert "error" in reply and ("ProtocolError" in reply["error"] or "DescriptorError" in reply["error"]), reply
-    assert pmgr.metrics["bad_control_messages"] == len(hostile)
-    assert not pmgr.rooms  # no room was created
+    assert pmgr.get_metrics()["bad_control_messages"] == len(hostile)
+    assert pmgr.control.stats()["ctrl_rooms"] == 0  # no room was created
 
     # Well-formed but forged: the prefill writes where the forgery says;
     # the decode NIC refuses (generation and token), and no byte lands.

@@ -25,6 +25,9 @@
 //! lab.cut().unwrap(); // now nothing gets through
 //! ```
 
+pub mod probe;
+pub use probe::{connect_from, proc_status, rss_kib};
+
 use std::fs::File;
 use std::net::Ipv4Addr;
 use std::os::fd::AsRawFd;

@@ -177,6 +177,22 @@ impl TransferEngine for CrashableEngine {
             Err(_) => Vec::new(),
         }
     }
+    // The data server's exposure filter is the inner engine's (a crash
+    // changes nothing about what it may serve).
+    fn serve_exposed_only(&self) -> bool {
+        self.inner.serve_exposed_only()
+    }
+    fn expose_range(
+        &self,
+        addr: u64,
+        len: u64,
+        access: backend_mooncake::RangeAccess,
+    ) -> Result<Option<backend_mooncake::RangeId>, EngineError> {
+        self.inner.expose_range(addr, len, access)
+    }
+    fn unexpose_range(&self, id: backend_mooncake::RangeId) -> bool {
+        self.inner.unexpose_range(id)
+    }
 }
 
 struct Prefill {

@@ -335,8 +335,10 @@ impl Rig for VerbsRig {
         Some((|| {
             let name = format!("raw-{}-{}", std::process::id(), RIGS.fetch_add(1, Ordering::Relaxed));
             let raw = self.raw_adapter(&name)?;
-            // The decode side records it when its own half of the handshake
-            // is done: bounded wait.
+            // The decode side adds its descriptor (a connection is the raw
+            // peer's only once its owner confirms it), then finds it by name:
+            // bounded wait.
+            self.decode.add_peer(raw.adapter.descriptor()).map_err(|e| fail("decode adds raw")(&e))?;
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
             let id = loop {
                 match self.decode.peer_named(&name) {

@@ -4,6 +4,7 @@
 //! at each escalation step (drain, and with RDMA keys revoke; never fence).
 
 use super::*;
+
 pub(super) fn control_loop(inner: &Arc<Inner>) {
     while !inner.stop.load(Ordering::Acquire) {
         for n in inner.engine.get_notifies() {
@@ -69,7 +70,7 @@ fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
         bump(&inner.counters.wrong_peer, n);
         return;
     };
-    let v = lock(&inner.exposures).accept(peer, msg);
+    let mut v = lock(&inner.exposures).accept(peer, msg);
     if let Some(keys) = &inner.cfg.keys {
         // Keys end before the slots can go back to the pool; the peer's word
         // also covers its retries of a revoked tenancy.
@@ -79,6 +80,11 @@ fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
     }
     bump(&inner.counters.wrong_peer, v.forged as u64);
     bump(&inner.counters.v1_completions_ignored, v.untrusted as u64);
+    // The data server stops serving the slots before they can go back; a
+    // slot a request is still inside is not released.
+    let stuck = inner.close_ranges(msg.pool, &v.settled);
+    v.settled.retain(|t| !stuck.contains(t));
+    v.digests.retain(|(t, _)| !stuck.contains(t));
     // Counted before delivery, so a waiter woken by it sees the count.
     bump(&inner.counters.settled_by_peer, v.settled.len() as u64);
     v.deliver(&authority);
@@ -102,10 +108,18 @@ pub(super) fn queue_acks(inner: &Inner, acks: Vec<Outgoing<String>>) {
     }
 }
 
-/// Sends the queued ABORT_ACKs (core's one retry policy).
+/// Hands the queued ABORT_ACKs to the sender threads (core's one retry
+/// policy: a failed try comes back to the outbox). The control thread
+/// itself never makes a network call, unless the positive control
+/// ([`AdapterConfig::send_on_control_thread`]) asks for the old behaviour.
 fn flush_outbox(inner: &Arc<Inner>) {
     let due = lock(&inner.inflight).outbox.take_all();
     for (o, attempts) in due {
+        if !inner.cfg.send_on_control_thread {
+            let to = o.to.clone();
+            sender::enqueue(inner, &to, sender::Item::Ack(o, attempts));
+            continue;
+        }
         let sent = match inner.peer_for(&o.to) {
             Ok((_, seg)) => inner.send(seg, &o.msg),
             Err(e) => {
@@ -127,6 +141,8 @@ fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: E
     if let Some(ts) = plan.release_without_proof() {
         tracing::error!(slots = ts.len(), "NAIVE POSITIVE CONTROL: releasing aborted slots without a proof");
         bump(&inner.counters.naive_releases, ts.len() as u64);
+        // The positive control frees without ending anything: the slot's
+        // range stays open (the bug it reproduces) until it is exposed again.
         a.deliver(a.completed(ts));
         return;
     }
@@ -135,6 +151,11 @@ fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: E
         Plan::SendAbort { peer, messages } => {
             let seg = lock(&inner.peers).by_id.get(&peer).map(|p| (p.segment, p.name.clone()));
             match seg {
+                Some((_, name)) if !inner.cfg.send_on_control_thread => {
+                    for m in messages {
+                        sender::enqueue(inner, &name, sender::Item::Abort(m));
+                    }
+                }
                 Some((seg, name)) => {
                     for m in &messages {
                         if inner.send(seg, m) {
@@ -155,9 +176,13 @@ fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: E
             let confirmed = lock(&inner.grants).revoke(keys, pool, peer, &with_tokens);
             let ts = lock(&inner.exposures).revoked(pool, peer, &confirmed);
             if !ts.is_empty() {
+                let stuck = inner.close_ranges(pool, &ts);
+                let ts: Vec<_> = ts.into_iter().filter(|t| !stuck.contains(t)).collect();
                 bump(&inner.counters.revoked, ts.len() as u64);
                 tracing::debug!(peer = peer.0, slots = ts.len(), "keys revoked; slots shadowed for that peer");
-                a.deliver(a.revoked(&ts));
+                if !ts.is_empty() {
+                    a.deliver(a.revoked(&ts));
+                }
             }
         }
         Plan::Stuck { peer, tenancies } => {

@@ -140,7 +140,7 @@ fn run_job(inner: &Arc<Inner>, job: Job) {
                 tracing::warn!(batch, "operation ran under protocol v1: no completion notification sent");
             } else {
                 if digests {
-                    msg.digests = drain::lease_digests(completer.lease()).unwrap_or_default();
+                    msg.digests = drain::lease_digests(completer.lease(), &msg.token).unwrap_or_default();
                 }
                 if inner.send(seg, &msg) {
                     bump(&inner.counters.done_sent, 1);

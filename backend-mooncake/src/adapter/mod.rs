@@ -129,8 +129,11 @@ pub struct AdapterConfig {
     pub wait_slice: Duration,
     /// How often the control thread polls notifications when nothing wakes it.
     pub poll_interval: Duration,
-    /// Most aborted remote tenancies remembered (oldest forgotten beyond);
-    /// posts to a remembered one fail.
+    /// Per peer, the most tombstoned slots, early-abort tenancies, unproven
+    /// tenancies and waiting ABORTs remembered (each); posts to a remembered
+    /// tenancy fail, and past the cap that peer fails closed (its ABORTs
+    /// unanswered, its posts refused once a tombstone could not be kept),
+    /// never forgetting (rule 9).
     pub max_aborted: usize,
     /// What draining an aborted exposure means.
     pub release_policy: ReleasePolicy,
@@ -140,6 +143,22 @@ pub struct AdapterConfig {
     /// revoked slot is kept away from the peer that may retry it
     /// (`adapter::keys`). `None`: Mooncake TCP, drain only.
     pub keys: Option<Arc<dyn TenancyKeys>>,
+    /// Threads that send ABORT_ACKs and ABORTs to peers the local side
+    /// chose (a destination is served by one at a time); strangers (names
+    /// only a message declared) have one thread of their own.
+    pub sender_threads: usize,
+    /// Most control messages queued for one destination (refused and
+    /// counted beyond: `sends_refused`).
+    pub max_queued_per_peer: usize,
+    /// Most bytes of control messages queued for one destination.
+    pub max_queued_bytes_per_peer: usize,
+    /// Most strangers with messages queued at once.
+    pub max_stranger_peers: usize,
+    /// The old behaviour, for the hostile tests' positive control only:
+    /// the control thread itself sends (a handshake round trip per message,
+    /// to whatever name an ABORT declared), so one black-holed destination
+    /// stalls every settlement behind it.
+    pub send_on_control_thread: bool,
 }
 
 impl Default for AdapterConfig {
@@ -151,6 +170,11 @@ impl Default for AdapterConfig {
             max_aborted: 1 << 20,
             release_policy: ReleasePolicy::Safe,
             keys: None,
+            sender_threads: 2,
+            max_queued_per_peer: 1024,
+            max_queued_bytes_per_peer: 4 << 20,
+            max_stranger_peers: 64,
+            send_on_control_thread: false,
         }
     }
 }
@@ -262,6 +286,16 @@ counters! {
     /// Slots now kept away from a peer that may retry a revoked tenancy's
     /// writes (a gauge).
     shadowed,
+    /// Control messages (ABORT_ACK, ABORT) refused at a send queue's cap:
+    /// their destination's count or bytes, or the number of strangers.
+    sends_refused,
+    /// Control messages queued for the sender threads now (a gauge).
+    sends_queued,
+    /// Slot ranges the engine's data server serves now (a gauge).
+    ranges_open,
+    /// Tenancies kept quarantined although proven: a data request did not
+    /// leave their slot's range when it was closed (fail closed).
+    ranges_stuck,
 }
 
 #[derive(Debug)]
@@ -317,7 +351,11 @@ struct Inner {
     exposures: Mutex<ExposureTable>,
     /// Per-tenancy keys and retry shadows (with [`AdapterConfig::keys`]).
     grants: Mutex<keys::Grants>,
+    /// The slot ranges the engine's data server may serve (exposed now).
+    ranges: Mutex<ranges::OpenRanges>,
     inflight: Mutex<Inflight>,
+    /// ABORT_ACKs and ABORTs waiting for a sender thread.
+    sender: sender::SendQueues,
     counters: Counters,
     wake: (Mutex<bool>, Condvar),
     stop: AtomicBool,
@@ -362,6 +400,14 @@ impl MooncakeTransfer {
             receivers.push(rx);
         }
         let segment_name = engine.local_segment_name();
+        // From now on the data server serves only what we expose (unless the
+        // engine was configured `TcpServe::AnyRegistered`).
+        if !engine.serve_exposed_only() {
+            tracing::warn!(
+                "the engine's TCP data server serves any registered byte to anyone (TcpServe::AnyRegistered, \
+                 or an engine without exposure filtering)"
+            );
+        }
         // Our own descriptor, as peers see it (one handshake to ourselves).
         let self_proto = match engine.open_segment(&segment_name).and_then(|s| engine.segment_info(s)) {
             Ok(info) => info.proto,
@@ -376,7 +422,9 @@ impl MooncakeTransfer {
                  exposures settle only by a fence, which this transport cannot give"
             );
         }
-        let cfg_max_aborted = cfg.max_aborted;
+        let (cfg_max_aborted, cfg_release_policy) = (cfg.max_aborted, cfg.release_policy);
+        let cfg_send = (cfg.max_queued_per_peer, cfg.max_queued_bytes_per_peer, cfg.max_stranger_peers);
+        let sender_threads = cfg.sender_threads.max(1);
         let exposures = Mutex::new(ExposureTable::with_policy(cfg.release_policy));
         let inner = Arc::new(Inner {
             self_proto,
@@ -387,10 +435,16 @@ impl MooncakeTransfer {
             peers: Mutex::default(),
             exposures,
             grants: Mutex::default(),
+            ranges: Mutex::default(),
             inflight: Mutex::new(Inflight {
-                tracker: AbortTracker::new(cfg_max_aborted),
+                tracker: AbortTracker::with_policy(cfg_max_aborted, cfg_release_policy),
                 outbox: Outbox::default(),
                 next: 0,
+            }),
+            sender: sender::SendQueues::new(sender::SendLimits {
+                per_peer: cfg_send.0.max(1),
+                per_peer_bytes: cfg_send.1.max(1),
+                strangers: cfg_send.2.max(1),
             }),
             counters: Counters::default(),
             wake: (Mutex::new(false), Condvar::new()),
@@ -405,6 +459,21 @@ impl MooncakeTransfer {
             let t = std::thread::Builder::new()
                 .name(format!("kvt-mc-driver-{i}"))
                 .spawn(move || driver_loop(&inn, rx))
+                .map_err(|e| AdapterError::Thread(e.to_string()));
+            match t {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    this.threads = threads;
+                    return Err(e);
+                }
+            }
+        }
+        let lanes = (0..sender_threads).map(|_| sender::Lane::Known).chain([sender::Lane::Stranger]);
+        for (i, lane) in lanes.enumerate() {
+            let inn = inner.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("kvt-mc-send-{i}"))
+                .spawn(move || sender::sender_loop(&inn, lane))
                 .map_err(|e| AdapterError::Thread(e.to_string()));
             match t {
                 Ok(t) => threads.push(t),
@@ -445,6 +514,8 @@ impl MooncakeTransfer {
         let mut m = self.inner.counters.snapshot();
         m.abort_acks_withheld = lock(&self.inner.inflight).tracker.stats().acks_withheld;
         m.shadowed = lock(&self.inner.grants).shadowed() as u64;
+        m.sends_queued = self.inner.sender.queued() as u64;
+        m.ranges_open = lock(&self.inner.ranges).len() as u64;
         m
     }
 
@@ -504,17 +575,18 @@ impl MooncakeTransfer {
             return Err(ExposeError { lease, kind: ExposeErrorKind::ForeignPool });
         };
         let mut slot_keys: Option<Vec<u32>> = None;
+        let size = lease.pool().slot_size() as u64;
+        let slots: Vec<(kv_transfer_core::Tenancy, u64, u64)> = lease
+            .tenancies()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| lease.slot_addr(i).map(|a| (*t, a, size)))
+            .collect();
+        let pool_id = lease.pool().id();
         if let Some(keys) = &self.inner.cfg.keys {
             // Each slot its own key, granted to this peer only; refused if
             // the slot is shadowed for it.
-            let size = lease.pool().slot_size() as u64;
-            let slots: Vec<(kv_transfer_core::Tenancy, u64, u64)> = lease
-                .tenancies()
-                .iter()
-                .enumerate()
-                .filter_map(|(i, t)| lease.slot_addr(i).map(|a| (*t, a, size)))
-                .collect();
-            match lock(&self.inner.grants).expose(keys, lease.pool().id(), &slots, peer, &name) {
+            match lock(&self.inner.grants).expose(keys, pool_id, &slots, peer, &name) {
                 Ok(k) => slot_keys = Some(k),
                 Err(kind) => {
                     if matches!(kind, ExposeErrorKind::RetryShadow(_)) {
@@ -523,6 +595,16 @@ impl MooncakeTransfer {
                     return Err(ExposeError { lease, kind });
                 }
             }
+        }
+        // The data server may touch these slots from now until their
+        // settlement (admission before exposure: opened before the peer
+        // learns the addresses).
+        if let Err(e) = lock(&self.inner.ranges).open(self.inner.engine.as_ref(), pool_id, &slots) {
+            if let Some(keys) = &self.inner.cfg.keys {
+                let ts: Vec<_> = slots.iter().map(|(t, _, _)| *t).collect();
+                lock(&self.inner.grants).settled(keys, pool_id, &ts);
+            }
+            return Err(ExposeError { lease, kind: ExposeErrorKind::Engine(e.to_string()) });
         }
         // The trust is fixed now: a v1 peer's exposure is never upgraded by a
         // later refresh of the peer (it settles only by a proof its word is not).
@@ -595,6 +677,19 @@ impl Inner {
         let (m, cv) = &self.wake;
         *lock(m) = true;
         cv.notify_one();
+    }
+
+    /// Before a settlement of `tenancies` is delivered: the data server
+    /// stops serving their slots (and waits out requests inside them).
+    /// Returns the tenancies that must not be released: a request did not
+    /// leave their range in time (counted; they stay quarantined).
+    fn close_ranges(&self, pool: PoolId, tenancies: &[kv_transfer_core::Tenancy]) -> Vec<kv_transfer_core::Tenancy> {
+        if tenancies.is_empty() {
+            return Vec::new();
+        }
+        let stuck = lock(&self.ranges).close(self.engine.as_ref(), pool, tenancies);
+        bump(&self.counters.ranges_stuck, stuck.len() as u64);
+        stuck
     }
 
     fn add_peer(&self, name: &str) -> Result<PeerId, AdapterError> {
@@ -829,6 +924,7 @@ impl Drop for MooncakeTransfer {
     /// flight) is leaked on purpose rather than freed under the engine.
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Release);
+        self.inner.sender.stop();
         self.inner.wake();
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -861,6 +957,8 @@ pub use kv_transfer_core::block_on;
 mod control;
 mod initiator;
 mod keys;
+mod ranges;
+mod sender;
 pub use keys::TenancyKeys;
 #[cfg(test)]
 mod tests;

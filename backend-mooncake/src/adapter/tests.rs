@@ -40,6 +40,9 @@ fn mock_with(
 ) -> MockTransferEngine {
     let mut m = MockTransferEngine::new();
     m.expect_local_segment_name().returning(|| "127.0.0.1:9".into());
+    m.expect_serve_exposed_only().returning(|| true);
+    m.expect_expose_range().returning(|_, _, _| Ok(None));
+    m.expect_unexpose_range().returning(|_| true);
     m.expect_register_memory().returning(|_| Ok(()));
     m.expect_unregister_memory().returning(|_| Ok(()));
     m.expect_open_segment().returning(|_| Ok(5));
@@ -179,6 +182,9 @@ fn bad_posts_return_the_lease() {
 fn submit_refused_returns_the_lease() {
     let mut m = MockTransferEngine::new();
     m.expect_local_segment_name().returning(|| "127.0.0.1:9".into());
+    m.expect_serve_exposed_only().returning(|| true);
+    m.expect_expose_range().returning(|_, _, _| Ok(None));
+    m.expect_unexpose_range().returning(|_| true);
     m.expect_register_memory().returning(|_| Ok(()));
     m.expect_unregister_memory().returning(|_| Ok(()));
     m.expect_open_segment().returning(|_| Ok(5));

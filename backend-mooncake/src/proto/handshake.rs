@@ -105,8 +105,20 @@ impl HandshakeFrame {
         let mut hdr = [0u8; 8];
         read_exact(r, &mut hdr)?;
         let len = Self::check_len(u64::from_le_bytes(hdr), max_len)?;
-        let mut body = vec![0u8; len];
-        read_exact(r, &mut body)?;
+        // Grown as bytes arrive, not allocated from the declared length: a
+        // peer that declares 1 MiB and sends nothing costs nothing.
+        let mut body = Vec::with_capacity(len.min(64 << 10));
+        let mut take = r.take(len as u64);
+        loop {
+            match take.read_to_end(&mut body) {
+                Ok(_) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(ProtoError::Io(e.to_string())),
+            }
+        }
+        if body.len() < len {
+            return Err(ProtoError::Truncated { need: len, have: body.len() });
+        }
         Ok(Self::from_body(&body))
     }
 

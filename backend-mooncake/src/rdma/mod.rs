@@ -35,7 +35,7 @@ mod target;
 
 use driver::Driver;
 
-pub use target::{GrantId, Publish, RdmaTarget, RdmaTargetConfig, MAX_PEERS};
+pub use target::{GrantId, Publish, RdmaTarget, RdmaTargetConfig, MAX_PEERS, MAX_PEERS_PER_ADDR};
 
 use std::collections::VecDeque;
 use std::ptr::NonNull;
@@ -228,9 +228,23 @@ impl RdmaParts {
         publish: Publish,
         handshake_timeout: Duration,
     ) -> Result<Self, EngineError> {
-        let target =
-            RdmaTarget::new(nics.target, RdmaTargetConfig { device: device.into(), publish, ..Default::default() });
-        let tcfg = RdmaTransportConfig { device: device.into(), handshake_timeout, ..Default::default() };
+        Self::with_target_config(
+            nics,
+            RdmaTargetConfig { device: device.into(), publish, ..Default::default() },
+            handshake_timeout,
+        )
+    }
+
+    /// Both halves on `nics`, the target configured by `target` (its
+    /// device the name peers see).
+    pub fn with_target_config(
+        nics: RdmaNics,
+        target: RdmaTargetConfig,
+        handshake_timeout: Duration,
+    ) -> Result<Self, EngineError> {
+        let device = target.device.clone();
+        let target = RdmaTarget::new(nics.target, target);
+        let tcfg = RdmaTransportConfig { device, handshake_timeout, ..Default::default() };
         let transport =
             Arc::new(RdmaTransport::new(nics.initiator, tcfg).map_err(|e| EngineError::io("start RDMA transport", e))?);
         Ok(Self { target, transport })

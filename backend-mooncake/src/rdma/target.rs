@@ -31,12 +31,19 @@
 //! per grant, never a rebound one, so no key of an ended grant comes back
 //! by the 8-bit key's wrap on that window.
 //!
-//! Peers are told apart by the segment name their own metadata declares:
-//! all Mooncake's handshake carries. A peer that can reach our handshake
-//! port and claims another's name can read the keys granted to it; the
-//! drain protocol's tokens still decide settlement, not the name.
+//! Peers are told apart by the segment name their own metadata declares
+//! (all Mooncake's handshake carries), checked against the address TCP
+//! vouches for: a metadata request gets a peer's grants only from the IP in
+//! that peer's `ip:port` name ([`RdmaTargetConfig::grants_by_declared_name`]
+//! is the old behaviour). An impostor on that peer's own host still can
+//! read its keys, and a key read is good through any queue pair of our one
+//! protection domain; the drain protocol's tokens still decide settlement,
+//! not the name. A Connection under a NIC path whose queue pairs live is
+//! refused (first wins, [`RdmaTarget::pairs_refused`]), so no one replaces
+//! another peer's queue pairs.
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -51,6 +58,11 @@ use crate::server::TargetHook;
 /// Peers (NIC paths) a target keeps queue pairs for at once; a Connection
 /// from one more is refused.
 pub const MAX_PEERS: usize = 1024;
+
+/// NIC paths paired from one source address at once (each holds queue
+/// pairs at the target); a Connection for one more is refused and counted,
+/// so one address cannot take every pairing.
+pub const MAX_PEERS_PER_ADDR: usize = 64;
 
 /// The location name Mooncake gives host memory, in buffer names and in the
 /// priority matrix (an initiator picks the target's device through it).
@@ -76,11 +88,35 @@ pub struct RdmaTargetConfig {
     pub mtu: u32,
     /// What the metadata holds.
     pub publish: Publish,
+    /// The old behaviour, for the hostile tests' positive control only: a
+    /// Connection under a NIC path that has live queue pairs replaces (and
+    /// destroys) them, so anyone who names another peer's NIC path tears
+    /// that peer's endpoint down. Off: the first pairing wins while any of
+    /// its queue pairs is alive; only a NIC path whose queue pairs are all
+    /// in ERR (a Mooncake initiator reconnecting after an error) pairs anew.
+    pub replace_live_pairs: bool,
+    /// The old behaviour, for the hostile tests' positive control only: a
+    /// metadata request gets the grants of whatever peer name it declares.
+    /// Off ([`Publish::Grants`]): only if it comes from the address in that
+    /// name (`ip:port`, an IP literal), so a third party on another host
+    /// cannot read a peer's keys by claiming its name.
+    pub grants_by_declared_name: bool,
+    /// Most NIC paths paired from one source address at once
+    /// ([`MAX_PEERS_PER_ADDR`]; `usize::MAX`, the old behaviour, lets one
+    /// address take all [`MAX_PEERS`]).
+    pub max_peers_per_addr: usize,
 }
 
 impl Default for RdmaTargetConfig {
     fn default() -> Self {
-        Self { device: String::new(), mtu: 4096, publish: Publish::default() }
+        Self {
+            device: String::new(),
+            mtu: 4096,
+            publish: Publish::default(),
+            replace_live_pairs: false,
+            grants_by_declared_name: false,
+            max_peers_per_addr: MAX_PEERS_PER_ADDR,
+        }
     }
 }
 
@@ -114,9 +150,12 @@ struct State {
     next_wr: u64,
     /// Every buffer registered with the engine: start → length.
     registered: BTreeMap<u64, u64>,
-    /// Queue pairs per peer NIC path (a peer that pairs again replaces its
-    /// old ones, as a Mooncake target does).
-    peers: HashMap<String, Vec<QpId>>,
+    /// Queue pairs per peer NIC path (a peer pairs again only once its old
+    /// ones are all in ERR, which they then replace), with the source
+    /// address that paired them.
+    peers: HashMap<String, (Vec<QpId>, IpAddr)>,
+    /// NIC paths paired per source address.
+    per_addr: HashMap<IpAddr, usize>,
     /// Our GID, learnt from the first queue pair created.
     gid: Option<Gid>,
     grants: BTreeMap<GrantId, Grant>,
@@ -132,6 +171,11 @@ pub struct RdmaTarget {
     /// One bind at a time: its poller then sees only its own completion
     /// (nothing else is posted on the target's engine).
     binding: Mutex<()>,
+    /// Connections refused because their NIC path has live queue pairs.
+    pairs_refused: std::sync::atomic::AtomicU64,
+    /// Metadata requests answered without grants: the peer name they
+    /// declared is not their source address.
+    grants_withheld: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for RdmaTarget {
@@ -143,7 +187,14 @@ impl std::fmt::Debug for RdmaTarget {
 impl RdmaTarget {
     /// A target over `engine`.
     pub fn new(engine: Arc<dyn Engine>, cfg: RdmaTargetConfig) -> Arc<Self> {
-        Arc::new(Self { engine, cfg, state: Mutex::default(), binding: Mutex::new(()) })
+        Arc::new(Self {
+            engine,
+            cfg,
+            state: Mutex::default(),
+            binding: Mutex::new(()),
+            pairs_refused: Default::default(),
+            grants_withheld: Default::default(),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -262,7 +313,27 @@ impl RdmaTarget {
 
     /// Queue pairs currently paired with peers.
     pub fn paired_queue_pairs(&self) -> usize {
-        self.lock().peers.values().map(Vec::len).sum()
+        self.lock().peers.values().map(|(q, _)| q.len()).sum()
+    }
+
+    /// Connections refused so far because their NIC path was paired
+    /// already with live queue pairs (first wins), their address had its
+    /// NIC paths paired ([`RdmaTargetConfig::max_peers_per_addr`]), or all
+    /// [`MAX_PEERS`] were.
+    pub fn pairs_refused(&self) -> u64 {
+        self.pairs_refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Metadata requests answered without grants so far: they declared a
+    /// peer name whose address is not theirs.
+    pub fn grants_withheld(&self) -> u64 {
+        self.grants_withheld.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether any of these queue pairs can still carry requests (not in
+    /// ERR; one whose state cannot be read counts as alive).
+    fn any_alive(&self, qps: &[QpId]) -> bool {
+        qps.iter().any(|qp| !matches!(self.engine.qp_state(*qp), Ok(backend_verbs::QpState::Error)))
     }
 
     fn refuse(why: impl Into<String>) -> Vec<u8> {
@@ -281,14 +352,31 @@ impl RdmaTarget {
         .to_json()
     }
 
-    fn pair(&self, req: &ConnectionDesc) -> Result<ConnectionDesc, String> {
+    fn pair(&self, req: &ConnectionDesc, from: IpAddr) -> Result<ConnectionDesc, String> {
         if req.qp_num.is_empty() || req.qp_num.len() > MAX_QPS_PER_ENDPOINT {
             return Err(format!("{} queue pairs offered", req.qp_num.len()));
         }
         let gid = Gid(parse_gid(&req.local_gid).map_err(|e| e.to_string())?);
         let mut st = self.lock();
         if !st.peers.contains_key(&req.local_nic_path) && st.peers.len() >= MAX_PEERS {
+            self.pairs_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return Err(format!("{MAX_PEERS} peers paired already"));
+        }
+        // The NIC path is only what the message declares: a second pairing
+        // under it while the first one's queue pairs live would let anyone
+        // tear another peer's endpoint down (and pair in its place).
+        let live = st.peers.get(&req.local_nic_path).is_some_and(|(old, _)| self.any_alive(old));
+        if live && !self.cfg.replace_live_pairs {
+            self.pairs_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(nic_path = %req.local_nic_path, "Connection under a NIC path with live queue pairs refused");
+            return Err(format!("{} is paired already (first wins)", req.local_nic_path));
+        }
+        let new_path = !st.peers.contains_key(&req.local_nic_path);
+        let cap = self.cfg.max_peers_per_addr;
+        if new_path && st.per_addr.get(&from).copied().unwrap_or(0) >= cap {
+            self.pairs_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(%from, cap, "Connection refused: this address has its NIC paths paired");
+            return Err(format!("{from} has {cap} NIC paths paired already"));
         }
         let mut ours: Vec<Endpoint> = Vec::with_capacity(req.qp_num.len());
         let made = (|| {
@@ -309,10 +397,19 @@ impl RdmaTarget {
         }
         st.gid.get_or_insert(ours[0].gid);
         let qps = ours.iter().map(|e| QpId(e.qpn)).collect();
-        if let Some(old) = st.peers.insert(req.local_nic_path.clone(), qps) {
-            for qp in old {
-                self.engine.destroy_qp(qp);
+        match st.peers.insert(req.local_nic_path.clone(), (qps, from)) {
+            Some((old, was)) => {
+                for qp in old {
+                    self.engine.destroy_qp(qp);
+                }
+                if was != from {
+                    if let Some(n) = st.per_addr.get_mut(&was) {
+                        *n = n.saturating_sub(1);
+                    }
+                    *st.per_addr.entry(from).or_insert(0) += 1;
+                }
             }
+            None => *st.per_addr.entry(from).or_insert(0) += 1,
         }
         Ok(ConnectionDesc {
             local_gid: format_gid(&ours[0].gid.0),
@@ -345,7 +442,7 @@ impl TargetHook for RdmaTarget {
         false
     }
 
-    fn descriptor(&self, mut base: SegmentDesc, peer: Option<&str>) -> SegmentDesc {
+    fn descriptor(&self, mut base: SegmentDesc, peer: Option<&str>, from: Option<IpAddr>) -> SegmentDesc {
         let gid = self.gid().map(|g| format_gid(&g.0)).unwrap_or_default();
         base.protocol = "rdma".into();
         base.tcp_data_port = 0;
@@ -366,6 +463,24 @@ impl TargetHook for RdmaTarget {
                 _ => false,
             }),
             Publish::Grants => {
+                // A name is only what the request declares: its grants go
+                // out only to a request from that name's own address (or on
+                // a connection we dialed to it ourselves: `from` None).
+                let vouched = self.cfg.grants_by_declared_name
+                    || match (peer, from) {
+                        (_, None) => true,
+                        (Some(name), Some(ip)) => name.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip() == ip),
+                        (None, Some(_)) => false,
+                    };
+                if !vouched {
+                    self.grants_withheld.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(
+                        ?peer,
+                        ?from,
+                        "metadata request declares a peer name from another address: no grants"
+                    );
+                }
+                let peer = peer.filter(|_| vouched);
                 base.buffers = st
                     .grants
                     .values()
@@ -383,7 +498,7 @@ impl TargetHook for RdmaTarget {
         base
     }
 
-    fn connection(&self, request: &[u8]) -> Vec<u8> {
+    fn connection(&self, request: &[u8], from: IpAddr) -> Vec<u8> {
         let req = match ConnectionDesc::from_json(request) {
             Ok(r) => r,
             Err(e) => return Self::refuse(e.to_string()),
@@ -392,7 +507,7 @@ impl TargetHook for RdmaTarget {
             // The ready round: the pairing is done; an empty record says so.
             return b"{}\n".to_vec();
         }
-        match self.pair(&req) {
+        match self.pair(&req, from) {
             Ok(reply) => {
                 tracing::debug!(peer = %req.local_nic_path, qps = ?reply.qp_num, "RDMA endpoint paired (target)");
                 reply.to_json()

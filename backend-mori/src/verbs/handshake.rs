@@ -110,7 +110,7 @@ pub(super) fn write_all(s: &mut TcpStream, b: &[u8], timeout: Duration) -> Resul
     s.flush().map_err(io("flush"))
 }
 
-pub(super) fn read_ready(s: &mut TcpStream) -> Result<(), TransportError> {
+pub(super) fn read_ready(s: &mut impl Read) -> Result<(), TransportError> {
     let mut b = [0u8; 1];
     s.read_exact(&mut b).map_err(io("ready"))?;
     if b[0] != READY {

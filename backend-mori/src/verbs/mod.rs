@@ -60,11 +60,17 @@
 //! One thread polls the NIC's completions and keeps this transport's books;
 //! events queue for [`MoriTransport::poll`] (no push delivery: the engine
 //! holds its lock while it fences, and a fence waits for this thread). One
-//! thread accepts side-channel connections; one per connection watches its
-//! lifeline. Every wait (a bind, an invalidation, a fence, a handshake) is
-//! bounded by [`VerbsTransportConfig::timeout`].
+//! thread accepts side-channel connections; each handshake runs on a thread
+//! of its own (capped in all and per source address, by a whole-handshake
+//! deadline: [`VerbsTransportConfig::side_channel`]), which then watches the
+//! connection's lifeline. Every other wait (a bind, an invalidation, a
+//! fence, a dialed handshake) is bounded by [`VerbsTransportConfig::timeout`].
 
+mod accept;
 mod handshake;
+#[cfg(test)]
+mod hostile_tests;
+use accept::accept_loop;
 mod ops;
 
 use std::collections::VecDeque;
@@ -74,7 +80,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use backend_verbs::adapter::{fresh_ticket, parse_descriptor, Descriptor, Ticket};
+use backend_verbs::adapter::{fresh_ticket, parse_descriptor, Deadline, Descriptor, SideChannelLimits, Ticket};
 use backend_verbs::{Completion as Wc, Endpoint, Engine, MrAccess, MrId, MwId, QpId, WcStatus, WorkRequest as Wr};
 use kv_transfer_core::drain::{Capabilities, ReleasePolicy};
 use kv_transfer_core::{HostRegion, Region};
@@ -144,6 +150,11 @@ pub struct VerbsTransportConfig {
     /// names whatever ticket it presents, so an impostor displaces the
     /// engine it names.
     pub policy: ReleasePolicy,
+    /// Caps and deadlines of the side channel's acceptor (handshakes at
+    /// once, per source address, whole-handshake deadline, idle bound;
+    /// `serial` is the positive control: one handshake at a time on the
+    /// accepting thread, as before).
+    pub side_channel: SideChannelLimits,
 }
 
 impl Default for VerbsTransportConfig {
@@ -155,6 +166,7 @@ impl Default for VerbsTransportConfig {
             access: Access::WindowPerTenancy,
             timeout: Duration::from_secs(5),
             policy: ReleasePolicy::Safe,
+            side_channel: SideChannelLimits::default(),
         }
     }
 }
@@ -182,6 +194,13 @@ pub struct VerbsTransportStats {
     pub fences: u64,
     /// Error completions of data operations.
     pub data_errors: u64,
+    /// Side-channel connections closed at once: handshakes at their cap.
+    pub handshakes_busy: u64,
+    /// Side-channel connections closed at once: their address's cap.
+    pub handshakes_per_address: u64,
+    /// Side-channel connections closed at once: their address's
+    /// connections bound to no engine at their cap.
+    pub claims_refused: u64,
 }
 
 /// A connection's lifecycle.
@@ -326,6 +345,8 @@ struct Shared {
     event_ready: Condvar,
     closed: AtomicBool,
     polls: AtomicU64,
+    /// Handshakes in flight, in all and per source address.
+    gate: kv_transfer_core::PeerGate<std::net::IpAddr>,
 }
 
 /// MORI's transport on RDMA verbs; see the [module docs](self).
@@ -361,6 +382,7 @@ impl VerbsTransport {
         let listener = TcpListener::bind(&cfg.listen).map_err(|e| io_err("side channel", e))?;
         listener.set_nonblocking(true).map_err(|e| io_err("side channel", e))?;
         let st = State { send_free: (0..SEND_BUFFERS).rev().collect(), ..State::default() };
+        let cfg_gate = (cfg.side_channel.handshakes, cfg.side_channel.per_address);
         let shared = Arc::new(Shared {
             nic,
             cfg,
@@ -373,6 +395,7 @@ impl VerbsTransport {
             event_ready: Condvar::new(),
             closed: AtomicBool::new(false),
             polls: AtomicU64::new(0),
+            gate: kv_transfer_core::PeerGate::new(cfg_gate.0, cfg_gate.1),
         });
         let sh = shared.clone();
         let poller = std::thread::Builder::new()
@@ -735,7 +758,11 @@ impl Shared {
         let ours = self.create_qps()?;
         let mut hello = Offer { key: local.as_str().to_owned(), endpoints: ours.clone(), ticket: d.ticket }.encode()?;
         hello.extend_from_slice(&self.ticket);
-        let answer = write_all(&mut s, &hello, self.cfg.timeout).and_then(|()| Offer::read_from(&mut s));
+        // The whole exchange by one deadline (a trickling answer restarts
+        // no timeout).
+        let deadline = Instant::now() + self.cfg.timeout;
+        let answer = write_all(&mut s, &hello, self.cfg.timeout)
+            .and_then(|()| Offer::read_from(&mut Deadline::new(&s, deadline, self.cfg.timeout)));
         let theirs = match answer {
             Ok(o) if o.key == d.name => o,
             Ok(o) => {
@@ -760,12 +787,15 @@ impl Shared {
     }
 
     /// The acceptor's half of a handshake on `s`.
+    /// Every read of it is bounded by the whole-handshake deadline
+    /// (`side_channel.deadline`, from accept to READY) and the idle bound.
     fn accept_one(self: &Arc<Self>, mut s: TcpStream) -> Result<(u64, TcpStream), TransportError> {
         s.set_nonblocking(false).map_err(|e| io_err("side channel", e))?;
-        s.set_read_timeout(Some(self.cfg.timeout)).map_err(|e| io_err("side channel", e))?;
         let _ = s.set_nodelay(true);
-        let offer = Offer::read_from(&mut s)?;
-        let theirs = read_ticket(&mut s)?;
+        let limits = &self.cfg.side_channel;
+        let deadline = Instant::now() + limits.deadline;
+        let offer = Offer::read_from(&mut Deadline::new(&s, deadline, limits.idle))?;
+        let theirs = read_ticket(&mut Deadline::new(&s, deadline, limits.idle))?;
         if !tickets_match(&offer.ticket, &self.ticket) {
             return Err(TransportError::Remote(format!("a hello from {:?} without this side's ticket", offer.key)));
         }
@@ -781,7 +811,10 @@ impl Shared {
         let peer = EngineKey::new(&offer.key);
         let id = self.open_conn(peer.clone(), &ours, &offer.endpoints, &s, ConnState::Handshaking)?;
         let answer = Offer { key: local.as_str().to_owned(), endpoints: ours, ticket: [0; 16] }.encode();
-        if let Err(e) = answer.and_then(|a| write_all(&mut s, &a, self.cfg.timeout)).and_then(|()| read_ready(&mut s)) {
+        if let Err(e) = answer
+            .and_then(|a| write_all(&mut s, &a, self.cfg.timeout))
+            .and_then(|()| read_ready(&mut Deadline::new(&s, deadline, limits.idle)))
+        {
             self.start_drain(&mut self.st(), id, false);
             return Err(e);
         }
@@ -856,28 +889,6 @@ impl Shared {
                 t.push(h);
             }
             Err(e) => tracing::error!(error = %e, "thread not started"),
-        }
-    }
-}
-
-fn accept_loop(sh: Arc<Shared>, listener: TcpListener, threads: Arc<Mutex<Vec<JoinHandle<()>>>>) {
-    while !sh.closed.load(Ordering::Acquire) {
-        match listener.accept() {
-            Ok((s, from)) => match sh.accept_one(s) {
-                Ok((id, s)) => {
-                    let w = sh.clone();
-                    sh.spawn(&threads, "mori-verbs-life", move || w.watch(id, s));
-                }
-                Err(e) => {
-                    sh.st().stats.refused_hellos += 1;
-                    tracing::warn!(%from, error = %e, "side-channel connection refused");
-                }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(2)),
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                std::thread::sleep(Duration::from_millis(10));
-            }
         }
     }
 }

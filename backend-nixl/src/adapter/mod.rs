@@ -113,7 +113,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_transfer_core::drain::{Capabilities, ControlKind, ExposureTable, ReleasePolicy, Trust};
+use kv_transfer_core::drain::{AbortTracker, Capabilities, ControlKind, ExposureTable, ReleasePolicy, Trust};
 use kv_transfer_core::{
     BackendError, ExposeError, ExposeErrorKind, Exposed, MemoryKind, PeerId, PoolConfig, PoolError, PoolId, Region,
     RemoteSlots, Reserved, SlotLease, SlotPool, Target, Tenancy,
@@ -207,6 +207,12 @@ pub struct AdapterConfig {
     /// aborted slot without a proof and takes a notification's claimed
     /// agent name for its identity, whatever token it carries.
     pub release_policy: ReleasePolicy,
+    /// Per peer, the most tombstoned slots, early-abort tenancies, unproven
+    /// tenancies and waiting ABORTs the initiator side remembers (each);
+    /// past it that peer fails closed (its ABORTs dropped unanswered, its
+    /// posts refused once a tombstone could not be kept), never forgetting
+    /// (rule 9).
+    pub max_aborted: usize,
 }
 
 impl Default for AdapterConfig {
@@ -224,6 +230,7 @@ impl Default for AdapterConfig {
             request_cache: 64,
             event_capacity: 4096,
             release_policy: ReleasePolicy::Safe,
+            max_aborted: 1 << 16,
         }
     }
 }
@@ -315,6 +322,12 @@ pub struct AdapterMetrics {
     pub deferred_notifs_sent: u64,
     /// Posts refused because the remote tenancy was handed back or aborted.
     pub refused_tombstoned: u64,
+    /// The initiator side's abort tracker (rule 9): ABORTs dropped because
+    /// their peer's room was full, kept under a token we never saw, merged
+    /// into one already waiting, and peers closed for want of room.
+    pub abort_tracker: kv_transfer_core::drain::TrackerStats,
+    /// ABORTs waiting for operations of ours.
+    pub pending_aborts: usize,
     /// `get_notifs`/`gen_notif` failures.
     pub notif_errors: u64,
     /// Target-side events dropped because the queue was full.
@@ -373,7 +386,11 @@ impl NixlTransfer {
     /// An adapter over `engine`, with its driver thread started.
     pub fn new(engine: Arc<dyn NixlEngine>, cfg: AdapterConfig) -> Result<Self, AdapterError> {
         let name: Arc<str> = engine.agent_name().into();
-        let state = State { exposures: ExposureTable::with_policy(cfg.release_policy), ..State::default() };
+        let state = State {
+            exposures: ExposureTable::with_policy(cfg.release_policy),
+            aborts: AbortTracker::with_policy(cfg.max_aborted, cfg.release_policy),
+            ..State::default()
+        };
         let inner = Arc::new(Inner {
             engine,
             name,
@@ -510,6 +527,8 @@ impl NixlTransfer {
         m.pending_messages = st.outgoing.len();
         m.cached_requests = st.cache.len();
         m.acks_withheld = st.aborts.stats().acks_withheld;
+        m.abort_tracker = st.aborts.stats();
+        m.pending_aborts = st.aborts.pending_aborts();
         m
     }
 

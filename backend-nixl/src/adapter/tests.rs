@@ -866,3 +866,142 @@ fn hostile_a_done_from_the_peers_agent_name_without_the_token_settles_nothing() 
     push(msg(ControlKind::Done, remote.pool, remote.token, &t));
     futures::executor::block_on(exposed.settled()).release();
 }
+
+/// The second round of hostile peers against the initiator side's abort
+/// state (rule 9): ABORTs are pushed into the initiator's notification queue
+/// under the decode's agent name (what NIXL lets any agent claim).
+mod hostile_aborts {
+    use super::*;
+
+    const CAP: usize = 64;
+
+    fn pair_with(behaviour: Behaviour, policy: ReleasePolicy) -> Pair {
+        let sim: Shared = Arc::default();
+        lock(&sim).behaviour = Some(behaviour);
+        let cfg = AdapterConfig { max_aborted: CAP, release_policy: policy, ..fast() };
+        let ini = NixlTransfer::new(Arc::new(mock(&sim, "ini", "tgt")), cfg).expect("ini");
+        let tgt = NixlTransfer::new(Arc::new(mock(&sim, "tgt", "ini")), fast()).expect("tgt");
+        let src = ini.register_pool(Arc::new(HostRegion::new(8 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("p");
+        let dst = tgt.register_pool(Arc::new(HostRegion::new(8 * SLOT).expect("r")), PoolConfig::new(SLOT)).expect("p");
+        ini.add_peer(b"tgt").expect("peer");
+        let ini_peer = tgt.add_peer(b"ini").expect("peer");
+        Pair { sim, ini, tgt, src, dst, ini_peer }
+    }
+
+    /// A message into the initiator's queue, claiming the decode's name.
+    fn as_decode(p: &Pair, msg: Vec<u8>) {
+        lock(&p.sim).inbox.entry("ini".into()).or_default().push_back(Notification { agent: "tgt".into(), msg });
+    }
+
+    fn made_up(i: u64) -> ExposureToken {
+        let mut b = [0x3c; 16];
+        b[..8].copy_from_slice(&i.to_le_bytes());
+        ExposureToken::from_bytes(b)
+    }
+
+    fn post(p: &Pair, remote: &RemoteSlots) -> Result<TransferHandle, String> {
+        match futures::executor::block_on(p.ini.write(
+            p.src.reserve(remote.slots.len()).expect("r"),
+            remote,
+            TransferOptions::default(),
+        )) {
+            Ok(h) => Ok(h),
+            Err(e) => {
+                e.lease.release();
+                Err(format!("{:?}", e.kind))
+            }
+        }
+    }
+
+    /// Attack 1: the decode aborts an exposure before the initiator posted;
+    /// the initiator acks (the slot goes to the next tenant) and tombstones
+    /// it; then a flood of ABORTs under made-up tokens, 10x the cap; then the
+    /// initiator's late post of the old descriptor.
+    fn flood_then_late_post(policy: ReleasePolicy) -> (Result<TransferHandle, String>, Pair) {
+        let p = pair_with(Behaviour::DoneAfter(0), policy);
+        let (exposed, remote) = p.tgt.expose(p.dst.reserve(1).expect("r"), p.ini_peer).expect("expose");
+        exposed.abort();
+        assert!(wait_until(Duration::from_secs(5), || p.dst.metrics().free == 8), "acked and freed");
+        for i in 0..(10 * CAP) as u64 {
+            let t = Tenancy::new(SlotId(100 + i as u32), Generation(1));
+            as_decode(&p, msg(ControlKind::Abort, remote.pool, made_up(i), &[t]));
+        }
+        assert!(wait_until(Duration::from_secs(5), || p.ini.metrics().aborts_received == 1 + 10 * CAP as u64));
+        (post(&p, &remote), p)
+    }
+
+    #[test]
+    fn hostile_abort_flood_under_the_decodes_name_never_evicts_a_real_tombstone() {
+        let (late, p) = flood_then_late_post(ReleasePolicy::Safe);
+        let Err(e) = late else { panic!("the late post of an aborted tenancy was admitted after the flood") };
+        assert!(e.contains("aborted"), "{e}");
+        let m = p.ini.metrics().abort_tracker;
+        assert_eq!(m.aborts_unverified, CAP as u64, "the flood bought the cap, no more: {m:?}");
+        assert_eq!(m.aborts_refused, 9 * CAP as u64 + 1, "{m:?}");
+    }
+
+    #[test]
+    fn hostile_abort_flood_positive_control_shared_fifo_admits_the_late_post() {
+        let (late, _p) = flood_then_late_post(ReleasePolicy::Naive);
+        assert!(late.is_ok(), "positive control: the flood should have evicted the tombstone: {:?}", late.err());
+    }
+
+    /// Attack 2: an ABORT at generation u64::MAX for the decode's pool under
+    /// a made-up token; then an honest exposure of the same slot.
+    fn last_generation_then_honest_post(policy: ReleasePolicy) -> Result<(), String> {
+        let p = pair_with(Behaviour::DoneAfter(0), policy);
+        for s in 0..8 {
+            let t = Tenancy::new(SlotId(s), Generation(u64::MAX));
+            as_decode(&p, msg(ControlKind::Abort, p.dst.id(), made_up(u64::from(s)), &[t]));
+        }
+        assert!(wait_until(Duration::from_secs(5), || p.ini.metrics().aborts_received == 8));
+        let (exposed, remote) = p.tgt.expose(p.dst.reserve(1).expect("r"), p.ini_peer).expect("expose");
+        let h = post(&p, &remote)?;
+        let out = futures::executor::block_on(h).expect("not abandoned");
+        out.lease.release();
+        futures::executor::block_on(exposed.settled()).release();
+        Ok(())
+    }
+
+    #[test]
+    fn hostile_abort_at_the_last_generation_refuses_no_honest_post() {
+        assert!(last_generation_then_honest_post(ReleasePolicy::Safe).is_ok());
+        let e = last_generation_then_honest_post(ReleasePolicy::Naive).err();
+        assert!(e.is_some_and(|e| e.contains("aborted")), "positive control: the pool's slot is dead for good");
+    }
+
+    /// Attack 3: the same ABORT, repeated 10,000 times while the operation on
+    /// it is in flight: one entry waits, one ABORT_ACK goes out.
+    fn repeated_abort(policy: ReleasePolicy) -> (u64, usize) {
+        let p = pair_with(Behaviour::DoneAfter(3000), policy);
+        let (exposed, remote) = p.tgt.expose(p.dst.reserve(1).expect("r"), p.ini_peer).expect("expose");
+        let h = post(&p, &remote).expect("posted");
+        let abort = msg(ControlKind::Abort, remote.pool, remote.token, &remote.tenancies());
+        for _ in 0..10_000 {
+            as_decode(&p, abort.clone());
+        }
+        assert!(wait_until(Duration::from_secs(10), || p.ini.metrics().aborts_received == 10_000));
+        let waiting = p.ini.metrics().pending_aborts;
+        let out = futures::executor::block_on(h).expect("not abandoned");
+        out.lease.release();
+        futures::executor::block_on(exposed.settled()).release();
+        assert!(wait_until(Duration::from_secs(10), || p.ini.metrics().in_flight == 0
+            && p.ini.metrics().pending_messages == 0));
+        let acks = lock(&p.sim)
+            .sent
+            .iter()
+            .filter(|(f, _, m)| f == "ini" && kind_of(m) == Some(ControlKind::AbortAck))
+            .count();
+        (acks as u64, waiting)
+    }
+
+    #[test]
+    fn hostile_repeated_abort_while_in_flight_waits_once_and_is_acked_once() {
+        let (acks, waiting) = repeated_abort(ReleasePolicy::Safe);
+        assert_eq!((acks, waiting), (1, 1));
+        // Positive control: every repeat waits apart (the naive initiator
+        // also gives its request up at the ABORT, so its acks are withheld).
+        let (_, waiting) = repeated_abort(ReleasePolicy::Naive);
+        assert_eq!(waiting, 10_000, "positive control: every repeat waits apart");
+    }
+}

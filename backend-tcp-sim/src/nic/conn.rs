@@ -85,10 +85,10 @@ pub(super) struct OpEntry {
     /// `Completed` proof, so a write that lands in them later is caught when
     /// the settled lease is read.
     pub(super) digest_local: bool,
-    /// With `digest_local`: each READ response's crc32c as it came off the
+    /// With `digest_local`: each READ response's digest as it came off the
     /// wire, by local region offset (taken before the bytes are placed, so
     /// a write that lands in the slot meanwhile does not enter it).
-    pub(super) read_digests: Vec<(usize, u32)>,
+    pub(super) read_digests: Vec<(usize, kv_transfer_core::drain::Digest)>,
     pub(super) sent_any: bool,
 }
 

@@ -6,12 +6,37 @@ use super::conn::{Conn, ConnState};
 use super::{lock, InboundEvent, NicError, NicInner};
 use crate::stats::inc;
 use crate::wire::{self, Body, PREFIX_LEN};
+use kv_transfer_core::GateRefusal;
 use kv_transfer_core::PeerId;
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// A handshake's place at the gate (core's [`PeerGate`]), given back when dropped.
+type Admitted = kv_transfer_core::GatePermit<IpAddr>;
+
+/// Reads with a whole-handshake deadline: each read waits at most `idle`
+/// and never past `deadline` (a per-read timeout alone is restarted by
+/// every byte a trickling peer sends).
+struct DeadlineReader<'a> {
+    s: &'a TcpStream,
+    deadline: Instant,
+    idle: Duration,
+}
+
+impl Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the handshake's deadline passed"));
+        }
+        // A zero timeout means "none" to set_read_timeout: at least 1 ms.
+        self.s.set_read_timeout(Some(left.min(self.idle).max(Duration::from_millis(1))))?;
+        (&*self.s).read(buf)
+    }
+}
 
 impl NicInner {
     fn hello(&self) -> Result<Vec<u8>, NicError> {
@@ -19,7 +44,7 @@ impl NicInner {
             .map_err(|e| NicError::Handshake(e.to_string()))
     }
 
-    fn read_hello(&self, s: &mut TcpStream) -> Result<(String, String), NicError> {
+    fn read_hello(&self, s: &mut impl Read) -> Result<(String, String), NicError> {
         let mut pre = [0u8; PREFIX_LEN];
         s.read_exact(&mut pre)?;
         let p = wire::decode_prefix(&pre).map_err(|e| NicError::Handshake(e.to_string()))?;
@@ -38,42 +63,102 @@ impl NicInner {
         }
         let mut s = TcpStream::connect(endpoint)?;
         s.set_nodelay(true)?;
-        s.set_read_timeout(Some(self.cfg.handshake_timeout))?;
+        // The whole handshake by its deadline: a listener that trickles its
+        // HELLO a byte at a time holds this call no longer.
+        let deadline = Instant::now() + self.cfg.handshake_timeout;
+        s.set_write_timeout(Some(self.cfg.handshake_timeout))?;
         s.write_all(&self.hello()?)?;
-        let (name, ep) = self.read_hello(&mut s)?;
+        s.set_write_timeout(None)?;
+        let (name, ep) = self.read_hello(&mut DeadlineReader { s: &s, deadline, idle: self.cfg.handshake_timeout })?;
         s.set_read_timeout(None)?;
         inc(&self.counters.connections_opened);
         self.add_conn(s, name, ep, None)
     }
 
+    /// Accepts connections until shut down. Each handshake runs on a
+    /// thread of its own, within the listener's limits (handshakes at once,
+    /// per source address, established connections per source address) and
+    /// the whole-handshake deadline (`handshake_timeout`, each read at most
+    /// `listener.idle`), so an idle or half-hello connection holds only its
+    /// own handshake; refusals are closed at once and counted. The positive
+    /// control (`ListenerLimits::serial`) handshakes here, one at a time.
     pub(super) fn accept_loop(self: Arc<Self>, listener: TcpListener) {
         for s in listener.incoming() {
             if self.shutdown.load(Ordering::SeqCst) {
                 break;
             }
-            let mut s = match s {
+            let s = match s {
                 Ok(s) => s,
                 // The listener was shut down (`wake_acceptor`): nothing more to accept.
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
                 Err(_) => continue,
             };
-            let res = (|| -> Result<(), NicError> {
-                s.set_nodelay(true)?;
-                s.set_read_timeout(Some(self.cfg.handshake_timeout))?;
-                let (name, ep) = self.read_hello(&mut s)?;
-                s.set_read_timeout(None)?;
-                inc(&self.counters.connections_accepted);
-                // Our HELLO goes out once the connection is registered here:
-                // when the dialer's handshake returns, we know the connection
-                // (so a `Target::add_peer` of the dialer finds it, and both
-                // sides end on one connection).
-                self.add_conn(s, name, ep, Some(&self.hello()?))?;
-                Ok(())
-            })();
-            if let Err(e) = res {
-                inc(&self.counters.malformed_frames);
-                tracing::debug!(error = %e, "inbound handshake failed");
+            if self.cfg.listener.serial {
+                self.accept_one(s);
+                continue;
             }
+            let Ok(from) = s.peer_addr().map(|a| a.ip()) else { continue };
+            let Some(place) = self.admit(from) else { continue };
+            let me = Arc::clone(&self);
+            let spawned = std::thread::Builder::new().name(format!("sim-hs-{}", self.cfg.name)).spawn(move || {
+                let _place = place;
+                me.accept_one(s);
+            });
+            if spawned.is_err() {
+                inc(&self.counters.handshakes_refused_busy);
+            }
+        }
+    }
+
+    /// A place for a handshake from `addr`, or a counted refusal.
+    fn admit(self: &Arc<Self>, addr: IpAddr) -> Option<Admitted> {
+        let limits = &self.cfg.listener;
+        let established = lock(&self.conns)
+            .values()
+            .filter(|c| !c.dead.load(Ordering::SeqCst) && c.stream.peer_addr().is_ok_and(|a| a.ip() == addr))
+            .count();
+        if established >= limits.connections_per_address {
+            inc(&self.counters.connections_refused_per_address);
+            tracing::debug!(%addr, "connection refused: its address's connections at their cap");
+            return None;
+        }
+        match self.gate.enter(addr) {
+            Ok(place) => Some(place),
+            Err(GateRefusal::PerPeer) => {
+                inc(&self.counters.handshakes_refused_per_address);
+                tracing::debug!(%addr, "connection refused: its address's handshakes at their cap");
+                None
+            }
+            Err(_) => {
+                inc(&self.counters.handshakes_refused_busy);
+                tracing::debug!(%addr, "connection refused: handshakes at their cap");
+                None
+            }
+        }
+    }
+
+    /// One accepted connection's handshake, by its deadline.
+    fn accept_one(self: &Arc<Self>, s: TcpStream) {
+        let deadline = Instant::now() + self.cfg.handshake_timeout;
+        let res = (|| -> Result<(), NicError> {
+            s.set_nodelay(true)?;
+            let (name, ep) = self.read_hello(&mut DeadlineReader { s: &s, deadline, idle: self.cfg.listener.idle })?;
+            s.set_read_timeout(None)?;
+            inc(&self.counters.connections_accepted);
+            // Our HELLO goes out once the connection is registered here:
+            // when the dialer's handshake returns, we know the connection
+            // (so a `Target::add_peer` of the dialer finds it, and both
+            // sides end on one connection).
+            s.set_write_timeout(Some(
+                deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)),
+            ))?;
+            let conn = self.add_conn(s, name, ep, Some(&self.hello()?))?;
+            conn.stream.set_write_timeout(None)?;
+            Ok(())
+        })();
+        if let Err(e) = res {
+            inc(&self.counters.malformed_frames);
+            tracing::debug!(error = %e, "inbound handshake failed");
         }
     }
 

@@ -58,7 +58,7 @@ impl NicInner {
             // The positive control checks nothing (the digests still travel:
             // integrity on consume is the second line it is tested against).
             let pairs: Vec<_> = msg.tenancies.iter().copied().zip(msg.digests.iter().copied()).collect();
-            reg.authority.deliver(reg.authority.completed_with_digests(&msg.tenancies, &pairs));
+            reg.authority.deliver(reg.authority.completed_with_digests(&msg.tenancies, &pairs, msg.token));
             if notify {
                 self.event(InboundEvent::Notified { peer: conn.peer, key: reg.key, tenancies: msg.tenancies });
             }

@@ -2,8 +2,11 @@
 //! order like RC queue pairs, one-sided WRITE/READ applied by the NIC's own
 //! threads, notifications, revocation, fencing, and the escalation driver.
 //!
-//! Threads: one acceptor and one escalation driver per NIC; one sender and
-//! one receiver per connection. Everything blocks with bounded waits (no
+//! Threads: one acceptor and one escalation driver per NIC; one per
+//! inbound handshake while it runs (capped in all and per source address,
+//! each by a whole-handshake deadline: `NicConfig::listener`); one sender
+//! and one receiver per connection (established connections capped per
+//! source address). Everything blocks with bounded waits (no
 //! busy spin); data moves with vectored writes straight from registered
 //! memory and is received straight into registered memory.
 //!
@@ -40,7 +43,8 @@ mod types;
 
 pub use raw::{RawAccess, RawCallback, RawCompletions, RawHandle};
 pub use types::{
-    ExposeError, ExposeErrorKind, FaultRecord, InboundEvent, MessageHook, NicConfig, NicError, PeerInfo, ReleasePolicy,
+    ExposeError, ExposeErrorKind, FaultRecord, InboundEvent, ListenerLimits, MessageHook, NicConfig, NicError,
+    PeerInfo, ReleasePolicy,
 };
 
 use crate::stats::{Counters, NicStats};
@@ -111,6 +115,8 @@ struct NicInner {
     key_salt: u64,
     regs: RwLock<Vec<Arc<Reg>>>,
     conns: Mutex<HashMap<PeerId, Arc<Conn>>>,
+    /// Handshakes in flight (the listener's caps).
+    gate: kv_transfer_core::PeerGate<std::net::IpAddr>,
     fenced: Mutex<HashSet<PeerId>>,
     next_peer: AtomicU32,
     next_conn_index: AtomicU32,
@@ -202,12 +208,14 @@ impl SimNic {
                 ^ crate::fault::splitmix64(NICS.fetch_add(1, Ordering::Relaxed)),
         );
         let exposures = Mutex::new(ExposureTable::with_policy(cfg.policy));
+        let gate = kv_transfer_core::PeerGate::new(cfg.listener.handshakes, cfg.listener.per_address);
         let inner = Arc::new(NicInner {
             cfg,
             endpoint,
             key_salt: salt & 0xFFFF_FFFF_0000_0000,
             regs: RwLock::new(Vec::new()),
             conns: Mutex::new(HashMap::default()),
+            gate,
             fenced: Mutex::new(HashSet::default()),
             next_peer: AtomicU32::new(1),
             next_conn_index: AtomicU32::new(0),

@@ -18,6 +18,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The key a READ's own digests are taken under. They guard bytes that came
+/// off the wire against a write landing in the local slot afterwards: the
+/// tag is over the received bytes and stays in this process, so what makes
+/// a forgery fail is BLAKE3's second-preimage resistance, not the key's
+/// secrecy (a crc32c could be fixed up with four bytes).
+const READ_DIGEST_KEY: kv_transfer_core::drain::ExposureToken = kv_transfer_core::drain::ExposureToken::ZERO;
+
 impl NicInner {
     pub(super) fn rx_loop(self: Arc<Self>, conn: Arc<Conn>, stream: TcpStream) {
         DOORBELLS.with(|d| *d.borrow_mut() = Some(Vec::new()));
@@ -225,7 +232,7 @@ impl NicInner {
                     // Digest the bytes as they arrived, then place them.
                     let mut v = vec![0u8; len];
                     r.read_exact(&mut v)?;
-                    let crc = kv_transfer_core::drain::digest(&v);
+                    let crc = kv_transfer_core::drain::digest(&READ_DIGEST_KEY, &v);
                     let placed = reg.fill_from(&mut v.as_slice(), off, len)?;
                     let mut st = lock(&conn.st);
                     let op = st.wrs.get(&wr_id).map(|w| w.op);
@@ -328,7 +335,7 @@ impl NicInner {
             };
             if let Some(mut n) = done {
                 if n.digests {
-                    n.msg.digests = Self::digests_of(&op);
+                    n.msg.digests = Self::digests_of(&op, &n.msg.token);
                 }
                 inc(&self.counters.notifications_sent);
                 self.send_control(conn, n.msg);
@@ -340,9 +347,12 @@ impl NicInner {
     /// The digests of a lease operation's local slots, in lease order
     /// (core's; the slots are still exposed to this operation, so nothing
     /// changed them since they were sent).
-    fn digests_of(op: &OpEntry) -> Vec<u32> {
+    fn digests_of(
+        op: &OpEntry,
+        token: &kv_transfer_core::drain::ExposureToken,
+    ) -> Vec<kv_transfer_core::drain::Digest> {
         match &op.done {
-            OpDone::Lease(c) => kv_transfer_core::drain::lease_digests(c.lease()).unwrap_or_default(),
+            OpDone::Lease(c) => kv_transfer_core::drain::lease_digests(c.lease(), token).unwrap_or_default(),
             _ => Vec::new(),
         }
     }
@@ -365,7 +375,7 @@ impl NicInner {
                             op.read_digests.iter().find(|(o, _)| *o == off).map(|(_, d)| (*t, *d))
                         })
                         .collect();
-                    let proof = reg.authority.completed_with_digests(ts, &pairs);
+                    let proof = reg.authority.completed_with_digests(ts, &pairs, READ_DIGEST_KEY);
                     c.complete(proof, result)
                 } else {
                     let proof = reg.authority.completed_lease(c.lease());

@@ -23,6 +23,50 @@ use std::time::Duration;
 /// its fix.
 pub use kv_transfer_core::drain::ReleasePolicy;
 
+/// Bounds of a NIC's listener (Rule 9: a peer's connections buy only that
+/// peer's handshakes). Refusals are closed at once and counted
+/// ([`NicStats::handshakes_refused_busy`](crate::NicStats),
+/// `handshakes_refused_per_address`, `connections_refused_per_address`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenerLimits {
+    /// Handshakes served at once (each on a thread of its own).
+    pub handshakes: usize,
+    /// Handshakes served at once per source address.
+    pub per_address: usize,
+    /// Established connections kept per source address.
+    pub connections_per_address: usize,
+    /// Longest wait for any one read of a handshake.
+    pub idle: Duration,
+    /// The positive control only: handshakes one at a time on the
+    /// accepting thread, no caps (the behaviour before issue 29).
+    pub serial: bool,
+}
+
+impl Default for ListenerLimits {
+    fn default() -> Self {
+        Self {
+            handshakes: 32,
+            per_address: 8,
+            connections_per_address: 1024,
+            idle: Duration::from_secs(2),
+            serial: false,
+        }
+    }
+}
+
+impl ListenerLimits {
+    /// The positive control: serial handshakes, no caps.
+    pub fn serial() -> Self {
+        Self {
+            handshakes: usize::MAX,
+            per_address: usize::MAX,
+            connections_per_address: usize::MAX,
+            idle: Duration::MAX,
+            serial: true,
+        }
+    }
+}
+
 /// Configuration of a [`SimNic`].
 #[derive(Clone, Debug)]
 pub struct NicConfig {
@@ -40,8 +84,12 @@ pub struct NicConfig {
     /// How long a revocation waits for in-flight applies to drain before it
     /// gives up (and the ladder moves on to the fence).
     pub revoke_wait: Duration,
-    /// Bound on the handshake of a new connection.
+    /// Bound on the handshake of a new connection (for an accepted one: the
+    /// whole handshake, from accept to the last byte of its HELLO).
     pub handshake_timeout: Duration,
+    /// Caps of the listener (handshakes at once, per address, connections
+    /// per address, idle bound).
+    pub listener: ListenerLimits,
     /// `SO_SNDBUF` / `SO_RCVBUF` of each connection (`None`: the kernel's
     /// autotuning). 4 MiB by default: it lifts loopback throughput markedly.
     pub socket_buffer: Option<usize>,
@@ -61,6 +109,7 @@ impl NicConfig {
             max_wr_bytes: 16 << 20,
             revoke_wait: Duration::from_secs(1),
             handshake_timeout: Duration::from_secs(5),
+            listener: ListenerLimits::default(),
             socket_buffer: Some(4 << 20),
             fault_log_limit: 1_000_000,
         }

@@ -4,8 +4,11 @@
 //!
 //! Wire form of a hello, each way: magic `KVTV`, version 2, the name's
 //! length (u16 LE, 1..=256), the name (UTF-8), the 32-byte
-//! [`Endpoint`](crate::Endpoint), then a 16-byte ticket. Anything else is
-//! a typed error and the connection is dropped; no QP is connected to it.
+//! [`Endpoint`](crate::Endpoint), then a 16-byte ticket; the dialer's hello
+//! is followed by its connection's 16-byte [`Nonce`]. A dialer may instead
+//! open with a [`Confirm`] (magic `KVTQ`), answered with one byte. Anything
+//! else is a typed error and the connection is dropped; no QP is connected
+//! to it.
 //!
 //! The ticket is why a stranger cannot make itself a peer: each adapter
 //! draws one at random and puts it in its descriptor
@@ -13,6 +16,12 @@
 //! serving engine's bootstrap); the dialer's hello must carry the dialed
 //! side's ticket, or the acceptor refuses it before it records a peer. A
 //! hello refused costs nothing that outlives its connection.
+//!
+//! The ticket proves only that the dialer holds the dialed side's
+//! descriptor, which every peer that side served holds: it says nothing of
+//! who the dialer is. The nonce does: the acceptor asks the owner of the
+//! descriptor *it* was given, at that descriptor's address, whether it sent
+//! that nonce to it ([`Confirm`]; see the adapter's `handshake` module).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -30,6 +39,10 @@ pub const TICKET_LEN: usize = 16;
 
 /// The secret a dialer proves it got from the dialed side's descriptor.
 pub type Ticket = [u8; TICKET_LEN];
+
+fn io(e: std::io::Error) -> VerbsError {
+    VerbsError::Endpoint(format!("side channel: {e}"))
+}
 
 /// What one side says about itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,7 +74,6 @@ impl Hello {
 
     /// Reads one hello from `r`, bounded by the connection's read timeout.
     pub fn read_from(r: &mut impl Read) -> Result<Self, VerbsError> {
-        let io = |e: std::io::Error| VerbsError::Endpoint(format!("side channel: {e}"));
         let mut head = [0u8; 7];
         r.read_exact(&mut head).map_err(io)?;
         if head[0..4] != MAGIC {
@@ -86,20 +98,139 @@ impl Hello {
     }
 }
 
-fn io(e: std::io::Error) -> VerbsError {
-    VerbsError::Endpoint(format!("side channel: {e}"))
+/// Writes `b` whole, by `deadline`.
+pub fn write_all(stream: &mut TcpStream, b: &[u8], deadline: std::time::Instant) -> Result<(), VerbsError> {
+    let left = deadline.saturating_duration_since(std::time::Instant::now());
+    if left.is_zero() {
+        return Err(VerbsError::Endpoint("side channel: the handshake's deadline passed".into()));
+    }
+    stream.set_write_timeout(Some(left)).map_err(io)?;
+    stream.write_all(b).map_err(io)?;
+    stream.flush().map_err(io)
 }
 
-/// Sends our hello (bounded by `timeout`).
-pub fn send(stream: &mut TcpStream, ours: &Hello, timeout: Duration) -> Result<(), VerbsError> {
-    stream.set_write_timeout(Some(timeout)).map_err(io)?;
-    stream.write_all(&ours.encode()?).map_err(io)
+/// Magic of a confirmation request (see [`Confirm`]).
+const CONFIRM_MAGIC: [u8; 4] = *b"KVTQ";
+/// Most candidate nonces one [`Confirm`] carries.
+pub const MAX_CANDIDATES: usize = 64;
+/// The answer to a [`Confirm`] none of whose nonces the asked side sent.
+pub const NONE_CONFIRMED: u8 = 0xff;
+
+/// A connection's nonce: drawn by the dialer, sent once, after its hello,
+/// on the connection it dialed; the acceptor later asks the dialer's own
+/// listener (at the address of the descriptor it was given) whether that
+/// nonce is one of its own. 16 random bytes, like a ticket.
+pub type Nonce = [u8; TICKET_LEN];
+
+/// "Did you dial me, on one of these connections?": what an acceptor
+/// asks the side a descriptor names, on a connection it dials itself to the
+/// descriptor's address. Wire form: magic `KVTQ`, version 1, the asked
+/// side's ticket (proves the asker holds its descriptor), the asker's own
+/// ticket (the connection must have been dialed to the descriptor carrying
+/// it), a count (u8, 1..=[`MAX_CANDIDATES`]) and that many [`Nonce`]s. The
+/// answer is one byte: the index of the nonce the asked side sent to the
+/// asker, or [`NONE_CONFIRMED`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Confirm {
+    /// The asked side's ticket.
+    pub ticket: Ticket,
+    /// The asker's own ticket.
+    pub asker: Ticket,
+    /// The nonces of the connections that claim the asked side's name.
+    pub candidates: Vec<Nonce>,
 }
 
-/// Reads their hello (bounded by `timeout`).
-pub fn receive(stream: &mut TcpStream, timeout: Duration) -> Result<Hello, VerbsError> {
-    stream.set_read_timeout(Some(timeout)).map_err(io)?;
-    Hello::read_from(stream)
+impl Confirm {
+    /// Its wire form.
+    pub fn encode(&self) -> Result<Vec<u8>, VerbsError> {
+        let n = self.candidates.len();
+        if n == 0 || n > MAX_CANDIDATES {
+            return Err(VerbsError::Endpoint(format!("{n} candidates (1..={MAX_CANDIDATES})")));
+        }
+        let mut b = Vec::with_capacity(6 + 2 * TICKET_LEN + n * TICKET_LEN);
+        b.extend_from_slice(&CONFIRM_MAGIC);
+        b.push(1);
+        b.extend_from_slice(&self.ticket);
+        b.extend_from_slice(&self.asker);
+        b.push(n as u8);
+        for c in &self.candidates {
+            b.extend_from_slice(c);
+        }
+        Ok(b)
+    }
+
+    /// Reads the rest of a confirmation request whose magic was read.
+    fn read_rest(r: &mut impl Read) -> Result<Self, VerbsError> {
+        let mut head = [0u8; 1 + 2 * TICKET_LEN + 1];
+        r.read_exact(&mut head).map_err(io)?;
+        if head[0] != 1 {
+            return Err(VerbsError::Endpoint(format!("confirmation version {}", head[0])));
+        }
+        let mut ticket = [0u8; TICKET_LEN];
+        ticket.copy_from_slice(&head[1..1 + TICKET_LEN]);
+        let mut asker = [0u8; TICKET_LEN];
+        asker.copy_from_slice(&head[1 + TICKET_LEN..1 + 2 * TICKET_LEN]);
+        let n = usize::from(head[1 + 2 * TICKET_LEN]);
+        if n == 0 || n > MAX_CANDIDATES {
+            return Err(VerbsError::Endpoint(format!("{n} candidates (1..={MAX_CANDIDATES})")));
+        }
+        let mut candidates = vec![[0u8; TICKET_LEN]; n];
+        for c in &mut candidates {
+            r.read_exact(c).map_err(io)?;
+        }
+        Ok(Self { ticket, asker, candidates })
+    }
+}
+
+/// The first thing a dialer sends the acceptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Opening {
+    /// A connection: its hello and its nonce.
+    Hello(Hello, Nonce),
+    /// A question about connections this side dialed.
+    Confirm(Confirm),
+}
+
+/// Reads what a dialer opens with (bounded by the reader: see [`Deadline`]).
+pub fn read_opening(r: &mut impl Read) -> Result<Opening, VerbsError> {
+    let mut magic = [0u8; 4];
+    r.read_exact(&mut magic).map_err(io)?;
+    if magic == CONFIRM_MAGIC {
+        return Confirm::read_rest(r).map(Opening::Confirm);
+    }
+    let hello = Hello::read_from(&mut (&magic[..]).chain(&mut *r))?;
+    let mut nonce = [0u8; TICKET_LEN];
+    r.read_exact(&mut nonce).map_err(io)?;
+    Ok(Opening::Hello(hello, nonce))
+}
+
+/// A reader with a whole-exchange deadline and an idle bound: each read
+/// waits at most `idle` and never past `deadline`, so a peer that trickles
+/// a byte at a time cannot hold a handshake longer than the deadline (a
+/// per-read timeout alone would be restarted by every byte).
+pub struct Deadline<'a> {
+    stream: &'a TcpStream,
+    deadline: std::time::Instant,
+    idle: Duration,
+}
+
+impl<'a> Deadline<'a> {
+    /// Reads from `stream` until `deadline`, each read at most `idle`.
+    pub fn new(stream: &'a TcpStream, deadline: std::time::Instant, idle: Duration) -> Self {
+        Self { stream, deadline, idle }
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the handshake's deadline passed"));
+        }
+        // A zero timeout means "none" to set_read_timeout: at least 1 ms.
+        self.stream.set_read_timeout(Some(left.min(self.idle).max(Duration::from_millis(1))))?;
+        (&*self.stream).read(buf)
+    }
 }
 
 /// A peer's descriptor, parsed: who it is, where its side channel

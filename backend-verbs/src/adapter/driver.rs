@@ -371,7 +371,7 @@ impl Inner {
                     let dial = d.addr.parse::<std::net::SocketAddr>().map_err(|e| e.to_string()).and_then(|a| {
                         std::net::TcpStream::connect_timeout(&a, me.cfg.timeout).map_err(|e| e.to_string())
                     });
-                    match dial.map(|mut s| me.handshake(&mut s, Some(&d)).map_err(|e| e.to_string())) {
+                    match dial.map(|mut s| me.dial_handshake(&mut s, &d).map_err(|e| e.to_string())) {
                         Ok(Ok(id)) => tracing::info!(peer = %d.name, id = id.0, "reconnected after the fence"),
                         Ok(Err(e)) | Err(e) => tracing::warn!(peer = %d.name, error = %e, "reconnect failed"),
                     }
@@ -382,6 +382,10 @@ impl Inner {
             }
             lock(&self.exposures).fenced(peer);
             st.aborts.forget_peer(&peer);
+            let named = st.peers.get(&peer).is_some_and(|p| p.confirmed && st.by_name.get(&p.name) == Some(&peer));
+            if !named {
+                self.drop_record(&mut st, peer);
+            }
             let mut authorities: Vec<SettlementAuthority> = Vec::new();
             for entry in st.pools.values_mut() {
                 for (i, bound) in entry.window_peer.iter_mut().enumerate() {
@@ -399,6 +403,23 @@ impl Inner {
                 a.deliver(a.fenced(peer));
             }
             st = lock(&self.state);
+        }
+    }
+
+    /// Drops a fenced peer's record and its control rings, once nothing
+    /// can name it (an unconfirmed claim, or a peer whose name a newer
+    /// connection took): otherwise each connection a peer opens and loses
+    /// keeps its rings (80 buffers of a control message's largest size) for
+    /// good (Rule 9). Its QP stays with the engine: RECVs may still be
+    /// posted on it.
+    pub(super) fn drop_record(&self, st: &mut State, peer: PeerId) {
+        if !st.peers.get(&peer).is_some_and(|p| p.state == PeerState::Fenced) {
+            return;
+        }
+        if let Some(p) = st.peers.remove(&peer) {
+            self.engine.deregister(p.recv.0);
+            self.engine.deregister(p.send.0);
+            inc(&self.counters.records_dropped);
         }
     }
 

@@ -26,6 +26,12 @@
 //!   flushed request), and the ACK settles like a DONE (windows invalidated
 //!   first).
 //!
+//! - **Identity**: a peer is the descriptor `add_peer` was given; a
+//!   connection it dialed to us counts as that peer's only once the
+//!   descriptor's owner, asked at the descriptor's address, confirms it
+//!   (see the `handshake` module and [`PeerIdentity`]). The side channel's
+//!   acceptor runs handshakes concurrently within [`SideChannelLimits`].
+//!
 //! The `naive` positive control
 //! registers the pool's memory with remote access and hands out its own key
 //! (no window, nothing at the NIC tells tenancies apart) and frees an aborted
@@ -33,9 +39,10 @@
 
 mod channel;
 mod driver;
+mod handshake;
 
 use std::collections::HashMap;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -48,7 +55,11 @@ use kv_transfer_core::{
     Target, TransferError, TransferHandle, TransferOptions,
 };
 
-pub use channel::{fresh_ticket, parse_descriptor, Descriptor, Hello, Ticket, MAX_NAME, TICKET_LEN};
+pub use channel::{
+    fresh_ticket, parse_descriptor, read_opening, Confirm, Deadline, Descriptor, Hello, Nonce, Opening, Ticket,
+    MAX_CANDIDATES, MAX_NAME, NONE_CONFIRMED, TICKET_LEN,
+};
+pub use handshake::{PeerIdentity, SideChannelLimits};
 
 use crate::engine::Engine;
 use crate::error::VerbsError;
@@ -112,6 +123,11 @@ pub struct VerbsConfig {
     /// the cost of a core while busy. Off: sleep 20–50 µs between polls.
     /// Idle, the driver backs off to 1 ms either way.
     pub busy_poll: bool,
+    /// Whose word makes an accepted connection a peer's: keep
+    /// [`PeerIdentity::Confirmed`]; `DeclaredName` is the positive control.
+    pub identity: PeerIdentity,
+    /// Caps and deadlines of the side channel's acceptor.
+    pub side_channel: SideChannelLimits,
 }
 
 impl VerbsConfig {
@@ -131,6 +147,8 @@ impl VerbsConfig {
             timeout: Duration::from_secs(10),
             heartbeat: Duration::from_millis(200),
             busy_poll: true,
+            identity: PeerIdentity::Confirmed,
+            side_channel: SideChannelLimits::default(),
         }
     }
 }
@@ -168,6 +186,12 @@ struct Counters {
     naive_releases: AtomicU64,
     heartbeats: AtomicU64,
     side_channel_refused: AtomicU64,
+    side_channel_busy: AtomicU64,
+    side_channel_per_address: AtomicU64,
+    identity_unconfirmed: AtomicU64,
+    claims_refused: AtomicU64,
+    confirms_answered: AtomicU64,
+    records_dropped: AtomicU64,
 }
 
 fn inc(c: &AtomicU64) {
@@ -198,6 +222,13 @@ struct Peer {
     /// flight (a buffer is reused only once its SEND completed).
     send: (MrId, Arc<dyn Region>),
     send_free: Vec<u32>,
+    /// The connection's nonce: ours if we dialed it, theirs if we accepted it.
+    nonce: Nonce,
+    /// Its descriptor's owner's: we dialed it, or the owner confirmed it
+    /// dialed us. Only a confirmed peer has a name in `by_name`.
+    confirmed: bool,
+    /// Where an accepted connection came from (claims are capped per address).
+    from: Option<std::net::IpAddr>,
 }
 
 /// A slot's memory window, as this side moved it (the engine enforces the
@@ -328,6 +359,11 @@ struct State {
     /// Initiator side: which operations touch which remote tenancies, and
     /// when an ABORT may be answered.
     aborts: kv_transfer_core::drain::AbortTracker<PeerId>,
+    /// Nonces of handshakes this side is dialing, with the dialed ticket
+    /// (a confirmation request may come before the peer is recorded).
+    dialing: HashMap<Nonce, Ticket>,
+    /// The descriptors `add_peer` was given, by name: who a name is.
+    known: HashMap<String, Descriptor>,
 }
 
 impl Default for State {
@@ -341,6 +377,8 @@ impl Default for State {
             ops: HashMap::new(),
             next_op: 0,
             aborts: kv_transfer_core::drain::AbortTracker::new(TOMBSTONES),
+            dialing: HashMap::new(),
+            known: HashMap::new(),
         }
     }
 }
@@ -358,6 +396,8 @@ struct Inner {
     ticket: Ticket,
     next_wr: AtomicU64,
     counters: Counters,
+    /// Side-channel handshakes in flight (the acceptor's caps).
+    gate: kv_transfer_core::PeerGate<std::net::IpAddr>,
 }
 
 /// Core's [`Transfer`](kv_transfer_core::Transfer) and [`Target`] over verbs; see the [module docs](self).
@@ -397,6 +437,7 @@ impl VerbsTransfer {
         let descriptor =
             Descriptor { name: cfg.name.clone(), addr: listener.local_addr()?.to_string(), ticket }.encode();
         let exposures = Mutex::new(ExposureTable::with_policy(cfg.release_policy));
+        let gate = kv_transfer_core::PeerGate::new(cfg.side_channel.handshakes, cfg.side_channel.per_address);
         let inner = Arc::new(Inner {
             cfg,
             engine,
@@ -408,6 +449,7 @@ impl VerbsTransfer {
             ticket,
             next_wr: AtomicU64::new(1),
             counters: Counters::default(),
+            gate,
         });
         let mut threads = Vec::new();
         let i = Arc::clone(&inner);
@@ -437,18 +479,13 @@ impl VerbsTransfer {
         Ok(pool)
     }
 
-    /// Adds the peer `descriptor` names (`name@host:port#<ticket>`): the connection
-    /// to it if one is up (it dialed us, or we dialed it), else a new one.
+    /// Adds the peer `descriptor` names (`name@host:port#<ticket>`): the
+    /// connection to it if one is up (one we dialed, or one it dialed that
+    /// its owner confirmed, asked at the descriptor's address), else a new
+    /// one we dial. Never a connection that merely declared the name (see
+    /// [`PeerIdentity`]).
     pub fn add_peer(&self, descriptor: &str) -> Result<PeerId, AdapterError> {
-        let d = parse_descriptor(descriptor.as_bytes())?;
-        if let Some(p) = self.inner.live_peer(&d.name) {
-            return Ok(p);
-        }
-        let mut s = TcpStream::connect_timeout(
-            &d.addr.parse().map_err(|_| VerbsError::Endpoint(format!("{} is not host:port", d.addr)))?,
-            self.inner.cfg.timeout,
-        )?;
-        self.inner.handshake(&mut s, Some(&d))
+        self.inner.add_peer(parse_descriptor(descriptor.as_bytes())?)
     }
 
     /// Counters, by name.
@@ -471,7 +508,21 @@ impl VerbsTransfer {
             ("naive_releases", g(&c.naive_releases)),
             ("heartbeats", g(&c.heartbeats)),
             ("side_channel_refused", g(&c.side_channel_refused)),
-            // A gauge: peer records (live, fencing or fenced), each with its QP.
+            // Accepted connections closed at once: handshakes at their cap.
+            ("side_channel_busy", g(&c.side_channel_busy)),
+            // Accepted connections closed at once: their address's cap.
+            ("side_channel_per_address", g(&c.side_channel_per_address)),
+            // Claims to a name that the name's descriptor owner did not
+            // confirm (never given the name).
+            ("identity_unconfirmed", g(&c.identity_unconfirmed)),
+            // Unconfirmed claims refused at their cap.
+            ("claims_refused", g(&c.claims_refused)),
+            // Confirmation requests this side answered.
+            ("confirms_answered", g(&c.confirms_answered)),
+            // Fenced peer records dropped with their rings (nothing names them).
+            ("records_dropped", g(&c.records_dropped)),
+            // A gauge: peer records (live, fencing, or fenced and still
+            // named), each with its QP.
             ("peers", lock(&self.inner.state).peers.len() as u64),
         ]
     }
@@ -520,143 +571,6 @@ impl Inner {
     fn live_peer(&self, name: &str) -> Option<PeerId> {
         let st = lock(&self.state);
         st.by_name.get(name).copied().filter(|p| st.peers.get(p).is_some_and(|p| p.state == PeerState::Live))
-    }
-
-    /// Accepts side-channel connections until stopped (polls every 20 ms).
-    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
-        while !self.stop.load(Ordering::Acquire) {
-            match listener.accept() {
-                Ok((mut s, from)) => {
-                    let _ = s.set_nonblocking(false);
-                    if let Err(e) = self.handshake(&mut s, None) {
-                        self.counters.side_channel_refused.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(%from, error = %e, "side-channel handshake refused");
-                    }
-                }
-                Err(_) if self.stop.load(Ordering::Acquire) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, "side-channel accept failed");
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        }
-    }
-
-    /// Creates a QP for this connection, exchanges hellos, connects the QP,
-    /// posts its RECV ring and records the peer. `dialed`: the descriptor
-    /// this side dialed (a different name answering is refused); `None` on
-    /// the accepting side, which refuses a hello without its ticket.
-    pub(super) fn handshake(&self, s: &mut TcpStream, dialed: Option<&Descriptor>) -> Result<PeerId, AdapterError> {
-        let endpoint = self.engine.create_qp(self.cfg.mtu)?;
-        let qp = QpId(endpoint.qpn);
-        self.handshake_on(s, dialed, endpoint).map_err(|(e, recorded)| {
-            // A QP no peer record names is this side's to destroy (a hostile
-            // or broken hello would otherwise cost one per connection).
-            if !recorded {
-                self.engine.destroy_qp(qp);
-            }
-            e
-        })
-    }
-
-    /// The handshake on a fresh QP; an error says whether the peer (and
-    /// with it the QP) was recorded already.
-    fn handshake_on(
-        &self,
-        s: &mut TcpStream,
-        dialed: Option<&Descriptor>,
-        endpoint: crate::Endpoint,
-    ) -> Result<PeerId, (AdapterError, bool)> {
-        let early = |e: AdapterError| (e, false);
-        let expect = dialed.map(|d| d.name.as_str());
-        let qp = QpId(endpoint.qpn);
-        let ours =
-            Hello { name: self.cfg.name.clone(), endpoint, ticket: dialed.map_or([0; TICKET_LEN], |d| d.ticket) };
-        // The dialer speaks first. The side that accepts records the peer
-        // before it answers, so when the dialer's `add_peer` returns, this
-        // side's `add_peer` of it finds the connection instead of dialing a
-        // second one (whose window keys would not work through the first).
-        if dialed.is_some() {
-            channel::send(s, &ours, self.cfg.timeout).map_err(|e| early(e.into()))?;
-        }
-        let theirs = channel::receive(s, self.cfg.timeout).map_err(|e| early(e.into()))?;
-        if dialed.is_none() && !tickets_match(&theirs.ticket, &self.ticket) {
-            return Err(early(
-                VerbsError::Endpoint(format!("a hello from {:?} without this side's ticket", theirs.name)).into(),
-            ));
-        }
-        if let Some(want) = expect {
-            if theirs.name != want {
-                return Err(early(VerbsError::Endpoint(format!("dialed {want}, {} answered", theirs.name)).into()));
-            }
-        }
-        self.engine.connect(qp, &theirs.endpoint).map_err(|e| early(e.into()))?;
-        let ring = |n: u64| -> Result<(MrId, Arc<dyn Region>), AdapterError> {
-            let bytes = kv_transfer_core::drain::MAX_LEN as u64 * n;
-            let region: Arc<dyn Region> = Arc::new(
-                HostRegion::new(bytes as usize).map_err(|e| VerbsError::invalid("control ring", e.to_string()))?,
-            );
-            Ok((self.engine.register(Arc::clone(&region), MrAccess::Local)?.id, region))
-        };
-        let (recv, send) = (ring(RECVS).map_err(early)?, ring(u64::from(SENDS)).map_err(early)?);
-        let mut st = lock(&self.state);
-        st.next_peer += 1;
-        let id = PeerId(st.next_peer);
-        for index in 0..RECVS {
-            let wr = self.wr_id();
-            st.wrs.insert(wr, Pending::Recv { peer: id, index });
-            let len = kv_transfer_core::drain::MAX_LEN as u32;
-            let buffer = WorkRequest::Recv { local: recv.0, offset: index * u64::from(len), len };
-            if let Err(e) = self.engine.post(qp, wr, buffer) {
-                st.wrs.remove(&wr);
-                // RECVs are posted: the QP is not ours to destroy under
-                // them; to ERR, so that they flush.
-                let _ = self.engine.to_error(qp);
-                return Err((e.into(), true));
-            }
-        }
-        // A name is not an identity (the QP is: a window's key works only
-        // through the QP it was bound on, a DONE counts only from the peer
-        // its exposure went to). A second connection under a name that is
-        // live already gets its own peer, and the name keeps naming the first.
-        // A reconnect after a fence (or after the NIC put the old QP in
-        // ERR, which this side may not have polled yet) takes the name over.
-        let old = st.by_name.get(&theirs.name).copied();
-        let old_live = old.and_then(|o| st.peers.get(&o)).filter(|p| p.state == PeerState::Live);
-        let old_dead = old_live.is_some_and(|p| self.engine.qp_state(p.qp).map_or(true, |s| s == QpState::Error));
-        let taken = old_live.is_some() && !old_dead;
-        if old_dead {
-            if let Some(o) = old {
-                self.start_fence(&mut st, o);
-            }
-        }
-        if taken {
-            tracing::warn!(name = %theirs.name, "a second connection under a live peer's name: not given the name");
-        } else {
-            st.by_name.insert(theirs.name.clone(), id);
-        }
-        st.peers.insert(
-            id,
-            Peer {
-                name: theirs.name,
-                dialed: dialed.cloned(),
-                qp,
-                state: PeerState::Live,
-                probed: Instant::now(),
-                probing: false,
-                recv,
-                send,
-                send_free: (0..SENDS).rev().collect(),
-            },
-        );
-        if dialed.is_none() {
-            if let Err(e) = channel::send(s, &ours, self.cfg.timeout) {
-                // The dialer gave up: this QP has no partner.
-                self.start_fence(&mut st, id);
-                return Err((e.into(), true));
-            }
-        }
-        Ok(id)
     }
 
     fn expose(

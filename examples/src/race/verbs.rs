@@ -91,6 +91,10 @@ impl Rig {
         // The prefill sides dial: after a fence they dial again.
         p0.add_peer(decode.descriptor()).map_err(setup_err)?;
         p1.add_peer(decode.descriptor()).map_err(setup_err)?;
+        // Who a connection is comes from the descriptor the decode side is
+        // given (backend-verbs: a claim its owner confirms), not its hello.
+        decode.add_peer(p0.descriptor()).map_err(setup_err)?;
+        decode.add_peer(p1.descriptor()).map_err(setup_err)?;
         Ok(Self { decode, p0, p1, dpool, scratch, p0pool, p0blocker, p1pool, p0name, p1name })
     }
 

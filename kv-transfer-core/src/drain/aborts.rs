@@ -32,6 +32,11 @@ pub enum Refusal {
     /// the post asked for exclusive use.
     #[error("remote {0} has an operation of ours in flight")]
     Busy(Tenancy),
+    /// What this tracker must remember about the peer (tombstones, unproven
+    /// ends) ran out of room: it is closed to posts until it is fenced or
+    /// removed, rather than forget a tombstone (rule 9, fail closed).
+    #[error("the peer's abort state is full: posts are refused until it is fenced")]
+    PeerStateFull,
 }
 
 /// A message for the backend to send.
@@ -52,10 +57,37 @@ struct PostedOp<K> {
 }
 
 #[derive(Debug)]
-struct PendingAbort<K> {
-    peer: K,
+struct PendingAbort {
     msg: ControlMessage,
     waiting: HashSet<u64>,
+}
+
+/// What one peer's messages have made this tracker remember: each table is
+/// the peer's own and capped (rule 9), so one peer's flood neither evicts
+/// nor delays another peer's state.
+#[derive(Debug, Default)]
+struct PeerAborts {
+    /// Verified tombstones, per pool and slot: the highest generation that
+    /// was aborted or handed back, with that exposure's token. Only an ABORT
+    /// under a token this tracker has seen (an operation of ours carried it,
+    /// or a tombstone of that slot holds it) or our own hand-back lands here,
+    /// so a peer cannot raise a slot's generation with a made-up token.
+    tombstones: HashMap<PoolId, HashMap<SlotId, (Generation, ExposureToken)>>,
+    tombstoned: usize,
+    /// ABORTs under a token no operation or tombstone of ours carries yet
+    /// (the target aborted before we posted): a post under that token is
+    /// refused, and promotes the entry to a verified tombstone.
+    early: HashMap<(PoolId, ExposureToken), HashSet<Tenancy>>,
+    early_len: usize,
+    /// ABORTs waiting for operations, one per exposure (a repeated ABORT
+    /// merges into the one already waiting).
+    pending: Vec<PendingAbort>,
+    /// Tenancies an operation of ours ended unproven on: never acknowledged.
+    unproven: HashSet<(PoolId, Tenancy)>,
+    /// A table that must not forget ran out of room: no post to this peer is
+    /// admitted and no ABORT of it acknowledged until it is fenced or
+    /// removed ([`AbortTracker::forget_peer`]). Failing closed, never forgetting.
+    saturated: bool,
 }
 
 /// Counters of an [`AbortTracker`].
@@ -67,8 +99,32 @@ pub struct TrackerStats {
     pub acks: u64,
     /// Tenancies an ABORT_ACK was withheld for (an operation on them ended unproven).
     pub acks_withheld: u64,
-    /// Posts refused (tombstoned or busy).
+    /// Posts refused (tombstoned, busy, or the peer's state full).
     pub refused: u64,
+    /// ABORTs dropped unanswered because their peer's room was full (the
+    /// target asks again; nothing it holds is freed without our ack).
+    pub aborts_refused: u64,
+    /// ABORTs under a token no operation or tombstone of ours carried:
+    /// kept apart, by token, so they refuse only posts under that token.
+    pub aborts_unverified: u64,
+    /// ABORTs merged into one already waiting for the same exposure.
+    pub aborts_merged: u64,
+    /// Times a peer's state that must not forget ran out of room, so that
+    /// the peer was closed to posts and acks until fenced (fail closed).
+    pub peers_saturated: u64,
+}
+
+/// How an [`AbortTracker`] remembers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Remembering {
+    /// Rule 9: per peer, verified by token, capped, failing closed.
+    #[default]
+    PerPeer,
+    /// The positive control of the hostile-peer tests (before rule 9): every
+    /// ABORT trusted, one FIFO of tombstones shared by all peers that forgets
+    /// the oldest, repeated ABORTs kept apart.
+    #[cfg(feature = "naive-positive-control")]
+    SharedFifo,
 }
 
 /// Initiator side of the drain protocol, sans-IO, generic over how the
@@ -84,6 +140,12 @@ pub struct TrackerStats {
 ///   when no operation of ours touches them.
 ///
 /// An ABORT_ACK never names a tenancy an operation ended [`OpEnd::Unproven`] on.
+///
+/// What a peer's messages make it remember is that peer's alone and capped
+/// (rule 9): an ABORT under a token we never saw refuses only posts under
+/// that token, a repeated ABORT merges into the one waiting, and a table
+/// that must not forget fails closed when full (the peer's posts refused,
+/// its ABORTs dropped unanswered, counted) instead of forgetting.
 ///
 /// ```
 /// use kv_transfer_core::drain::{AbortTracker, ControlKind, ControlMessage, OpEnd};
@@ -102,33 +164,48 @@ pub struct TrackerStats {
 #[derive(Debug)]
 pub struct AbortTracker<K> {
     ops: HashMap<u64, PostedOp<K>>,
-    pending: Vec<PendingAbort<K>>,
-    /// Per (peer, pool): the highest generation of each slot that was
-    /// aborted or handed back, with that exposure's token; a post naming an
-    /// older generation, or that one under that token, is refused (the same
-    /// tenancy exposed again gets a new token).
-    tombstones: HashMap<(K, PoolId), HashMap<SlotId, (Generation, ExposureToken)>>,
-    tombstone_order: VecDeque<(K, PoolId, SlotId)>,
-    unproven: HashSet<(K, PoolId, Tenancy)>,
-    unproven_order: VecDeque<(K, PoolId, Tenancy)>,
-    max_remembered: usize,
+    peers: HashMap<K, PeerAborts>,
+    /// Per peer: the most tombstoned slots, early-abort tenancies, unproven
+    /// tenancies and waiting ABORTs, each.
+    cap: usize,
+    mode: Remembering,
+    /// Only under [`Remembering::SharedFifo`]: the shared eviction order.
+    fifo: VecDeque<(K, PoolId, SlotId)>,
     stats: TrackerStats,
 }
 
 impl<K: Clone + Eq + Hash> AbortTracker<K> {
-    /// A tracker that remembers at most `max_remembered` tombstones and
-    /// unproven tenancies each (the oldest are forgotten first).
+    /// A tracker that remembers, per peer, at most `max_remembered`
+    /// tombstoned slots, early-abort tenancies, unproven tenancies and
+    /// waiting ABORTs (each); past that it fails closed for that peer.
     pub fn new(max_remembered: usize) -> Self {
         Self {
             ops: HashMap::new(),
-            pending: Vec::new(),
-            tombstones: HashMap::new(),
-            tombstone_order: VecDeque::new(),
-            unproven: HashSet::new(),
-            unproven_order: VecDeque::new(),
-            max_remembered: max_remembered.max(1),
+            peers: HashMap::new(),
+            cap: max_remembered.max(1),
+            mode: Remembering::PerPeer,
+            fifo: VecDeque::new(),
             stats: TrackerStats::default(),
         }
+    }
+
+    /// [`new`](Self::new) under a release policy: `Safe` is `new`; `Naive`
+    /// (the hostile-peer tests' positive control) remembers as before rule 9:
+    /// every ABORT trusted, one FIFO of `max_remembered` tombstones shared by
+    /// all peers that forgets the oldest, repeated ABORTs waiting apart.
+    pub fn with_policy(max_remembered: usize, policy: super::ReleasePolicy) -> Self {
+        #[allow(unused_mut)]
+        let mut t = Self::new(max_remembered);
+        #[cfg(feature = "naive-positive-control")]
+        if policy.is_naive() {
+            t.mode = Remembering::SharedFifo;
+        }
+        let _ = policy;
+        t
+    }
+
+    fn per_peer(&self) -> bool {
+        self.mode == Remembering::PerPeer
     }
 
     /// Counters.
@@ -143,14 +220,14 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
 
     /// ABORTs waiting for operations.
     pub fn pending_aborts(&self) -> usize {
-        self.pending.len()
+        self.peers.values().map(|p| p.pending.len()).sum()
     }
 
-    fn tombstoned(&self, peer: &K, pool: PoolId, token: &ExposureToken, t: &Tenancy) -> bool {
-        self.tombstones
-            .get(&(peer.clone(), pool))
-            .and_then(|m| m.get(&t.slot))
-            .is_some_and(|(g, k)| *g > t.generation || (*g == t.generation && k.ct_eq(token)))
+    /// Entries `peer`'s messages hold here (tombstoned slots, early-abort
+    /// tenancies, unproven tenancies, waiting ABORTs): at most four times the
+    /// cap, whatever the peer sends.
+    pub fn remembered_for(&self, peer: &K) -> usize {
+        self.peers.get(peer).map_or(0, |p| p.tombstoned + p.early_len + p.unproven.len() + p.pending.len())
     }
 
     /// Registers operation `op` on `remote` (of `peer`) before it is
@@ -179,12 +256,30 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
     /// for an operation that finishes before anything else can see it (a
     /// backend that completes a post under the lock it handles ABORTs in).
     pub fn check(&mut self, peer: &K, remote: &RemoteSlots) -> Result<(), Refusal> {
-        if self.tombstones.is_empty() {
-            return Ok(());
+        let Some(p) = self.peers.get_mut(peer) else { return Ok(()) };
+        if p.saturated {
+            self.stats.refused += 1;
+            return Err(Refusal::PeerStateFull);
         }
+        // The application holds this token: an early ABORT under it was the
+        // target's own, so it becomes a verified tombstone (generations count).
+        if let Some(early) = p.early.remove(&(remote.pool, remote.token)) {
+            p.early_len -= early.len();
+            let early: Vec<Tenancy> = early.into_iter().collect();
+            self.record(peer, remote.pool, remote.token, &early);
+        }
+        let Some(p) = self.peers.get(peer) else { return Ok(()) };
+        if p.saturated {
+            self.stats.refused += 1;
+            return Err(Refusal::PeerStateFull);
+        }
+        let Some(dead) = p.tombstones.get(&remote.pool) else { return Ok(()) };
         for s in &remote.slots {
             let t = s.tenancy();
-            if self.tombstoned(peer, remote.pool, &remote.token, &t) {
+            let hit = dead
+                .get(&t.slot)
+                .is_some_and(|(g, k)| *g > t.generation || (*g == t.generation && k.ct_eq(&remote.token)));
+            if hit {
                 self.stats.refused += 1;
                 return Err(Refusal::Tombstoned(t));
             }
@@ -193,23 +288,57 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
     }
 
     /// Tombstones `tenancies` of `peer`'s `pool` under the exposure `token`
-    /// (handed back by a DONE or an ABORT_ACK of ours, or aborted by the target).
+    /// (handed back by a DONE or an ABORT_ACK of ours, or aborted by the
+    /// target). Past the peer's cap the peer is closed (fail closed).
     pub fn tombstone(&mut self, peer: &K, pool: PoolId, token: ExposureToken, tenancies: &[Tenancy]) {
-        let key = (peer.clone(), pool);
-        let dead = self.tombstones.entry(key).or_default();
+        self.record(peer, pool, token, tenancies);
+    }
+
+    /// Records verified tombstones; false if the peer's room ran out (the
+    /// peer is then saturated: nothing is forgotten, everything refused).
+    fn record(&mut self, peer: &K, pool: PoolId, token: ExposureToken, tenancies: &[Tenancy]) -> bool {
+        let cap = self.cap;
+        let per_peer = self.per_peer();
+        let p = self.peers.entry(peer.clone()).or_default();
+        let dead = p.tombstones.entry(pool).or_default();
+        let mut full = false;
         for t in tenancies {
-            let e = dead.entry(t.slot).or_insert((t.generation, token));
-            if t.generation >= e.0 {
-                *e = (t.generation, token);
+            match dead.get_mut(&t.slot) {
+                Some(e) => {
+                    if t.generation >= e.0 {
+                        *e = (t.generation, token);
+                    }
+                }
+                None if per_peer && p.tombstoned >= cap => full = true,
+                None => {
+                    dead.insert(t.slot, (t.generation, token));
+                    p.tombstoned += 1;
+                }
             }
-            self.tombstone_order.push_back((peer.clone(), pool, t.slot));
+            if !per_peer {
+                self.fifo.push_back((peer.clone(), pool, t.slot));
+            }
         }
-        while self.tombstone_order.len() > self.max_remembered {
-            let Some((p, pool, slot)) = self.tombstone_order.pop_front() else { break };
-            if let Some(m) = self.tombstones.get_mut(&(p.clone(), pool)) {
-                m.remove(&slot);
-                if m.is_empty() {
-                    self.tombstones.remove(&(p, pool));
+        if full && !p.saturated {
+            p.saturated = true;
+            self.stats.peers_saturated += 1;
+            tracing::warn!(cap, "a peer's tombstones are full: its posts and ABORTs are refused until it is fenced");
+        }
+        if !per_peer {
+            self.evict_shared_fifo();
+        }
+        !full
+    }
+
+    /// The positive control's memory: one FIFO for all peers, oldest forgotten.
+    fn evict_shared_fifo(&mut self) {
+        while self.fifo.len() > self.cap {
+            let Some((peer, pool, slot)) = self.fifo.pop_front() else { break };
+            if let Some(p) = self.peers.get_mut(&peer) {
+                if let Some(m) = p.tombstones.get_mut(&pool) {
+                    if m.remove(&slot).is_some() {
+                        p.tombstoned -= 1;
+                    }
                 }
             }
         }
@@ -221,42 +350,90 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
     pub fn finished(&mut self, op: u64, end: OpEnd) -> Vec<Outgoing<K>> {
         let Some(o) = self.ops.remove(&op) else { return Vec::new() };
         if end == OpEnd::Unproven {
+            let (cap, per_peer) = (self.cap, self.per_peer());
+            let p = self.peers.entry(o.peer.clone()).or_default();
             for t in &o.tenancies {
-                let k = (o.peer.clone(), o.pool, *t);
-                if self.unproven.insert(k.clone()) {
-                    self.unproven_order.push_back(k);
+                if per_peer && p.unproven.len() >= cap && !p.unproven.contains(&(o.pool, *t)) {
+                    // Forgetting an unproven end could ack it later: close instead.
+                    if !p.saturated {
+                        p.saturated = true;
+                        self.stats.peers_saturated += 1;
+                    }
+                    break;
                 }
+                p.unproven.insert((o.pool, *t));
             }
-            while self.unproven_order.len() > self.max_remembered {
-                if let Some(k) = self.unproven_order.pop_front() {
-                    self.unproven.remove(&k);
-                }
+            if !per_peer && p.unproven.len() > cap {
+                p.unproven.clear();
             }
-            self.tombstone(&o.peer, o.pool, o.token, &o.tenancies);
+            self.record(&o.peer, o.pool, o.token, &o.tenancies);
         }
-        if self.pending.is_empty() {
+        let Some(p) = self.peers.get_mut(&o.peer) else { return Vec::new() };
+        if p.pending.is_empty() {
             return Vec::new();
         }
-        let mut due = Vec::new();
+        let mut ready = Vec::new();
         let mut i = 0;
-        while i < self.pending.len() {
-            self.pending[i].waiting.remove(&op);
-            if self.pending[i].waiting.is_empty() {
-                let p = self.pending.swap_remove(i);
-                due.extend(self.ack(p.peer, p.msg));
+        while i < p.pending.len() {
+            p.pending[i].waiting.remove(&op);
+            if p.pending[i].waiting.is_empty() {
+                ready.push(p.pending.swap_remove(i).msg);
             } else {
                 i += 1;
             }
         }
-        due
+        ready.into_iter().filter_map(|msg| self.ack(o.peer.clone(), msg)).collect()
     }
 
     /// An ABORT from `from` (already decoded; the caller checked it is one).
     /// Tombstones its tenancies; returns the ABORT_ACK at once if no
     /// operation of ours touches them, else keeps it until they are terminal.
+    ///
+    /// Under a token we have seen (an operation of ours carried it, or a
+    /// tombstone of one of its slots holds it) the tombstones are verified;
+    /// under another they refuse only posts under that token. Past the
+    /// peer's cap the ABORT is dropped unanswered and counted: its target
+    /// keeps the slots quarantined and asks again.
     pub fn on_abort(&mut self, from: &K, msg: ControlMessage) -> Option<Outgoing<K>> {
         self.stats.aborts_received += 1;
-        self.tombstone(from, msg.pool, msg.token, &msg.tenancies);
+        self.abort_from(from, msg, false)
+    }
+
+    fn knows(&self, from: &K, msg: &ControlMessage) -> bool {
+        let by_op = self.ops.values().any(|o| o.peer == *from && o.pool == msg.pool && o.token.ct_eq(&msg.token));
+        by_op
+            || self.peers.get(from).and_then(|p| p.tombstones.get(&msg.pool)).is_some_and(|dead| {
+                msg.tenancies.iter().any(|t| dead.get(&t.slot).is_some_and(|(_, k)| k.ct_eq(&msg.token)))
+            })
+    }
+
+    fn refuse_abort(&mut self, why: &'static str) -> Option<Outgoing<K>> {
+        self.stats.aborts_refused += 1;
+        tracing::debug!(why, "ABORT dropped unanswered (its target keeps the slots quarantined and asks again)");
+        None
+    }
+
+    fn abort_from(&mut self, from: &K, msg: ControlMessage, ours: bool) -> Option<Outgoing<K>> {
+        let per_peer = self.per_peer();
+        if self.peers.get(from).is_some_and(|p| p.saturated) {
+            return self.refuse_abort("the peer's state is full");
+        }
+        if !per_peer || ours || self.knows(from, &msg) {
+            if !self.record(from, msg.pool, msg.token, &msg.tenancies) {
+                return self.refuse_abort("the peer's tombstones are full");
+            }
+        } else {
+            let cap = self.cap;
+            let p = self.peers.entry(from.clone()).or_default();
+            let known = p.early.get(&(msg.pool, msg.token));
+            let new = msg.tenancies.iter().filter(|t| !known.is_some_and(|k| k.contains(t))).count();
+            if p.early_len + new > cap {
+                return self.refuse_abort("the peer's early aborts are full");
+            }
+            p.early.entry((msg.pool, msg.token)).or_default().extend(msg.tenancies.iter().copied());
+            p.early_len += new;
+            self.stats.aborts_unverified += 1;
+        }
         let wanted: HashSet<Tenancy> = msg.tenancies.iter().copied().collect();
         let waiting: HashSet<u64> = self
             .ops
@@ -267,7 +444,25 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
         if waiting.is_empty() {
             return self.ack(from.clone(), msg);
         }
-        self.pending.push(PendingAbort { peer: from.clone(), msg, waiting });
+        let cap = self.cap;
+        let p = self.peers.entry(from.clone()).or_default();
+        if per_peer {
+            let same = p.pending.iter_mut().find(|w| w.msg.pool == msg.pool && w.msg.token.ct_eq(&msg.token));
+            if let Some(w) = same {
+                for t in msg.tenancies {
+                    if !w.msg.tenancies.contains(&t) {
+                        w.msg.tenancies.push(t);
+                    }
+                }
+                w.waiting.extend(waiting);
+                self.stats.aborts_merged += 1;
+                return None;
+            }
+            if p.pending.len() >= cap {
+                return self.refuse_abort("the peer's waiting ABORTs are full");
+            }
+        }
+        p.pending.push(PendingAbort { msg, waiting });
         None
     }
 
@@ -283,24 +478,22 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
         tenancies: Vec<Tenancy>,
     ) -> Option<Outgoing<K>> {
         let msg = ControlMessage::new(ControlKind::Abort, pool, token, tenancies);
-        let out = self.on_abort(peer, msg);
-        self.stats.aborts_received -= 1;
-        out
+        self.abort_from(peer, msg, true)
     }
 
     /// Forgets everything about `peer` (it was fenced or removed): pending
     /// ABORTs from it are dropped unanswered; its operations stay registered
     /// until they finish.
     pub fn forget_peer(&mut self, peer: &K) {
-        self.pending.retain(|p| p.peer != *peer);
-        self.tombstones.retain(|(p, _), _| p != peer);
-        self.tombstone_order.retain(|(p, _, _)| p != peer);
+        self.peers.remove(peer);
+        self.fifo.retain(|(p, _, _)| p != peer);
     }
 
     fn ack(&mut self, peer: K, abort: ControlMessage) -> Option<Outgoing<K>> {
         let before = abort.tenancies.len();
+        let unproven = self.peers.get(&peer).map(|p| &p.unproven);
         let tenancies: Vec<Tenancy> =
-            abort.tenancies.into_iter().filter(|t| !self.unproven.contains(&(peer.clone(), abort.pool, *t))).collect();
+            abort.tenancies.into_iter().filter(|t| !unproven.is_some_and(|u| u.contains(&(abort.pool, *t)))).collect();
         let withheld = before - tenancies.len();
         if withheld > 0 {
             self.stats.acks_withheld += withheld as u64;
@@ -402,12 +595,117 @@ mod tests {
     }
 
     #[test]
-    fn memory_is_bounded() {
+    fn rule9_memory_is_bounded_per_peer_and_a_full_peer_fails_closed() {
         let mut tr: AbortTracker<u32> = AbortTracker::new(4);
         for s in 0..100 {
             tr.tombstone(&1, PoolId(1), ExposureToken::default(), &[Tenancy::new(SlotId(s), Generation(1))]);
         }
-        assert!(tr.tombstone_order.len() <= 4);
-        assert!(tr.tombstones.values().map(HashMap::len).sum::<usize>() <= 4);
+        assert_eq!(tr.remembered_for(&1), 4, "no more than the cap");
+        assert_eq!(tr.stats().peers_saturated, 1);
+        // Nothing was forgotten: the peer is closed instead.
+        assert_eq!(tr.admit(1, &1, &remote(&[(0, 1)]), false), Err(Refusal::PeerStateFull));
+        assert_eq!(tr.admit(1, &1, &remote(&[(50, 2)]), false), Err(Refusal::PeerStateFull));
+        assert_eq!(tr.on_abort(&1, abort(&remote(&[(7, 1)]))), None);
+        assert_eq!(tr.stats().aborts_refused, 1);
+        // Another peer is untouched.
+        assert_eq!(tr.admit(2, &2, &remote(&[(0, 1)]), false), Ok(()));
+        // A fence clears the closed peer.
+        tr.forget_peer(&1);
+        assert_eq!(tr.admit(3, &1, &remote(&[(0, 2)]), false), Ok(()));
+    }
+
+    fn forged(slot: u32, generation: u64, i: u64) -> ControlMessage {
+        let mut token = [0xa5; 16];
+        token[..8].copy_from_slice(&i.to_le_bytes());
+        ControlMessage::new(
+            ControlKind::Abort,
+            PoolId(1),
+            ExposureToken(token),
+            vec![Tenancy::new(SlotId(slot), Generation(generation))],
+        )
+    }
+
+    /// Attack 1 of the second hostile round, at the tracker: a real aborted
+    /// tenancy's tombstone, then a flood of ABORTs under made-up tokens from
+    /// the same claimed name; the late post must still be refused.
+    fn flood_then_late_post(tr: &mut AbortTracker<u32>, flood: u64) -> Result<(), Refusal> {
+        let real = remote(&[(3, 1)]);
+        tr.admit(1, &9, &real, false).unwrap();
+        assert_eq!(tr.on_abort(&9, abort(&real)), None);
+        assert!(tr.finished(1, OpEnd::Proven).len() == 1, "the real ABORT is acked once the op is over");
+        for i in 0..flood {
+            let _ = tr.on_abort(&9, forged(100 + i as u32, 1, i));
+        }
+        tr.admit(2, &9, &real, false)
+    }
+
+    #[test]
+    fn hostile_abort_flood_under_made_up_tokens_never_evicts_a_real_tombstone() {
+        let mut tr: AbortTracker<u32> = AbortTracker::new(64);
+        assert_eq!(
+            flood_then_late_post(&mut tr, 640),
+            Err(Refusal::Tombstoned(Tenancy::new(SlotId(3), Generation(1))))
+        );
+        assert!(tr.remembered_for(&9) <= 2 * 64, "the flood bought at most the peer's cap");
+        assert_eq!(tr.stats().aborts_unverified, 64);
+        assert_eq!(tr.stats().aborts_refused, 640 - 64);
+        assert_eq!(tr.stats().peers_saturated, 0, "early aborts refuse; they never close the peer");
+    }
+
+    #[cfg(feature = "naive-positive-control")]
+    #[test]
+    fn hostile_abort_flood_positive_control_the_shared_fifo_forgets_the_real_tombstone() {
+        let mut tr: AbortTracker<u32> = AbortTracker::with_policy(64, crate::drain::ReleasePolicy::Naive);
+        assert_eq!(flood_then_late_post(&mut tr, 640), Ok(()), "the late post is admitted: the attack works");
+    }
+
+    #[test]
+    fn hostile_abort_at_the_last_generation_under_a_made_up_token_refuses_no_post() {
+        let mut tr: AbortTracker<u32> = AbortTracker::new(64);
+        assert!(tr.on_abort(&9, forged(0, u64::MAX, 1)).is_some(), "answered: nothing of ours touches it");
+        assert_eq!(tr.admit(1, &9, &remote(&[(0, 1)]), false), Ok(()), "an honest post to the slot");
+        #[cfg(feature = "naive-positive-control")]
+        {
+            let mut naive: AbortTracker<u32> = AbortTracker::with_policy(64, crate::drain::ReleasePolicy::Naive);
+            let _ = naive.on_abort(&9, forged(0, u64::MAX, 1));
+            assert!(naive.admit(1, &9, &remote(&[(0, 1)]), false).is_err(), "positive control: the slot is dead");
+        }
+        // The same ABORT under the exposure's real token does refuse it.
+        let mut m = forged(0, u64::MAX, 1);
+        m.token = remote(&[]).token;
+        tr.finished(1, OpEnd::Proven);
+        let _ = tr.on_abort(&9, m.clone());
+        assert!(tr.admit(2, &9, &remote(&[(0, 1)]), false).is_err(), "an early ABORT under the real token");
+    }
+
+    #[test]
+    fn hostile_repeated_abort_while_an_operation_runs_is_merged_and_acked_once() {
+        let mut tr: AbortTracker<u32> = AbortTracker::new(64);
+        let r = remote(&[(0, 1)]);
+        tr.admit(1, &9, &r, false).unwrap();
+        for _ in 0..10_000 {
+            assert_eq!(tr.on_abort(&9, abort(&r)), None);
+        }
+        assert_eq!(tr.pending_aborts(), 1);
+        assert_eq!(tr.stats().aborts_merged, 9_999);
+        let acks = tr.finished(1, OpEnd::Proven);
+        assert_eq!(acks.len(), 1, "one ABORT_ACK, not one per repeat");
+        #[cfg(feature = "naive-positive-control")]
+        {
+            let mut naive: AbortTracker<u32> = AbortTracker::with_policy(64, crate::drain::ReleasePolicy::Naive);
+            naive.admit(1, &9, &r, false).unwrap();
+            for _ in 0..10_000 {
+                let _ = naive.on_abort(&9, abort(&r));
+            }
+            assert_eq!(naive.finished(1, OpEnd::Proven).len(), 10_000, "positive control: one ack per repeat");
+        }
+        // Distinct made-up tokens naming the in-flight tenancy: capped.
+        tr.admit(2, &9, &r, false).unwrap_err();
+        let r2 = remote(&[(1, 1)]);
+        tr.admit(3, &9, &r2, false).unwrap();
+        for i in 0..640 {
+            let _ = tr.on_abort(&9, forged(1, 1, i));
+        }
+        assert!(tr.pending_aborts() <= 64, "waiting ABORTs capped per peer: {}", tr.pending_aborts());
     }
 }

@@ -8,14 +8,14 @@
 //! ```text
 //! offset size field
 //!      0    4 magic "KVTC"
-//!      4    1 version (1)
+//!      4    1 version (2)
 //!      5    1 kind: 1 DONE, 2 ABORT, 3 ABORT_ACK
-//!      6    1 flags: bit 0 = a digest follows each tenancy; other bits 0
+//!      6    1 flags: bit 0 = a 16-byte MAC follows each tenancy; other bits 0
 //!      7    1 reserved, 0
 //!      8    8 pool id (the exposing side's pool)
 //!     16   16 exposure token (see [`ExposureToken`])
 //!     32    2 count of tenancies, 1..=MAX_TENANCIES
-//!     34      count × { slot u32, generation u64 [, crc32c u32] }
+//!     34      count × { slot u32, generation u64 [, mac [u8; 16]] }
 //! ```
 //!
 //! Decoding never panics and rejects every malformed input with a typed
@@ -28,7 +28,7 @@ use std::fmt;
 /// First four bytes of every control message.
 pub const MAGIC: [u8; 4] = *b"KVTC";
 /// The codec version this build writes and reads.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Most tenancies one message carries (a larger exposure is sent in chunks).
 pub const MAX_TENANCIES: usize = 1024;
 /// Bytes before the first tenancy.
@@ -36,7 +36,10 @@ pub const HEADER_LEN: usize = 34;
 /// Prefix of the text armor ([`ControlMessage::encode_text`]).
 pub const TEXT_PREFIX: &str = "kvt2 ";
 /// Longest encoded message, in bytes (binary form).
-pub const MAX_LEN: usize = HEADER_LEN + MAX_TENANCIES * 16;
+pub const MAX_LEN: usize = HEADER_LEN + MAX_TENANCIES * ENTRY_WITH_DIGEST;
+
+const ENTRY: usize = 12;
+const ENTRY_WITH_DIGEST: usize = ENTRY + DIGEST_LEN;
 
 const FLAG_DIGESTS: u8 = 1;
 
@@ -85,6 +88,8 @@ impl ControlKind {
 pub struct ExposureToken(pub(crate) [u8; 16]);
 
 impl ExposureToken {
+    /// The all-zero token (what `Default` gives): no exposure carries it.
+    pub const ZERO: Self = Self([0; 16]);
     /// A fresh token from the OS's random source. Falls back to a
     /// process-unique (guessable) value, with an error event, only if the
     /// OS refuses randomness.
@@ -130,7 +135,7 @@ pub struct ControlMessage {
     pub tenancies: Vec<Tenancy>,
     /// With a DONE of a WRITE: the crc32c of each tenancy's bytes as the
     /// initiator sent them, in tenancy order (empty: no digests).
-    pub digests: Vec<u32>,
+    pub digests: Vec<Digest>,
 }
 
 /// Why bytes are not a control message. Every malformed input has one.
@@ -205,7 +210,7 @@ impl ControlMessage {
                 } else {
                     digests
                         .get(i * MAX_TENANCIES..i * MAX_TENANCIES + ts.len())
-                        .map(<[u32]>::to_vec)
+                        .map(<[Digest]>::to_vec)
                         .unwrap_or_default()
                 };
                 Self { kind, pool, token, tenancies: ts.to_vec(), digests: d }
@@ -215,7 +220,7 @@ impl ControlMessage {
 
     /// Encoded length in bytes.
     pub fn encoded_len(&self) -> usize {
-        HEADER_LEN + self.tenancies.len() * if self.digests.is_empty() { 12 } else { 16 }
+        HEADER_LEN + self.tenancies.len() * if self.digests.is_empty() { ENTRY } else { ENTRY_WITH_DIGEST }
     }
 
     /// Appends the binary form to `out`.
@@ -241,7 +246,7 @@ impl ControlMessage {
             out.extend_from_slice(&t.slot.0.to_le_bytes());
             out.extend_from_slice(&t.generation.0.to_le_bytes());
             if digests {
-                out.extend_from_slice(&self.digests[i].to_le_bytes());
+                out.extend_from_slice(&self.digests[i].0);
             }
         }
         Ok(())
@@ -294,7 +299,7 @@ impl ControlMessage {
         if n == 0 || n > MAX_TENANCIES {
             return Err(DecodeError::Count(n));
         }
-        let entry = if digests { 16 } else { 12 };
+        let entry = if digests { ENTRY_WITH_DIGEST } else { ENTRY };
         let needed = HEADER_LEN + n * entry;
         if b.len() < needed {
             return Err(DecodeError::Truncated { needed, got: b.len() });
@@ -309,7 +314,7 @@ impl ControlMessage {
             let generation = Generation(u64::from_le_bytes(array(&e[4..12])));
             tenancies.push(Tenancy::new(slot, generation));
             if digests {
-                ds.push(u32::from_le_bytes(array(&e[12..16])));
+                ds.push(Digest(array(&e[ENTRY..ENTRY_WITH_DIGEST])));
             }
         }
         Ok(Self { kind, pool, token, tenancies, digests: ds })
@@ -344,9 +349,53 @@ fn array<const N: usize>(b: &[u8]) -> [u8; N] {
     a
 }
 
-/// The crc32c of `bytes`: the digest a DONE carries per tenancy.
-pub fn digest(bytes: &[u8]) -> u32 {
-    crc32c::crc32c(bytes)
+/// Bytes of a [`Digest`] on the wire.
+pub const DIGEST_LEN: usize = 16;
+
+/// A slot's integrity tag, as a DONE carries it: a MAC of the slot's bytes
+/// (BLAKE3 in keyed mode, truncated to 128 bits) under a key derived from
+/// the exposure's token. A writer that does not hold the token (a third
+/// party that reached the slot by address, a squatter) cannot make its
+/// bytes pass; a plain checksum (the crc32c this replaced) it could fix up
+/// with four bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Digest(pub [u8; DIGEST_LEN]);
+
+impl Digest {
+    /// Compares in time independent of where the tags differ.
+    pub fn ct_eq(&self, other: &Self) -> bool {
+        self.0.iter().zip(other.0.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Digest(")?;
+        for b in &self.0[..4] {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, "..)")
+    }
+}
+
+/// The MAC key of an exposure: derived from its token, so only the two ends
+/// the token was handed to can tag or check its bytes.
+fn digest_key(token: &ExposureToken) -> [u8; 32] {
+    blake3::derive_key("kv-transfer 2026-12 slot digest v2", &token.0)
+}
+
+/// The digest of `bytes` under `token`'s key: what a DONE carries per
+/// tenancy, and what a settled lease's read checks.
+///
+/// ```
+/// use kv_transfer_core::drain::{digest, ExposureToken};
+/// let (a, b) = (ExposureToken::random(), ExposureToken::random());
+/// assert_eq!(digest(&a, b"kv"), digest(&a, b"kv"));
+/// assert_ne!(digest(&a, b"kv"), digest(&b, b"kv"), "another exposure, another key");
+/// ```
+pub fn digest(token: &ExposureToken, bytes: &[u8]) -> Digest {
+    let tag = blake3::keyed_hash(&digest_key(token), bytes);
+    Digest(array(&tag.as_bytes()[..DIGEST_LEN]))
 }
 
 #[cfg(test)]
@@ -356,7 +405,8 @@ mod tests {
     fn msg(kind: ControlKind, n: usize, digests: bool) -> ControlMessage {
         let ts: Vec<Tenancy> =
             (0..n).map(|i| Tenancy::new(SlotId(i as u32 * 7), Generation(u64::MAX - i as u64))).collect();
-        let d = if digests { (0..n as u32).map(|i| i.wrapping_mul(0x9e37_79b9)).collect() } else { Vec::new() };
+        let d =
+            if digests { (0..n as u32).map(|i| Digest([(i % 251) as u8; DIGEST_LEN])).collect() } else { Vec::new() };
         ControlMessage { kind, pool: PoolId(42), token: ExposureToken([7; 16]), tenancies: ts, digests: d }
     }
 
@@ -424,14 +474,14 @@ mod tests {
             Err(EncodeError::Count(MAX_TENANCIES + 1))
         );
         let mut m = msg(ControlKind::Abort, 1, false);
-        m.digests = vec![1];
+        m.digests = vec![Digest::default()];
         assert_eq!(m.encode(), Err(EncodeError::Digests));
         let big = msg(ControlKind::Done, MAX_TENANCIES * 2 + 3, true);
         let parts = big.clone().chunks();
         assert_eq!(parts.len(), 3);
         assert!(parts.iter().all(|p| p.encode().is_ok()));
         let back: Vec<Tenancy> = parts.iter().flat_map(|p| p.tenancies.clone()).collect();
-        let digests: Vec<u32> = parts.iter().flat_map(|p| p.digests.clone()).collect();
+        let digests: Vec<Digest> = parts.iter().flat_map(|p| p.digests.clone()).collect();
         assert_eq!((back, digests), (big.tenancies, big.digests));
     }
 

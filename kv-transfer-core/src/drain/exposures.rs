@@ -37,7 +37,9 @@ pub struct Verdict {
     /// Tenancies proven (removed from the table): deliver `Completed`.
     pub settled: Vec<Tenancy>,
     /// With a DONE that carried digests: each settled tenancy's digest.
-    pub digests: Vec<(Tenancy, u32)>,
+    pub digests: Vec<(Tenancy, super::Digest)>,
+    /// The token the digests are keyed by (the message's).
+    pub digest_key: ExposureToken,
     /// Named tenancies not awaiting settlement (old generation, never
     /// exposed, settled already): dropped (rule 5).
     pub stale: usize,
@@ -67,7 +69,7 @@ impl Verdict {
         let proof = if self.digests.is_empty() {
             authority.completed(&self.settled)
         } else {
-            authority.completed_with_digests(&self.settled, &self.digests)
+            authority.completed_with_digests(&self.settled, &self.digests, self.digest_key)
         };
         authority.deliver(proof)
     }
@@ -232,7 +234,7 @@ impl ExposureTable {
     /// tenancy that is exposed to `from` under the message's token with
     /// [`Trust::Proving`]; the rest is counted.
     pub fn accept(&mut self, from: PeerId, msg: &ControlMessage) -> Verdict {
-        let mut v = Verdict { pool: Some(msg.pool), ..Verdict::default() };
+        let mut v = Verdict { pool: Some(msg.pool), digest_key: msg.token, ..Verdict::default() };
         if msg.kind == ControlKind::Abort {
             v.wrong_kind = true;
             return v;

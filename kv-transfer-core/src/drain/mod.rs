@@ -44,23 +44,27 @@ mod shadows;
 
 pub use aborts::{AbortTracker, OpEnd, Outgoing, Refusal, TrackerStats};
 pub use codec::{
-    digest, ControlKind, ControlMessage, DecodeError, EncodeError, ExposureToken, HEADER_LEN, MAGIC, MAX_LEN,
-    MAX_TENANCIES, TEXT_PREFIX, VERSION,
+    digest, ControlKind, ControlMessage, DecodeError, Digest, EncodeError, ExposureToken, DIGEST_LEN, HEADER_LEN,
+    MAGIC, MAX_LEN, MAX_TENANCIES, TEXT_PREFIX, VERSION,
 };
 pub use exposures::{ExposureTable, Plan, Trust, Verdict};
 pub use outbox::{Outbox, MAX_SEND_ATTEMPTS};
 pub use shadows::{RetryShadows, Shadowed};
 
-/// The crc32c of each slot of a lease, in lease order: the digests a DONE
-/// carries ([`ControlMessage::digests`]). A backend calls it on its own
-/// exposed local lease once its WRITE completed (nothing can have changed
-/// the bytes meanwhile: the lease is exposed to that operation).
-pub fn lease_digests<S: crate::LeaseState>(lease: &crate::SlotLease<S>) -> Result<Vec<u32>, crate::AccessError> {
+/// The digest of each slot of a lease under the remote exposure's `token`,
+/// in lease order: the digests a DONE carries ([`ControlMessage::digests`]).
+/// A backend calls it on its own exposed local lease once its WRITE
+/// completed (nothing can have changed the bytes meanwhile: the lease is
+/// exposed to that operation).
+pub fn lease_digests<S: crate::LeaseState>(
+    lease: &crate::SlotLease<S>,
+    token: &ExposureToken,
+) -> Result<Vec<Digest>, crate::AccessError> {
     let mut buf = vec![0u8; lease.pool().slot_size()];
     (0..lease.len())
         .map(|i| {
             lease.read_local_for_backend(i, &mut buf)?;
-            Ok(digest(&buf))
+            Ok(digest(token, &buf))
         })
         .collect()
 }

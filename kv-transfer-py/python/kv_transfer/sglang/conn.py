@@ -23,7 +23,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -40,7 +39,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import kv_transfer
 
-from . import wire
+from . import bootstrap, wire
+from .control import PrefillControlPlane, Target
 
 logger = logging.getLogger("kv_transfer.sglang")
 
@@ -84,72 +84,15 @@ def _index_bytes(indices: Any) -> bytes:
     return arr.astype("<i4", copy=False).tobytes()
 
 
-class KvTransferBootstrapServer(BaseKVBootstrapServer):
-    """The prefill ranks' registry: ``PUT /route`` (a prefill rank registers,
-    validated: a malformed registration is refused with 400 and stored
-    nowhere), ``GET /route?rank=N``. Serves in a daemon thread."""
+class KvTransferBootstrapServer(bootstrap.BootstrapServer, BaseKVBootstrapServer):
+    """The prefill ranks' registry (:mod:`kv_transfer.sglang.bootstrap`):
+    ``PUT /route`` (a prefill rank registers; validated, first writer wins,
+    optionally authenticated by the launch config's shared secret),
+    ``GET /route?rank=N``. Serves in a daemon thread, its connections
+    bounded per address and in all, with idle and whole-request deadlines."""
 
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-        self._lock = threading.Lock()
-        self._ranks: Dict[int, bytes] = {}
-        self.rejected = 0
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, fmt: str, *args: Any) -> None:  # quiet: the logger says what matters
-                logger.debug("bootstrap: " + fmt, *args)
-
-            def _reply(self, code: int, body: bytes) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
-                n = int(self.headers.get("Content-Length") or 0)
-                if self.path != "/route" or not 0 < n <= wire.MAX_FRAME:
-                    outer._reject()
-                    return self._reply(400, b'{"error": "PUT /route with a registration body"}')
-                data = self.rfile.read(n)
-                try:
-                    reg = wire.parse_registration(data)
-                except wire.ProtocolError as e:
-                    outer._reject()
-                    logger.warning("bootstrap: refused a registration: %s", e)
-                    return self._reply(400, json.dumps({"error": str(e)}).encode())
-                with outer._lock:
-                    outer._ranks[reg.rank] = reg.to_json()
-                self._reply(200, b'{"ok": true}')
-
-            def do_GET(self) -> None:  # noqa: N802
-                rank = 0
-                if "?" in self.path:
-                    q = dict(p.split("=", 1) for p in self.path.split("?", 1)[1].split("&") if "=" in p)
-                    try:
-                        rank = max(0, int(q.get("rank", "0")))
-                    except ValueError:
-                        return self._reply(400, b'{"error": "rank must be an int"}')
-                with outer._lock:
-                    body = outer._ranks.get(rank)
-                if body is None:
-                    return self._reply(503, b'{"error": "prefill rank not registered yet"}')
-                self._reply(200, body)
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kvt-bootstrap", daemon=True)
-        self._thread.start()
-
-    def _reject(self) -> None:
-        with self._lock:
-            self.rejected += 1
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    def __init__(self, host: str, port: int, **limits: Any):
+        bootstrap.BootstrapServer.__init__(self, host, port, **limits)
 
 
 class KvTransferManager(BaseKVManager):
@@ -208,13 +151,15 @@ class KvTransferManager(BaseKVManager):
             bufs = _buffers(ptrs, lens, items)
             self.state_pools.append(self.endpoint.register(bufs) if bufs else None)
             self.state_item_lens.append([b[2] for b in bufs])
-        # decode: room -> (kv lease, aux lease); prefill: room -> the decode's exposure.
+        # decode: room -> its leases (only rooms this decode exposed).
         self.rooms: Dict[int, Any] = {}
         self.prefill_info_table: Dict[str, Any] = {}
         self._registrations: Dict[str, wire.Registration] = {}
-        self._ctrl: Optional[socket.socket] = None
+        # prefill: the control port and its bounded room table.
+        self.control: Optional[PrefillControlPlane] = None
         if role == "prefill":
-            self._start_ctrl_server()
+            self.control = PrefillControlPlane(self.endpoint, self.kv_pool, self.aux_pool, self.state_pools,
+                                               host=_local_host(server_args))
             self.register_to_bootstrap()
         logger.info("kvtransfer %s manager: backend %s, %d KV buffers x %d pages", role, self.backend,
                     self.kv_pool.buffers, self.kv_pool.pages)
@@ -245,8 +190,8 @@ class KvTransferManager(BaseKVManager):
         return f"http://{_local_host(self.server_args)}:{port}/route"
 
     def register_to_bootstrap(self) -> None:
-        assert self._ctrl is not None
-        host, port = self._ctrl.getsockname()[:2]
+        assert self.control is not None
+        host, port = self.control.address
         reg = wire.Registration(
             rank=int(getattr(self.kv_args, "engine_rank", 0) or 0),
             ctrl_host=host,
@@ -258,7 +203,12 @@ class KvTransferManager(BaseKVManager):
             aux_item_lens=[int(x) for x in (getattr(self.kv_args, "aux_item_lens", None) or [])],
             state_item_lens=self.state_item_lens,
         )
-        req = urllib.request.Request(self._bootstrap_url(), data=reg.to_json(), method="PUT")
+        body = reg.to_json()
+        headers = {}
+        secret = bootstrap.secret_from_env()
+        if secret is not None:
+            headers[bootstrap.AUTH_HEADER] = bootstrap.mac(secret, body)
+        req = urllib.request.Request(self._bootstrap_url(), data=body, method="PUT", headers=headers)
         for attempt in range(5):
             try:
                 with urllib.request.urlopen(req, timeout=CTRL_TIMEOUT_S) as r:
@@ -271,76 +221,25 @@ class KvTransferManager(BaseKVManager):
                 time.sleep(0.2 * 2**attempt)
         raise kv_transfer.BackendFailure(f"cannot register with the bootstrap server at {self._bootstrap_url()}")
 
-    def _start_ctrl_server(self) -> None:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((_local_host(self.server_args), 0))
-        s.listen(64)
-        self._ctrl = s
-        threading.Thread(target=self._ctrl_loop, name="kvt-ctrl", daemon=True).start()
+    def handle_metadata(self, data: bytes, peer: str = "local") -> None:
+        """Prefill: one decode request's exposure (see :class:`PrefillControlPlane`)."""
+        assert self.control is not None
+        self.control.handle_metadata(data, peer)
 
-    def _ctrl_loop(self) -> None:
-        assert self._ctrl is not None
-        while True:
-            try:
-                conn, _ = self._ctrl.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve_ctrl, args=(conn,), daemon=True).start()
+    def expect_room(self, room: int) -> None:
+        """Prefill: SGLang made a sender for ``room``; its metadata is kept."""
+        if self.control is not None:
+            self.control.expect_room(room)
 
-    def _serve_ctrl(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(CTRL_TIMEOUT_S)
-            try:
-                data = wire.recv_frame(conn)
-                self.handle_metadata(data)
-                wire.send_frame(conn, b'{"ok": true}')
-            except (wire.ProtocolError, kv_transfer.KvTransferError) as e:
-                try:
-                    wire.send_frame(conn, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
-                except OSError:
-                    pass
-            except OSError as e:
-                logger.warning("kvtransfer: control connection failed: %s", e)
-
-    def handle_metadata(self, data: bytes) -> None:
-        """Prefill: one decode request's exposure. A malformed or mismatched
-        message raises a typed error, is counted, and changes nothing."""
-        try:
-            md = wire.parse_metadata(data)
-            kv = kv_transfer.RemotePages.from_bytes(md.kv)
-            if kv.buffers != self.kv_pool.buffers:
-                raise wire.ProtocolError(f"the decode exposed {kv.buffers} KV buffers, this prefill has {self.kv_pool.buffers}")
-            aux = kv_transfer.RemotePages.from_bytes(md.aux) if md.aux is not None else None
-            if aux is not None and (self.aux_pool is None or aux.buffers != self.aux_pool.buffers or aux.pages != 1):
-                raise wire.ProtocolError("the decode's aux exposure does not match this prefill's aux buffers")
-            state = []
-            for t, raw in enumerate(md.state):
-                if raw is None:
-                    state.append(None)
-                    continue
-                pool = self.state_pools[t] if t < len(self.state_pools) else None
-                remote = kv_transfer.RemotePages.from_bytes(raw)
-                if pool is None or remote.buffers != pool.buffers:
-                    raise wire.ProtocolError(f"the decode's state exposure {t} does not match this prefill's state buffers")
-                state.append(remote)
-            peer = self.endpoint.add_peer(md.descriptor)
-        except (wire.ProtocolError, kv_transfer.KvTransferError) as e:
-            with self._lock:
-                self.metrics["bad_control_messages"] += 1
-            logger.warning("kvtransfer: refused a control message: %s", e)
-            raise
-        with self._lock:
-            self.rooms[md.room] = (peer, kv, aux, md.prefix_len, state)
-            self._lock.notify_all()
-
-    def target_of(self, room: int) -> Optional[Tuple[int, Any, Any, int, List[Any]]]:
-        with self._lock:
-            return self.rooms.get(room)
+    def target_of(self, room: int) -> Optional[Target]:
+        return None if self.control is None else self.control.target_of(room)
 
     def forget_room(self, room: int) -> None:
-        with self._lock:
-            self.rooms.pop(room, None)
+        if self.control is not None:
+            self.control.forget_room(room)
+        else:
+            with self._lock:
+                self.rooms.pop(room, None)
 
     # --- decode: the prefill's registration ------------------------------
     def prefill_registration(self, bootstrap_addr: str, rank: int = 0) -> wire.Registration:
@@ -351,8 +250,7 @@ class KvTransferManager(BaseKVManager):
             return reg
         url = f"http://{bootstrap_addr}/route?rank={rank}"
         try:
-            with urllib.request.urlopen(url, timeout=CTRL_TIMEOUT_S) as r:
-                data = r.read(wire.MAX_FRAME + 1)
+            data = bootstrap.fetch_registration(url, CTRL_TIMEOUT_S)
         except (OSError, urllib.error.HTTPError) as e:
             raise kv_transfer.BackendFailure(f"prefill at {bootstrap_addr} not reachable yet: {e}") from None
         reg = wire.parse_registration(data)
@@ -421,11 +319,13 @@ class KvTransferManager(BaseKVManager):
         m = kv_transfer.metrics(self.kv_pool, self.endpoint)
         with self._lock:
             m.update(self.metrics)
+        if self.control is not None:
+            m.update(self.control.stats())
         return m
 
     def teardown(self) -> None:
-        if self._ctrl is not None:
-            self._ctrl.close()
+        if self.control is not None:
+            self.control.close()
 
 
 class _Failed(Exception):
@@ -452,6 +352,8 @@ class KvTransferSender(BaseKVSender):
         self.started_at: Optional[float] = None
         self.bytes_total = 0
         self.latency_s: Optional[float] = None
+        # Only rooms a sender exists for keep their metadata beyond a peer's pending share.
+        mgr.expect_room(bootstrap_room)
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages = int(num_kv_indices)
@@ -643,7 +545,7 @@ class KvTransferReceiver(BaseKVReceiver):
         try:
             with socket.create_connection((self.registration.ctrl_host, self.registration.ctrl_port), CTRL_TIMEOUT_S) as s:
                 wire.send_frame(s, md.to_json())
-                reply = json.loads(wire.recv_frame(s))
+                reply = json.loads(wire.recv_frame(s, 1 << 16))  # a short JSON answer
         except (OSError, ValueError, wire.ProtocolError) as e:
             reply = {"error": f"control connection: {e}"}
         if not isinstance(reply, dict) or "error" in reply:

@@ -16,12 +16,19 @@ import json
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import DescriptorError
 
-#: Largest frame or registration accepted (an exposure of many pages and buffers fits).
+#: Largest control frame accepted (an exposure of many pages and buffers fits).
 MAX_FRAME = 64 << 20
+#: Largest registration accepted (a descriptor and the buffers' item lengths).
+MAX_REGISTRATION = 4 << 20
+#: Most JSON values a metadata message may hold (its fields and state exposures),
+#: counted on the raw bytes before parsing.
+MAX_METADATA_VALUES = 128
+#: Most JSON values a registration may hold (fields and item lengths).
+MAX_REGISTRATION_VALUES = 16384
 #: Most buffers a registration may describe.
 MAX_BUFFERS = 4096
 #: Most state types (SGLang's StateType: Mamba, SWA, ...) a message may name.
@@ -54,9 +61,24 @@ def _b64(obj: Dict[str, Any], name: str, *, optional: bool = False) -> Optional[
         raise ProtocolError(f"field {name!r} is not base64: {e}") from None
 
 
+def check_shape(data: bytes, *, max_bytes: int, max_objects: int, max_lists: int, max_values: int) -> None:
+    """Refuses, before any parsing, a message whose size or shape cannot be
+    a well-formed one: parsing ``[{},{},...]`` costs some 30 times its size
+    in Python objects, so the containers and values are counted on the raw
+    bytes (C-speed ``bytes.count``) first. Counting also inside strings
+    only errs towards refusing: the strings of well-formed messages are
+    base64, host and backend names, which hold neither brackets nor commas."""
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} B exceeds {max_bytes} B")
+    objects, lists, values = data.count(b"{"), data.count(b"["), data.count(b",") + 1
+    if objects > max_objects or lists > max_lists or values > max_values:
+        raise ProtocolError(
+            f"message shape refused before parsing: {objects} objects, {lists} lists, {values} values "
+            f"(at most {max_objects}, {max_lists}, {max_values})"
+        )
+
+
 def _json(data: bytes) -> Dict[str, Any]:
-    if len(data) > MAX_FRAME:
-        raise ProtocolError(f"message of {len(data)} B exceeds {MAX_FRAME} B")
     try:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
@@ -113,6 +135,8 @@ class Registration:
 
 def parse_registration(data: bytes) -> Registration:
     """Parses a registration (the server on PUT, the decode side on GET)."""
+    check_shape(data, max_bytes=MAX_REGISTRATION, max_objects=1, max_lists=3 + MAX_STATE_TYPES,
+                max_values=MAX_REGISTRATION_VALUES)
     obj = _json(data)
     host = _field(obj, "ctrl_host", str)
     if not host or len(host) > 255:
@@ -167,13 +191,19 @@ class Metadata:
         ).encode()
 
 
-def parse_metadata(data: bytes) -> Metadata:
-    """Parses a decode worker's metadata message."""
+def parse_metadata(data: bytes, admit: Optional[Callable[[int], None]] = None) -> Metadata:
+    """Parses a decode worker's metadata message. ``admit(room)``, if given,
+    runs once the room is known and before the exposures are decoded, so a
+    refusal there (it raises) costs no base64 decoding."""
+    check_shape(data, max_bytes=MAX_FRAME, max_objects=1, max_lists=1, max_values=MAX_METADATA_VALUES)
     obj = _json(data)
     if obj.get("type") != "metadata":
         raise ProtocolError(f"unknown message type {obj.get('type')!r}")
+    room = _uint(obj, "room", 1 << 63)
+    if admit is not None:
+        admit(room)
     return Metadata(
-        room=_uint(obj, "room", 1 << 63),
+        room=room,
         descriptor=_b64(obj, "descriptor") or b"",
         kv=_b64(obj, "kv") or b"",
         aux=_b64(obj, "aux", optional=True),
@@ -194,17 +224,28 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    # Grows with what arrives (never allocates the declared size up front):
+    # a peer that declares 64 MiB and sends 10 bytes holds 10 bytes.
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(min(n - len(buf), 1 << 20))
         if not chunk:
             raise ProtocolError("connection closed mid-frame")
         buf += chunk
-    return bytes(buf)
+    return bytes(buf) if n < (1 << 16) else buf  # type: ignore[return-value]  (bytes-like, no copy)
 
 
-def recv_frame(sock: socket.socket) -> bytes:
+def recv_frame(
+    sock: socket.socket, max_frame: int = MAX_FRAME, reserve: Optional[Callable[[int], Optional[str]]] = None
+) -> bytes:
+    """One frame. Its declared size is checked (and, with ``reserve``,
+    charged to a byte budget that may refuse it) before a byte of the body
+    is read or allocated."""
     (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise ProtocolError(f"frame of {n} B exceeds {MAX_FRAME} B")
+    if n > max_frame:
+        raise ProtocolError(f"frame of {n} B exceeds {max_frame} B")
+    if reserve is not None:
+        why = reserve(n)
+        if why is not None:
+            raise ProtocolError(why)
     return _recv_exact(sock, n)

@@ -1,0 +1,303 @@
+"""Admission for the ports ``kv_transfer.sglang`` listens on (the prefill's
+control port and the bootstrap server): a peer's connections buy only that
+peer's share, bounded (DESIGN.md rule 9).
+
+A peer here is the source address the kernel reports for the connection
+(what the local side accepted), never a name the peer sends. Every accepted
+connection is:
+
+- admitted against a cap on connections in all and per address (a refusal
+  is a close, counted, logged);
+- served by a bounded pool of worker threads (at most one per admitted
+  connection, so no connection waits behind another's slow bytes);
+- cut at an idle timeout (the socket's own timeout, per read) and at a
+  whole-message deadline (a reaper shuts the socket down, so a peer that
+  drips a byte just before each idle timeout is cut all the same);
+- charged, before a frame body is read, for the frame's declared size
+  against a byte budget in all and per address.
+
+Nothing here imports SGLang: the hostile tests drive it without it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+logger = logging.getLogger("kv_transfer.sglang")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one listening port grants its peers. ``enforce=False`` is the
+    explicit opt-out (the hostile tests' positive control): a thread per
+    connection, no caps, no deadline, only the per-read idle timeout that
+    the old servers had."""
+
+    #: Connections (and worker threads) served at once, all peers together.
+    max_connections: int = 128
+    #: Connections served at once from one source address.
+    max_per_address: int = 32
+    #: Longest silence between two reads of a connection.
+    idle_timeout_s: float = 10.0
+    #: Longest a whole connection (request and reply) may take.
+    message_deadline_s: float = 15.0
+    #: Frame bytes being received at once, all peers together.
+    max_inflight_bytes: int = 1 << 30
+    #: Frame bytes being received at once from one source address.
+    max_inflight_bytes_per_address: int = 256 << 20
+    #: False: the old behaviour (no caps, no deadline), for positive controls only.
+    enforce: bool = True
+
+    @classmethod
+    def from_env(cls) -> "ServerLimits":
+        """The defaults, each overridable from the environment for operators:
+        ``KV_TRANSFER_PORT_MAX_CONNECTIONS``, ``KV_TRANSFER_PORT_MAX_PER_ADDRESS``,
+        ``KV_TRANSFER_PORT_IDLE_S``, ``KV_TRANSFER_PORT_DEADLINE_S``. There
+        is no environment switch for ``enforce``."""
+        d = cls()
+
+        def get(name: str, default: Any, kind: type) -> Any:
+            v = os.environ.get(f"KV_TRANSFER_PORT_{name}")
+            try:
+                return kind(v) if v else default
+            except ValueError:
+                logger.warning("kvtransfer: ignoring KV_TRANSFER_PORT_%s=%r (not a %s)", name, v, kind.__name__)
+                return default
+
+        return cls(
+            max_connections=max(1, get("MAX_CONNECTIONS", d.max_connections, int)),
+            max_per_address=max(1, get("MAX_PER_ADDRESS", d.max_per_address, int)),
+            idle_timeout_s=max(0.01, get("IDLE_S", d.idle_timeout_s, float)),
+            message_deadline_s=max(0.01, get("DEADLINE_S", d.message_deadline_s, float)),
+        )
+
+
+class Ticket:
+    """One admitted connection: its address, socket, deadline and the frame
+    bytes it holds in the budget."""
+
+    __slots__ = ("addr", "sock", "deadline", "held_bytes", "done", "seq")
+
+    def __init__(self, addr: str, sock: socket.socket, deadline: float, seq: int):
+        self.addr = addr
+        self.sock = sock
+        self.deadline = deadline
+        self.held_bytes = 0
+        self.done = False
+        self.seq = seq
+
+
+class ConnectionGuard:
+    """Counts, caps and reaps the connections of one port. Thread-safe."""
+
+    def __init__(self, name: str, limits: ServerLimits, clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self.limits = limits
+        self._clock = clock
+        self._lock = threading.Condition()
+        self._per_addr: Dict[str, int] = {}
+        self._bytes_per_addr: Dict[str, int] = {}
+        self._bytes = 0
+        self._active = 0
+        self._heap: List[Tuple[float, int, Ticket]] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self.counters: Dict[str, int] = {
+            "accepted": 0,
+            "refused_busy": 0,
+            "refused_per_address": 0,
+            "refused_oversize": 0,
+            "refused_byte_budget": 0,
+            "idle_timeouts": 0,
+            "deadline_cuts": 0,
+            "active_peak": 0,
+        }
+        self._reaper: Optional[threading.Thread] = None
+        if limits.enforce:
+            self._reaper = threading.Thread(target=self._reap, name=f"kvt-{name}-reaper", daemon=True)
+            self._reaper.start()
+
+    # --- admission -------------------------------------------------------
+    def admit(self, sock: socket.socket, addr: str) -> Optional[Ticket]:
+        """A ticket for a new connection, or None (counted, logged) at a cap."""
+        lim = self.limits
+        with self._lock:
+            if lim.enforce:
+                if self._active >= lim.max_connections:
+                    self.counters["refused_busy"] += 1
+                    refused = "busy"
+                elif self._per_addr.get(addr, 0) >= lim.max_per_address:
+                    self.counters["refused_per_address"] += 1
+                    refused = "per_address"
+                else:
+                    refused = ""
+                if refused:
+                    logger.debug("kvtransfer %s: refused a connection from %s (%s cap)", self.name, addr, refused)
+                    return None
+            self._active += 1
+            self._per_addr[addr] = self._per_addr.get(addr, 0) + 1
+            self.counters["accepted"] += 1
+            self.counters["active_peak"] = max(self.counters["active_peak"], self._active)
+            t = Ticket(addr, sock, self._clock() + lim.message_deadline_s, next(self._seq))
+            if lim.enforce:
+                if len(self._heap) > 4 * lim.max_connections + 64:
+                    # Connections that ended early wait in the heap for their deadline;
+                    # drop them so that fast open-close churn keeps the heap bounded.
+                    self._heap = [x for x in self._heap if not x[2].done]
+                    heapq.heapify(self._heap)
+                heapq.heappush(self._heap, (t.deadline, t.seq, t))
+                self._lock.notify_all()
+        sock.settimeout(lim.idle_timeout_s)
+        return t
+
+    def reserve_bytes(self, t: Ticket, n: int, max_frame: int) -> Optional[str]:
+        """Charges a frame's declared size before its body is read; returns
+        None, or why it was refused (counted)."""
+        lim = self.limits
+        with self._lock:
+            if n > max_frame:
+                self.counters["refused_oversize"] += 1
+                return f"frame of {n} B exceeds {max_frame} B"
+            if lim.enforce and (
+                self._bytes + n > lim.max_inflight_bytes
+                or self._bytes_per_addr.get(t.addr, 0) + n > lim.max_inflight_bytes_per_address
+            ):
+                self.counters["refused_byte_budget"] += 1
+                return f"{n} B frame refused: the byte budget for {t.addr} or for all peers is spent"
+            self._bytes += n
+            self._bytes_per_addr[t.addr] = self._bytes_per_addr.get(t.addr, 0) + n
+            t.held_bytes += n
+        return None
+
+    def release(self, t: Ticket) -> None:
+        """The connection ended: its slot and bytes go back."""
+        with self._lock:
+            if t.done:
+                return
+            t.done = True
+            self._active -= 1
+            left = self._per_addr.get(t.addr, 0) - 1
+            if left > 0:
+                self._per_addr[t.addr] = left
+            else:
+                self._per_addr.pop(t.addr, None)
+            if t.held_bytes:
+                self._bytes -= t.held_bytes
+                b = self._bytes_per_addr.get(t.addr, 0) - t.held_bytes
+                if b > 0:
+                    self._bytes_per_addr[t.addr] = b
+                else:
+                    self._bytes_per_addr.pop(t.addr, None)
+                t.held_bytes = 0
+
+    def note_idle_timeout(self, t: Optional[Ticket] = None) -> None:
+        """A read of ``t`` (default: this worker's connection) timed out (counted)."""
+        t = t or current_ticket()
+        with self._lock:
+            self.counters["idle_timeouts"] += 1
+        logger.debug("kvtransfer %s: connection from %s idle past %.3g s, closed", self.name,
+                     t.addr if t else "?", self.limits.idle_timeout_s)
+
+    def stats(self) -> Dict[str, int]:
+        """Counters and the current load, for tests and operators."""
+        with self._lock:
+            out = dict(self.counters)
+            out["active"] = self._active
+            out["inflight_bytes"] = self._bytes
+        return out
+
+    def close(self) -> None:
+        """Stops the reaper (connections in flight end on their own)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    # --- the whole-message deadline --------------------------------------
+    def _reap(self) -> None:
+        # One thread per port: sleeps until the earliest deadline, then shuts
+        # the late sockets down, which wakes the worker blocked in recv().
+        while True:
+            late: List[Ticket] = []
+            with self._lock:
+                if self._closed:
+                    return
+                now = self._clock()
+                while self._heap and (self._heap[0][2].done or self._heap[0][0] <= now):
+                    _, _, t = heapq.heappop(self._heap)
+                    if not t.done:
+                        late.append(t)
+                        self.counters["deadline_cuts"] += 1
+                if not late:
+                    wait = (self._heap[0][0] - now) if self._heap else 1.0
+                    self._lock.wait(min(max(wait, 0.005), 1.0))
+                    continue
+            for t in late:
+                logger.warning("kvtransfer %s: connection from %s passed its %.3g s deadline, cut", self.name, t.addr,
+                               self.limits.message_deadline_s)
+                try:
+                    t.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class GuardedServerMixin:
+    """A ``socketserver`` server whose connections go through a
+    :class:`ConnectionGuard` and a bounded worker pool (instead of
+    ``ThreadingMixIn``'s thread per connection)."""
+
+    guard: ConnectionGuard
+    _pool: Optional[ThreadPoolExecutor]
+
+    def _init_guard(self, name: str, limits: ServerLimits) -> None:
+        self.guard = ConnectionGuard(name, limits)
+        # At most one worker per admitted connection: the pool never queues
+        # an admitted connection behind another one.
+        self._pool = ThreadPoolExecutor(limits.max_connections, f"kvt-{name}") if limits.enforce else None
+
+    def process_request(self, request: Any, client_address: Any) -> None:  # socketserver's hook
+        addr = str(client_address[0]) if isinstance(client_address, tuple) else str(client_address)
+        t = self.guard.admit(request, addr)
+        if t is None:
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+            return
+        if self._pool is not None:
+            self._pool.submit(self._work, request, client_address, t)
+        else:  # the opt-out: the old thread per connection
+            threading.Thread(target=self._work, args=(request, client_address, t), daemon=True).start()
+
+    def _work(self, request: Any, client_address: Any, t: Ticket) -> None:
+        # The handler runs on this thread and charges its frames to the ticket.
+        _current.ticket = t
+        try:
+            self.finish_request(request, client_address)  # type: ignore[attr-defined]
+        except socket.timeout:
+            self.guard.note_idle_timeout(t)
+        except Exception as e:  # a handler must never take the worker down
+            logger.debug("kvtransfer %s: connection from %s ended: %s", self.guard.name, t.addr, e)
+        finally:
+            _current.ticket = None
+            self.guard.release(t)
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+
+    def close_guard(self) -> None:
+        """Stops the reaper and the pool (without waiting for workers)."""
+        self.guard.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+_current = threading.local()
+
+
+def current_ticket() -> Optional[Ticket]:
+    """The ticket of the connection this worker thread serves (None outside a guarded server)."""
+    return getattr(_current, "ticket", None)

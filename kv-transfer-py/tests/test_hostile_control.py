@@ -1,0 +1,142 @@
+"""Rule 9 on the prefill's control port (issue 29, attack 12): a decode
+peer's bytes buy only that peer's state, bounded.
+
+Each flood runs in a child process (``hostile_child.py``) so that its peak
+RSS is its own, three times: without the flood (the no-flood control),
+with the checks off (the positive control: the damage happens), with them
+on (the damage does not; the honest peer, from another address, is served
+within the bound stated). None of these needs SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kv_transfer  # noqa: F401  (the native module must be there)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: The honest peer's bound under every flood here (the port's deadline is 1 s, its idle timeout 0.5 s).
+HONEST_BOUND_MS = 1000.0
+
+
+def run_child(scenario: str, mode: str, n: int = 0, timeout: float = 180.0) -> dict:
+    p = subprocess.run([sys.executable, os.path.join(HERE, "hostile_child.py"), scenario, mode, str(n)],
+                       capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"{scenario} {mode}: " + json.dumps({k: v for k, v in out.items() if k not in ("stats",)}))
+    return out
+
+
+def test_hostile_made_up_rooms_are_capped_per_peer_and_cost_bounded_memory():
+    from hostile_child import ROOM_CAP
+
+    flood = 10 * ROOM_CAP
+    none = run_child("rooms", "none")
+    naive = run_child("rooms", "naive", flood)
+    guarded = run_child("rooms", "guarded", flood)
+    frame_mib = naive["frame_bytes"] / (1 << 20)
+    # Positive control: every made-up room is kept, and so is its memory.
+    assert naive["accepted"] == flood and naive["stats"]["ctrl_rooms"] == flood + 1
+    assert naive["rss_growth_kib"] > 0.5 * flood * 1024, naive  # each room holds a ~1 MiB parsed exposure
+    # With the checks: the peer's pending share holds ROOM_CAP rooms, the rest is refused and counted.
+    s = guarded["stats"]
+    assert guarded["accepted"] == ROOM_CAP and guarded["refused"] == flood - ROOM_CAP
+    assert s["ctrl_refused_peer_rooms"] == flood - ROOM_CAP and s["ctrl_rooms_pending"] == ROOM_CAP
+    # What is held is ROOM_CAP parsed exposures (~3 MiB each) plus allocator slack, not the flood.
+    assert guarded["rss_growth_kib"] < naive["rss_growth_kib"] / 3, (guarded, naive)
+    assert guarded["hwm_kib"] < naive["hwm_kib"]
+    # The honest peer's room (a sender exists for it) is kept, at once.
+    for r in (none, naive, guarded):  # its frame is the same 5 MiB exposure: parsing it is most of the time
+        assert r["honest_ok"] and r["honest_ms"] < 3 * HONEST_BOUND_MS
+    print(f"frame {frame_mib:.2f} MiB; RSS growth KiB: none {none['rss_growth_kib']}, naive {naive['rss_growth_kib']}, "
+          f"guarded {guarded['rss_growth_kib']}; HWM KiB: {none['hwm_kib']}, {naive['hwm_kib']}, {guarded['hwm_kib']}")
+
+
+def test_hostile_frame_of_empty_objects_is_refused_before_parsing():
+    none = run_child("frame", "none", 16)
+    naive = run_child("frame", "naive", 16)
+    guarded = run_child("frame", "guarded", 16)
+    # Positive control: the old parser builds ~5.6 M dicts before it looks at the shape.
+    assert naive["hwm_growth_kib"] > 200 * 1024, naive
+    # With the checks: refused by its shape, typed, counted; no parse (the frame's own 16 MiB buffer is all).
+    assert "ProtocolError" in guarded["reply"]["error"] and "shape" in guarded["reply"]["error"], guarded
+    assert guarded["stats"]["bad_control_messages"] == 1
+    assert guarded["hwm_growth_kib"] < 64 * 1024, guarded
+    for r in (none, naive, guarded):
+        assert r["honest_ok"] and r["honest_ms"] < HONEST_BOUND_MS
+
+
+def test_hostile_dripping_connections_hold_no_threads_past_the_deadline():
+    from hostile_child import CONN_CAP, CONN_CAP_PER_ADDRESS
+
+    flood = 300  # 75x the per-address cap, 18x the port's cap
+    none = run_child("drip_ctrl", "none")
+    naive = run_child("drip_ctrl", "naive", flood)
+    guarded = run_child("drip_ctrl", "guarded", flood)
+    # Positive control: a thread per connection, all held past the 1 s deadline (a byte every 0.3 s beats the
+    # 0.5 s idle timeout).
+    assert naive["drip"]["threads_past_deadline"] >= naive["base_threads"] + flood - 10, naive["drip"]
+    assert naive["drip"]["left_open"] >= flood - 10
+    # With the checks: CONN_CAP_PER_ADDRESS served at once, every one cut at its deadline, the rest refused.
+    d, s = guarded["drip"], guarded["stats"]
+    assert d["threads_past_deadline"] <= guarded["base_threads"] + CONN_CAP + 1, d
+    assert d["left_open"] == 0, d
+    assert s["ctrl_refused_per_address"] >= flood - CONN_CAP_PER_ADDRESS * 4, s
+    assert s["ctrl_deadline_cuts"] >= CONN_CAP_PER_ADDRESS and s["ctrl_active_peak"] <= CONN_CAP, s
+    for r in (none, naive, guarded):
+        assert r["honest"].get("ok") and r["honest"]["ms"] < HONEST_BOUND_MS, r["honest"]
+
+
+def test_hostile_declared_frames_are_charged_to_the_peers_byte_budget():
+    from hostile_child import BYTE_CAP_PER_ADDRESS
+
+    flood = 20  # frames of 4 MiB: 80 MiB declared, 10x the 8 MiB per-address budget
+    admitted = BYTE_CAP_PER_ADDRESS // (4 << 20)
+    none = run_child("declared", "none", flood)
+    naive = run_child("declared", "naive", flood)
+    guarded = run_child("declared", "guarded", flood)
+    # Positive control: every frame's body is read and held (1 MiB sent of each).
+    assert naive["refused"] == 0 and naive["rss_growth_kib"] > 0.6 * flood * 1024, naive
+    # With the budget: two frames at once from that address, the rest refused before a body byte is read.
+    assert guarded["refused"] == flood - admitted, guarded
+    assert guarded["stats"]["ctrl_refused_byte_budget"] == flood - admitted
+    assert guarded["rss_growth_kib"] < naive["rss_growth_kib"] / 3, (guarded, naive)
+    for r in (none, naive, guarded):
+        assert r["honest_ok"] and r["honest_ms"] < HONEST_BOUND_MS
+
+
+def test_hostile_unclaimed_rooms_expire_and_a_room_is_filled_once():
+    """The room table alone: pending metadata expires after its TTL (it is
+    no tombstone: forgetting it frees nothing), and a second metadata for a
+    room cannot replace the first (under the opt-out it does)."""
+    from kv_transfer.sglang.control import RoomLimits, RoomRefused, RoomTable
+
+    now = [0.0]
+    t = RoomTable(RoomLimits(max_pending_per_peer=2, pending_ttl_s=5.0), clock=lambda: now[0])
+    for room in (1, 2):
+        t.commit(room, t.reserve(room, "a", 10), f"v{room}")
+    with pytest.raises(RoomRefused) as e:
+        t.reserve(3, "a", 10)
+    assert e.value.kind == "peer_rooms"
+    t.commit(3, t.reserve(3, "b", 10), "other peer")  # another peer's share is its own
+    with pytest.raises(RoomRefused) as e:
+        t.reserve(1, "b", 10)
+    assert e.value.kind == "duplicate" and t.get(1) == "v1"
+    now[0] = 6.0
+    t.commit(4, t.reserve(4, "a", 10), "v4")  # the expired ones made room
+    assert t.get(1) is None and t.stats()["rooms_expired"] == 3
+    t.expect(9)  # a room a sender exists for is not charged to the peer's pending share
+    t.commit(9, t.reserve(9, "a", 10), "claimed")
+    now[0] = 100.0
+    t.reserve(10, "c", 1)
+    assert t.get(9) == "claimed"  # claimed rooms do not expire
+    naive = RoomTable(RoomLimits(enforce=False))
+    naive.commit(1, naive.reserve(1, "a", 10), "real")
+    naive.commit(1, naive.reserve(1, "b", 10), "impostor")
+    assert naive.get(1) == "impostor"  # the positive control: the later claimant replaced the first
