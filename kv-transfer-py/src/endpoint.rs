@@ -9,7 +9,7 @@ use crate::region::ForeignRegion;
 use crate::remote::RemotePages;
 use crate::transfer::Transfer as PyTransfer;
 use backend_tcp_sim::{FaultPlan, Gate, NicConfig, SimNic};
-use kv_transfer_core::{drain::ReleasePolicy, PeerId, PoolConfig, Region, Target, Transfer};
+use kv_transfer_core::{drain::ReleasePolicy, Op, PeerId, PoolConfig, Region, Target, Transfer};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -252,7 +252,24 @@ impl Endpoint {
         notify: bool,
         digest: bool,
     ) -> PyResult<PyTransfer> {
-        lease.post(py, self.backend.as_ref(), remote, notify, digest)
+        lease.post(py, self.backend.as_ref(), Op::Write, remote, notify, digest)
+    }
+
+    /// Posts a READ of the peer's exposed `remote` pages (in order) into
+    /// every page of the local `lease` (pull mode: the decode reads what the
+    /// prefill exposed). `notify` sends the DONE that settles the peer's
+    /// exposure once the READs completed: the peer's pages may go back to
+    /// its free list only then. The lease moves into the returned `Transfer`.
+    #[pyo3(signature = (lease, remote, *, notify = true, digest = false))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        lease: &PageLease,
+        remote: &RemotePages,
+        notify: bool,
+        digest: bool,
+    ) -> PyResult<PyTransfer> {
+        lease.post(py, self.backend.as_ref(), Op::Read, remote, notify, digest)
     }
 
     /// The backend's own counters (the pools keep theirs).

@@ -9,7 +9,7 @@ use crate::errors::{self, DescriptorError, LeaseStateError};
 use crate::remote::RemotePages;
 use crate::transfer::{duration, Part, Transfer};
 use kv_transfer_core::{
-    block_on, poll_until, Exposed, PeerId, Reserved, Settled, SettledFuture, SlotId, SlotLease, SlotPool, Tenancy,
+    block_on, poll_until, Exposed, Op, PeerId, Reserved, Settled, SettledFuture, SlotId, SlotLease, SlotPool, Tenancy,
     TransferOptions,
 };
 use parking_lot::Mutex;
@@ -163,6 +163,7 @@ impl PageLease {
         &self,
         py: Python<'_>,
         backend: &dyn Backend,
+        op: Op,
         remote: &RemotePages,
         notify: bool,
         digest: bool,
@@ -192,7 +193,11 @@ impl PageLease {
         let parts = py.allow_threads(|| {
             let mut parts = Vec::with_capacity(leases.len());
             for (l, r) in leases.into_iter().zip(&remote.buffers) {
-                match block_on(backend.write(l, r, opts.clone())) {
+                let posted = match op {
+                    Op::Write => block_on(backend.write(l, r, opts.clone())),
+                    Op::Read => block_on(backend.read(l, r, opts.clone())),
+                };
+                match posted {
                     Ok(h) => parts.push(Part::InFlight(h)),
                     Err(e) => {
                         parts.push(Part::Refused(e.lease, e.kind));

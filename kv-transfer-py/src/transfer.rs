@@ -41,7 +41,7 @@ enum Phase {
     Finished,
 }
 
-/// A posted WRITE of every buffer of a lease.
+/// A posted WRITE (or READ) of every buffer of a lease.
 ///
 /// `poll()` / `wait(timeout)` return `"pending"`, `"success"` or `"failed"`;
 /// `error` says why it failed. Once terminal, `release()` gives the local

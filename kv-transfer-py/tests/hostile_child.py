@@ -26,7 +26,7 @@ import kv_transfer
 from kv_transfer.sglang import wire
 from kv_transfer.sglang.bootstrap import BootstrapServer, RegistryLimits
 from kv_transfer.sglang.control import PrefillControlPlane, RoomLimits
-from kv_transfer.sglang.guard import ServerLimits
+from kv_transfer.ports import ServerLimits
 
 ATTACKER = "127.0.0.2"
 HONEST = "127.0.0.1"

@@ -37,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, Dict, Optional, Tuple
 
 from . import wire
-from .guard import GuardedServerMixin, ServerLimits
+from ..ports import GuardedServerMixin, ServerLimits
 
 logger = logging.getLogger("kv_transfer.sglang")
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import kv_transfer
 
 from . import wire
-from .guard import GuardedServerMixin, ServerLimits, current_ticket
+from ..ports import GuardedServerMixin, ServerLimits, current_ticket
 
 logger = logging.getLogger("kv_transfer.sglang")
 

