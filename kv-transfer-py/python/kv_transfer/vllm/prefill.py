@@ -162,11 +162,7 @@ class PrefillOffers:
                 o.state = Free("withdrawn")
                 self.counters["withdrawn"] += 1
         elif isinstance(s, Exposed):
-            if s.lease.try_settle():
-                s.lease.release()
-                o.state = Free("done")
-                self.counters["settled_by_done"] += 1
-            elif now - s.since >= self.limits.exposed_s:
+            if not self._settled(o, s) and now - s.since >= self.limits.exposed_s:
                 logger.warning("kv_transfer.vllm: exposure for %s without its DONE after %.0f s: aborted "
                                "(its blocks come back only when proven)", o.req_id, now - s.since)
                 self._abort(o, s, now)
@@ -178,6 +174,15 @@ class PrefillOffers:
                 s.warned = True
                 logger.warning("kv_transfer.vllm: %s's blocks not proven free %.0f s after the abort: held",
                                o.req_id, now - s.since)
+
+    def _settled(self, o: _Offer, s: Exposed) -> bool:
+        """Frees the offer if the decode's DONE has settled its exposure."""
+        if not s.lease.try_settle():
+            return False
+        s.lease.release()
+        o.state = Free("done")
+        self.counters["settled_by_done"] += 1
+        return True
 
     def _abort(self, o: _Offer, s: Exposed, now: float) -> None:
         s.lease.abort()
@@ -262,13 +267,8 @@ class PrefillOffers:
                 if isinstance(s, Waiting):
                     o.state = Free("released")
                     self.counters["released_by_decode"] += 1
-                elif isinstance(s, Exposed):
-                    if s.lease.try_settle():
-                        s.lease.release()
-                        o.state = Free("done")
-                        self.counters["settled_by_done"] += 1
-                    else:
-                        self._abort(o, s, self._clock())
+                elif isinstance(s, Exposed) and not self._settled(o, s):
+                    self._abort(o, s, self._clock())
         return wire.ok()
 
     def _refuse(self, kind: str, message: str) -> Dict[str, Any]:
