@@ -15,10 +15,13 @@ from conftest import fill, kv_args, page_bytes, pattern, poll_until, server_args
 
 PAGES, ITEM, AUX_ITEM, TAG = 32, 512, 64, 0x5A
 #: Tokens the decode says it already holds, by room (SGLang's decode prefix cache).
-PREFIX = {103: 16}
+#: Room 104: the decode's prefix cache holds its whole prompt, so it
+#: exposes no KV page and the prefill's only send is a last chunk with no
+#: page (the aux row and the state still move).
+PREFIX = {103: 16, 104: 24}
 #: One state type: 2 buffers of 6 items of 96 bytes; each room sends one item.
 STATE = (2, 6, 96)
-STATE_ITEM = {101: 4, 102: 0, 103: 5}
+STATE_ITEM = {101: 4, 102: 0, 103: 5, 104: 2}
 N_KV = 4
 
 
@@ -47,7 +50,10 @@ def prefill_main(backend: str, port: int, rooms, out) -> None:
             prefix = s.pop_decode_prefix_len()
             s.init(len(src), aux_index)
             half = len(src) // 2
-            s.send(np.array(src[:half], dtype=np.int64))
+            # SGLang skips a chunk when should_send_kv_chunk says so.
+            if s.should_send_kv_chunk(half, False):
+                s.send(np.array(src[:half], dtype=np.int64))
+            assert s.should_send_kv_chunk(len(src) - half, True)
             s.send(np.array(src[half:], dtype=np.int64), [np.array([STATE_ITEM[room]], dtype=np.int64)])
             st = poll_until(s.poll, {KVPoll.Success, KVPoll.Failed}, 30)
             out.put(("prefill", room, int(st), s.error, prefix))

@@ -13,6 +13,8 @@ ROOMS = [
     (101, [0, 1, 2, 3, 4, 5, 6, 7], [31, 2, 17, 5, 9, 30, 11, 0], 3),
     (102, [8, 20, 9], [4, 12, 6], 1),
     (103, list(range(10, 26)), list(range(16)), 5),
+    # Nothing to move but the aux row and the state: the decode holds the prompt's KV.
+    (104, [], [], 6),
 ]
 
 

@@ -344,6 +344,9 @@ class KvTransferSender(BaseKVSender):
         self.num_pages: Optional[int] = None
         self.aux_index: Optional[int] = None
         self.sent_pages = 0
+        #: The last chunk was handed over (it may carry no page: the decode's
+        #: prefix cache can hold the whole prompt).
+        self.last_sent = False
         self.pending: List[Tuple[bytes, Any, Any]] = []
         self.transfers: List[kv_transfer.Transfer] = []
         self.conclude_state: Optional[int] = None
@@ -370,12 +373,14 @@ class KvTransferSender(BaseKVSender):
         if self.started_at is None:
             self.started_at = time.perf_counter()
         if n:
-            if self.sent_pages + n > kv_remote.pages:
-                return self._fail(f"prefill sends {self.sent_pages + n} pages, the decode exposed {kv_remote.pages}")
+            exposed = 0 if kv_remote is None else kv_remote.pages
+            if self.sent_pages + n > exposed:
+                return self._fail(f"prefill sends {self.sent_pages + n} pages, the decode exposed {exposed}")
             self.pending.append((idx, kv_remote.slice(self.sent_pages, self.sent_pages + n), self.kv_mgr.kv_pool))
             self.sent_pages += n
             self.bytes_total += n * sum(self.kv_mgr.kv_pool.page_bytes)
         last = self.num_pages is None or self.sent_pages >= self.num_pages
+        self.last_sent = self.last_sent or last
         if last and self.aux_index is not None and aux_remote is not None and self.kv_mgr.aux_pool is not None:
             self.pending.append((_index_bytes([self.aux_index]), aux_remote, self.kv_mgr.aux_pool))
         for t, indices in enumerate(state_indices or []):
@@ -387,6 +392,11 @@ class KvTransferSender(BaseKVSender):
                 return self._fail(f"state {t}: the decode exposed no matching items for {len(idx) // 4} state indices")
             self.pending.append((idx, remote, self.kv_mgr.state_pools[t]))
         self._drive()
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # A last chunk with no page still carries the aux row (the first
+        # token) and the state; without it the request never concludes.
+        return num_pages > 0 or last_chunk
 
     def _drive(self) -> None:
         ep = self.kv_mgr.endpoint
@@ -415,7 +425,7 @@ class KvTransferSender(BaseKVSender):
             return self.conclude_state
         if self.kv_mgr.target_of(self.bootstrap_room) is None and not self.aborted:
             return KVPoll.Bootstrapping
-        if not self.transfers and not self.pending and not self.aborted:
+        if not self.transfers and not self.pending and not self.aborted and not self.last_sent:
             return KVPoll.WaitingForInput
         if self.pending and not self.aborted:
             self._drive()
@@ -506,14 +516,18 @@ class KvTransferReceiver(BaseKVReceiver):
         for t, indices in enumerate(state_indices or []):
             if indices is not None and (t >= len(mgr.state_pools) or mgr.state_pools[t] is None):
                 return self._fail(f"state indices for state type {t}, which has no buffers here")
+        kv_idx = _index_bytes(kv_indices)
+        leases: List[kv_transfer.PageLease] = []
+        if kv_idx:
+            try:
+                leases.append(mgr.kv_pool.reserve(kv_idx))
+            except kv_transfer.AdmissionRefused as e:
+                # A page still quarantined or leased: SGLang reused it too early.
+                return self._fail(f"decode pages refused: {e}")
+        # No KV pages: the decode's radix cache holds the whole prompt's
+        # KV (decode_prefix_len); only the aux row (and state) moves.
         try:
-            kv = mgr.kv_pool.reserve(_index_bytes(kv_indices))
-        except kv_transfer.AdmissionRefused as e:
-            # A page still quarantined or leased: SGLang reused it too early.
-            return self._fail(f"decode pages refused: {e}")
-        leases = [kv]
-        try:
-            kv_remote = mgr.endpoint.expose(kv, self.peer)
+            kv_remote = mgr.endpoint.expose(leases[0], self.peer) if leases else None
             aux_remote = None
             if aux_index is not None and mgr.aux_pool is not None:
                 aux = mgr.aux_pool.reserve([int(aux_index)])
@@ -531,13 +545,15 @@ class KvTransferReceiver(BaseKVReceiver):
             self.leases = leases
             self._abort_leases()
             return self._fail(f"expose: {e}")
+        if not leases:
+            return self._fail("nothing to receive: no KV page, no aux row, no state")
         self.leases = leases
         mgr.track(self.bootstrap_room, leases)
         self.exposed_at = time.monotonic()
         md = wire.Metadata(
             room=int(self.bootstrap_room),
             descriptor=bytes(mgr.endpoint.descriptor()),
-            kv=bytes(kv_remote.to_bytes()),
+            kv=b"" if kv_remote is None else bytes(kv_remote.to_bytes()),
             aux=None if aux_remote is None else bytes(aux_remote.to_bytes()),
             prefix_len=int(decode_prefix_len or 0),
             state=tuple(state_remotes),

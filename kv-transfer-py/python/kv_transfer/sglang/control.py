@@ -319,8 +319,9 @@ class PrefillControlPlane:
             raise
 
     def _validate(self, md: wire.Metadata) -> Target:
-        kv = kv_transfer.RemotePages.from_bytes(md.kv)
-        if kv.buffers != self.kv_pool.buffers:
+        # Empty: the decode exposed no KV page (its prefix cache holds them all).
+        kv = kv_transfer.RemotePages.from_bytes(md.kv) if md.kv else None
+        if kv is not None and kv.buffers != self.kv_pool.buffers:
             raise wire.ProtocolError(f"the decode exposed {kv.buffers} KV buffers, this prefill has {self.kv_pool.buffers}")
         aux = kv_transfer.RemotePages.from_bytes(md.aux) if md.aux is not None else None
         if aux is not None and (self.aux_pool is None or aux.buffers != self.aux_pool.buffers or aux.pages != 1):

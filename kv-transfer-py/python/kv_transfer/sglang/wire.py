@@ -116,6 +116,8 @@ class Metadata:
 
     room: int
     descriptor: bytes
+    #: The KV pages' exposure; empty when the decode exposes none (its
+    #: prefix cache already holds the request's whole prompt).
     kv: bytes
     aux: Optional[bytes]
     #: Tokens the decode already holds (its prefix cache): the prefill sends the rest.

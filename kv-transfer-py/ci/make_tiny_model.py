@@ -1,6 +1,6 @@
-"""Builds the vLLM tests' tiny model with no download: a byte-level BPE
-tokenizer trained here on a few sentences, and a random 2-layer Llama with a
-fixed seed. The build is deterministic; the weights' SHA-256 is checked
+"""Builds the tiny model the real-engine tests serve (vLLM's and SGLang's)
+with no download: a byte-level BPE tokenizer trained here on a few
+sentences, and a random 2-layer Llama with a fixed seed. The build is deterministic; the weights' SHA-256 is checked
 against ``TINY_MODEL_SHA256`` so a changed builder or library shows at once.
 
     python make_tiny_model.py DIR        (skips the build if DIR holds it)
@@ -10,8 +10,9 @@ import hashlib
 import os
 import sys
 
-#: SHA-256 of model.safetensors as this builder makes it (torch 2.13.0,
-#: transformers 5.19.0, tokenizers 0.23.3).
+#: SHA-256 of model.safetensors as this builder makes it: the same in the
+#: vLLM venv (torch 2.13.0, transformers 5.19.0) and the SGLang venv (torch
+#: 2.14.1, transformers 5.24.0), tokenizers 0.23.3 in both.
 TINY_MODEL_SHA256 = "0ad600743a6ec9d9b732bcadcabd8acde56156b24e21c3287516fefcd91d221b"
 
 CORPUS = [
