@@ -9,21 +9,18 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from typing import Dict, List, Tuple
 
 import pytest
 
-import harness as h
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests-common"))
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+import harness as h  # noqa: E402
+from engine_servers import need, report  # noqa: E402,F401  (report: a fixture)
+
 #: Greedy tokens per reference run; shorter requests compare with a prefix.
 REF_NEW = 200
-
-
-def need(what: str) -> None:
-    if IN_CI:
-        pytest.fail(f"CI=true and this test needs {what}", pytrace=False)
-    pytest.skip(f"needs {what}")
 
 
 @pytest.fixture(scope="session")
@@ -73,15 +70,3 @@ def reference(model: str, prompts: Dict[str, List[List[int]]]) -> Dict[Tuple[int
         return refs
     finally:
         s.stop()
-
-
-@pytest.fixture
-def report(capsys):
-    """Prints figures past pytest's capture (the storm's outcomes, the cost table)."""
-
-    def say(*lines: str) -> None:
-        with capsys.disabled():
-            for line in lines:
-                print(line, flush=True)
-
-    return say

@@ -9,13 +9,12 @@ import http.client
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
+
+from engine_servers import EngineServer, free_port, http_get, http_post, sse_events, start_all  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -44,12 +43,6 @@ PREFILL_FLAGS = ["--chunked-prefill-size", "32"]
 BASE_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "kvt_sglang_models"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def room(hold_s: float = 0.0, corrupt: bool = False) -> int:
     """A random bootstrap room; ``hold_s`` > 0 marks it for a delayed
     prefill send of that long, ``corrupt`` for zeroed KV on the decode."""
@@ -61,20 +54,17 @@ def room(hold_s: float = 0.0, corrupt: bool = False) -> int:
     return base + 1
 
 
-class Server:
+class Server(EngineServer):
     """One ``sglang.launch_server`` process tree (tokenizer manager,
     scheduler, detokenizer)."""
 
     def __init__(self, name: str, model: str, *, mode: str = "single", backend: Optional[str] = None,
                  page_size: int = 1, max_total_tokens: int = 4096, env: Optional[Dict[str, str]] = None,
                  extra: Optional[List[str]] = None):
-        self.name = name
         self.mode = mode
         self.backend = backend
-        self.port = free_port()
+        port = free_port()
         self.bootstrap_port = free_port() if mode == "prefill" else None
-        os.makedirs(LOG_DIR, exist_ok=True)
-        self.log_path = os.path.join(LOG_DIR, f"{name}.log")
         e = dict(os.environ)
         e.update(BASE_ENV)
         e.update({
@@ -85,7 +75,7 @@ class Server:
             "PYTHONPATH": os.pathsep.join(p for p in (STAND_IN, HOOKS, e.get("PYTHONPATH")) if p),
         })
         e.update(env or {})
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port),
                "--page-size", str(page_size), "--max-total-tokens", str(max_total_tokens),
                "--max-running-requests", "8", *COMMON]
         if mode == "prefill":
@@ -97,32 +87,7 @@ class Server:
             cmd += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
                     "--disaggregation-decode-retraction-backup", "cpu_tensor"]
         cmd += extra or []
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e, start_new_session=True)
-
-    def wait_healthy(self, timeout: float = 420.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if http_get(self.port, "/health", 2.0)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def log_text(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+        super().__init__(name, port, cmd, e, LOG_DIR)
 
     def load(self) -> Dict[str, Any]:
         """SGLang's own load snapshot (``/v1/loads``): ``num_used_tokens``,
@@ -134,18 +99,6 @@ class Server:
 
     def abort(self, rid: str) -> None:
         http_post(self.port, "/abort_request", {"rid": rid}, 10.0)
-
-    def count_in_log(self, text: str) -> int:
-        return self.log_text().count(text)
-
-    def wait_log(self, text: str, timeout: float = 30.0) -> bool:
-        """Waits (bounded) until ``text`` appears in this server's log."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if text in self.log_text():
-                return True
-            time.sleep(0.05)
-        return False
 
     def wait_idle(self, timeout: float = 60.0) -> Dict[str, Any]:
         """Waits (bounded) until SGLang reports no used token, no request
@@ -159,45 +112,6 @@ class Server:
             if not busy or time.monotonic() >= deadline:
                 return ld
             time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGINT)
-                self.proc.wait(20)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(10)
-        self.log.close()
-
-
-def start_all(servers: List[Server], timeout: float = 480.0) -> None:
-    for s in servers:
-        s.wait_healthy(timeout)
-
-
-def http_get(port: int, path: str, timeout: float) -> Tuple[int, bytes]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        c.request("GET", path)
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
-
-
-def http_post(port: int, path: str, body: Dict[str, Any], timeout: float) -> Tuple[int, bytes]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
-
 
 def body(prompt: List[int], max_new: int, **extra: Any) -> Dict[str, Any]:
     b: Dict[str, Any] = {"input_ids": prompt,
@@ -268,6 +182,7 @@ class PdStream:
         self._tp.start()
         self.t0 = time.perf_counter()
         self.conn, self.resp = stream_open(decode.port, b, timeout)
+        self._events = sse_events(self.resp)
         self.tokens: List[int] = []
         self.first_token_s: Optional[float] = None
         self.finished = False
@@ -283,22 +198,16 @@ class PdStream:
         """Reads ``chunks`` more stream events (all, if None); the tokens so far."""
         n = 0
         while not self.finished and (chunks is None or n < chunks):
-            line = self.resp.readline()
-            if not line:
+            ev = next(self._events, None)
+            if ev is None:
                 self.finished = True
                 break
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                self.finished = True
-                break
-            ev = json.loads(payload)
             ids = ev.get("output_ids") or []
             if ids and self.first_token_s is None:
                 self.first_token_s = time.perf_counter() - self.t0
-            self.tokens = list(ids) if len(ids) >= len(self.tokens) else self.tokens + list(ids)
+            # SGLang streams the tokens so far (incremental output is off).
+            if len(ids) >= len(self.tokens):
+                self.tokens = list(ids)
             n += 1
         return self.tokens
 

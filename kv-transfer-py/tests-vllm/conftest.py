@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
-import harness as h
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests-common"))
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def need(what: str) -> None:
-    if IN_CI:
-        pytest.fail(f"CI=true and this test needs {what}", pytrace=False)
-    pytest.skip(f"needs {what}")
+import harness as h  # noqa: E402
+from engine_servers import need, report  # noqa: E402,F401  (report: a fixture)
 
 
 @pytest.fixture(scope="session")
@@ -43,15 +39,3 @@ def model() -> str:
 def vocab(model: str) -> int:
     with open(os.path.join(model, "config.json")) as f:
         return int(json.load(f)["vocab_size"])
-
-
-@pytest.fixture
-def report(capsys):
-    """Prints figures past pytest's capture (the storm's outcomes, the cost table)."""
-
-    def say(*lines: str) -> None:
-        with capsys.disabled():
-            for line in lines:
-                print(line, flush=True)
-
-    return say

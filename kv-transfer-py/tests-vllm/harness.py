@@ -7,12 +7,11 @@ import http.client
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
+
+from engine_servers import EngineServer, free_port, http_get, sse_events, start_all  # noqa: F401  (start_all: the tests')
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Where the servers' logs go (kept after the run for a failure's post-mortem).
@@ -22,12 +21,6 @@ BLOCK = 32
 #: attention wants blocks of 32; fp32 and eager keep greedy decoding exact).
 COMMON = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--no-enable-prefix-caching",
           "--max-model-len", "512", "--max-num-seqs", "16"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ours(role: str, side_port: int, backends: str, connector: str = "KvTransferConnector",
@@ -43,15 +36,12 @@ def nixl(role: str, lease_s: int) -> Dict[str, Any]:
             "kv_connector_extra_config": {"kv_lease_duration": lease_s}}
 
 
-class Server:
+class Server(EngineServer):
     """One ``vllm.entrypoints.openai.api_server`` process tree."""
 
     def __init__(self, name: str, model: str, kv: Optional[Dict[str, Any]], core: int, blocks: int,
                  env: Optional[Dict[str, str]] = None):
-        self.name = name
-        self.port = free_port()
-        os.makedirs(LOG_DIR, exist_ok=True)
-        self.log_path = os.path.join(LOG_DIR, f"{name}.log")
+        port = free_port()
         e = dict(os.environ)
         e.update({
             "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "HF_HUB_OFFLINE": "1",
@@ -59,36 +49,11 @@ class Server:
             "PYTHONPATH": HERE + os.pathsep + e.get("PYTHONPATH", ""), "VLLM_LOGGING_LEVEL": "INFO",
         })
         e.update(env or {})
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
                "--host", "127.0.0.1", "--num-gpu-blocks-override", str(blocks), *COMMON]
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e, start_new_session=True)
-
-    def wait_healthy(self, timeout: float = 420.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if http_get(self.port, "/health", 2.0)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def log_text(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+        super().__init__(name, port, cmd, e, LOG_DIR)
 
     def metric(self, name: str) -> float:
         """One gauge of vLLM's /metrics (summed over its label sets)."""
@@ -102,34 +67,6 @@ class Server:
         if not seen:
             raise KeyError(name)
         return total
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGINT)
-                self.proc.wait(20)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(10)
-        self.log.close()
-
-
-def start_all(servers: List[Server], timeout: float = 480.0) -> None:
-    for s in servers:
-        s.wait_healthy(timeout)
-
-
-def http_get(port: int, path: str, timeout: float) -> Tuple[int, bytes]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        c.request("GET", path)
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
 
 
 def complete(port: int, prompt: List[int], max_tokens: int, params: Optional[Dict[str, Any]] = None,
@@ -177,17 +114,7 @@ def stream_tokens(resp: http.client.HTTPResponse, stop_after: Optional[int] = No
     first = 0.0
     chunks = 0
     t0 = time.perf_counter()
-    while True:
-        line = resp.readline()
-        if not line:
-            break
-        line = line.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            break
-        ev = json.loads(payload)
+    for ev in sse_events(resp):
         for ch in ev.get("choices", []):
             ids = ch.get("token_ids") or []
             if ids and not toks:
