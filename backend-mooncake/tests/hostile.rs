@@ -106,7 +106,7 @@ fn hostile_tcp_third_party_reads_and_writes_a_settled_slot_by_address() {
         let got = settled_tenant(&decode, &prefill, &fresh);
         assert!(t0.elapsed() < Duration::from_secs(2), "honest write took {:?}", t0.elapsed());
         assert_eq!(got.bytes().unwrap(), &fresh[..]);
-        // What remains (README): the protocol has no key, so a LIVE
+        // What remains (docs/THREAT-MODEL.md): the protocol has no key, so a LIVE
         // exposure is reachable by address; only RDMA keys close that.
         let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
         got.release();

@@ -179,7 +179,7 @@ mod util;
 /// grant key, and the impostor, pairing queue pairs of its own, READs P's
 /// slot with it (all 65,536 bytes). Checked: a request from an address that
 /// is not the one in the name it declares gets no grants (counted); P's
-/// own WRITE still lands and settles, within 2 s. What remains (README):
+/// own WRITE still lands and settles, within 2 s. What remains (docs/THREAT-MODEL.md):
 /// an impostor on P's own host gets P's grants; a key usable only through
 /// P's queue pairs needs a protection domain per peer (see the report).
 #[test]

@@ -1,4 +1,4 @@
-//! The README's "what each backend can prove" table says what each backend
+//! The "what each backend can prove" table (docs/THREAT-MODEL.md) says what each backend
 //! declares (`CAPABILITIES`), and nothing else: the ladder is built from the
 //! declarations, so a table that drifted from them would mislead operators.
 
@@ -26,7 +26,7 @@ fn declared() -> Vec<(&'static str, Capabilities)> {
 /// The table's rows: backend name → (drain, revoke, fence), read from the
 /// "yes"/"no" each cell starts with.
 fn table() -> Vec<(String, [bool; 3])> {
-    let readme = include_str!("../../README.md");
+    let readme = include_str!("../../docs/THREAT-MODEL.md");
     let start = readme.find("| backend | drain + ack | revoke | fence |").expect("the capabilities table");
     readme[start..]
         .lines()
@@ -45,15 +45,15 @@ fn table() -> Vec<(String, [bool; 3])> {
 }
 
 #[test]
-fn capabilities_table_in_the_readme_matches_what_each_backend_declares() {
+fn capabilities_table_in_the_threat_model_matches_what_each_backend_declares() {
     let rows = table();
     assert_eq!(rows.len(), 7, "one row per backend: {rows:?}");
     for (name, caps) in declared() {
-        let Some((_, row)) = rows.iter().find(|(n, _)| n == name) else { panic!("no README row for {name}") };
+        let Some((_, row)) = rows.iter().find(|(n, _)| n == name) else { panic!("no THREAT-MODEL.md row for {name}") };
         assert_eq!(
             *row,
             [caps.drain, caps.revoke, caps.fence],
-            "README row for {name} disagrees with its CAPABILITIES"
+            "THREAT-MODEL.md row for {name} disagrees with its CAPABILITIES"
         );
     }
 }
