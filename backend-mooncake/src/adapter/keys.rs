@@ -5,7 +5,7 @@
 //! With keys the ladder gains `Revoke`: a tenancy's key is ended at the NIC
 //! and the tenancy settles `Revoked`. But a real Mooncake initiator answers
 //! the refusal by re-fetching our metadata and retrying with whatever key it
-//! finds there (`ENGINES.md`; measured again in `tests/rdma_real.rs`: a
+//! finds there (`docs/ENGINES.md`; measured again in `tests/rdma_real.rs`: a
 //! revoked slot granted to the same initiator at once took 63 MB of the old
 //! request's bytes). So a revoked slot is not exposed to that peer again
 //! until its DONE / ABORT_ACK for the old tenancy arrives (core's

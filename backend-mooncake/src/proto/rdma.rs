@@ -2,7 +2,7 @@
 //! pairs queue pairs, NIC paths, and GIDs as Mooncake writes them.
 //!
 //! As captured between two real engines (0.3.13.post1 on Soft-RoCE, see
-//! `ENGINES.md`, "Mooncake over RDMA"): the initiator sends a Connection
+//! `docs/ENGINES.md`, "Mooncake over RDMA"): the initiator sends a Connection
 //! (type 0) with its NIC path, the target's NIC path, its GID and one QP
 //! number per queue pair; the target answers with the paths swapped and
 //! its own QP numbers; then, on a second TCP connection, the initiator sends

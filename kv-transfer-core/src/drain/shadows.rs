@@ -4,7 +4,7 @@
 //! A real Mooncake initiator over RDMA answers `REM_ACCESS_ERR` by deleting
 //! its endpoint, fetching the target's metadata again, reconnecting and
 //! retrying the slice with whatever key the metadata now holds (up to
-//! `MC_RETRY_CNT`, 9). Measured (`../shared/ENGINES.md`): with the buffer
+//! `MC_RETRY_CNT`, 9). Measured (`docs/ENGINES.md`): with the buffer
 //! published again under a new key, the stale write retried this way
 //! succeeds. So a `Revoked` proof (the tenancy's window invalidated) ends
 //! that tenancy's *key*, not that peer's *intent* to write the slot: if the
