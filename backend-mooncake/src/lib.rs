@@ -62,6 +62,15 @@
 //! drop(engine); // fences all connections; `kv` may be freed after this
 //! # Ok(()) }
 //! ```
+//!
+//! # Feature flags
+//!
+//! - `rdma`: Mooncake's RDMA transport and target over `backend-verbs`, on its
+//!   software NIC.
+//! - `rdma-device`: the same on a verbs device too, with the real-engine tests
+//!   (`tests/rdma_real.rs`, which `scripts/rdma-lab test` runs in the guest)
+//!   and `mc_bench --rdma DEVICE`.
+//! - `mock`: exports the engine layer's `mockall` mocks for adapters' tests.
 #![deny(missing_docs)]
 
 pub mod adapter;

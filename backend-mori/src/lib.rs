@@ -90,6 +90,13 @@
 //! `MockMoriTransport` (mockall) are exported. [`TransferStatus::in_progress_forever`]
 //! and [`TransferStatus::pending`] build statuses that behave as MORI does at
 //! its worst.
+//!
+//! # Feature flags
+//!
+//! - `verbs`: `VerbsTransport`, MORI's semantics over any
+//!   `backend_verbs::Engine` (the software NIC on any host).
+//! - `verbs-device`: the same plus libibverbs, for its device tests.
+//! - `mock`: exports the engine layer's `mockall` mocks for adapters' tests.
 
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]

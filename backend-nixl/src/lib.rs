@@ -38,6 +38,10 @@
 //! revoke and no confirmed per-peer fence, so those escalation steps produce no
 //! proof and such slots stay quarantined. The `nixl_peer` binary runs one side of
 //! a prefill/decode pair for the two-process tests.
+//!
+//! # Feature flags
+//!
+//! - `mock`: exports the engine layer's `mockall` mocks for adapters' tests.
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

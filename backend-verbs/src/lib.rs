@@ -47,6 +47,14 @@
 //! device list fails): `scripts/rdma-lab test` boots the kernel's Soft-RoCE
 //! driver in a qemu guest and runs this crate's tests there; on the host
 //! they show as ignored with that command.
+//!
+//! # Feature flags
+//!
+//! - `verbs`: `DeviceEngine`, the real verbs layer over libibverbs. Building it
+//!   needs `cmake libclang-dev libibverbs-dev libnl-3-dev libnl-route-3-dev`
+//!   (`scripts/test` installs them); its tests run where a verbs device exists
+//!   (`scripts/rdma-lab test`). Without it the adapter builds and runs on
+//!   `FakeFabric`.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 

@@ -14,6 +14,15 @@
 //!   positive control: it must show corruption) or
 //!   [`ReleasePolicy::Safe`](backend_tcp_sim::ReleasePolicy::Safe) (it must not).
 //! - [`wait`]: a bounded `block_on` for futures that may never resolve.
+//!
+//! # Feature flags
+//!
+//! - `verbs`: `race::verbs`, scenario 2 on real verbs (what `kvt race --backend
+//!   verbs` and the suite run).
+//! - `mooncake`: `race::mooncake`, scenario 2 on the Mooncake adapter over TCP,
+//!   held writes at a gated initiator transport.
+//! - `mooncake-rdma`: the same over Mooncake's RDMA transport on the software
+//!   NIC, a key per exposure.
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -48,6 +48,14 @@
 //! authority.deliver(authority.completed(&remote.tenancies()));
 //! assert_eq!(pool.metrics().free, 16);
 //! ```
+//!
+//! # Feature flags
+//!
+//! - `metrics`: report counters, gauges and the abort-to-reclaim histogram
+//!   through the `metrics` facade (Prometheus exporters plug in there).
+//! - `naive-positive-control`: `ReleasePolicy::Naive`, the race tests' positive
+//!   control, which frees aborted slots without a proof. Only the demo, `kvt
+//!   race` and the tests enable it, never a server.
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_op_in_unsafe_fn)]

@@ -20,6 +20,14 @@
 //!
 //! Errors are Python exceptions deriving from `kv_transfer.KvTransferError`;
 //! nothing in this module panics on bad input.
+//!
+//! # Feature flags
+//!
+//! - `mooncake`, `nixl` (default), `verbs`: compile that backend into the
+//!   Python package.
+//! - `naive-positive-control`: `Endpoint(..., policy="naive")` on tcp-sim, for
+//!   the hazard test's positive control (`scripts/sglang-tests` builds with it;
+//!   a production wheel does not).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // PyO3's macros expand to `unsafe` and to conversions clippy dislikes.
 #![allow(clippy::useless_conversion)]

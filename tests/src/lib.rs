@@ -57,6 +57,15 @@
 //! `kv-transfer-examples`; a backend with a race of its own
 //! ([`Backend::race`]: verbs on a device, where a large WRITE queued ahead
 //! delays the doomed ones) gets `s2_*::<backend>` tests here.
+//!
+//! # Feature flags
+//!
+//! - `nixl`, `mooncake`, `mori`, `mooncake-rdma`: run the conformance suite
+//!   against that backend too (`mori` also as `mori-verbs-fake`; `mooncake-
+//!   rdma` as `mooncake-rdma-fake`).
+//! - `verbs`: the device columns (`verbs`, and with `mori` and `mooncake-rdma`
+//!   their device columns); `scripts/rdma-lab test` runs them in the guest, and
+//!   they show as ignored on the host.
 #![deny(missing_docs)]
 
 pub mod frames;
