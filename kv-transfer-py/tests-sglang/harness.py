@@ -23,8 +23,10 @@ STAND_IN = os.path.join(REPO, "kv-transfer-py", "ci", "sgl-kernel-cpu-stand-in")
 #: The tests' SGLang plugin (held sends, corrupted KV, in-tree mooncake on CPU).
 HOOKS = os.path.join(HERE, "hooks")
 LOG_DIR = os.environ.get("KVT_SGLANG_LOGS", "/tmp/kvt-sglang-logs")
-#: What a bootstrap field of a held room encodes (kvt_sglang_test_hooks).
-HOLD_RESIDUE, CORRUPT_RESIDUE, ROOM_MOD = 777, 666, 1000
+
+sys.path.insert(0, HOOKS)
+# The rooms' marks, encoded where the servers decode them (imports no SGLang).
+from kvt_sglang_test_hooks import marked_room  # noqa: E402
 
 #: Engine flags every server shares (SGLang 0.5.23's CPU engine: torch_native
 #: attention turns CUDA graphs off; fp32 keeps greedy decoding exact).
@@ -45,13 +47,9 @@ BASE_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "kvt_sglang_models"}
 
 def room(hold_s: float = 0.0, corrupt: bool = False) -> int:
     """A random bootstrap room; ``hold_s`` > 0 marks it for a delayed
-    prefill send of that long, ``corrupt`` for zeroed KV on the decode."""
-    base = random.randrange(1, 1 << 40) * ROOM_MOD * ROOM_MOD
-    if corrupt:
-        return base + CORRUPT_RESIDUE
-    if hold_s > 0:
-        return base + int(round(hold_s * 100)) % ROOM_MOD * ROOM_MOD + HOLD_RESIDUE
-    return base + 1
+    prefill send of that long at most, ``corrupt`` for zeroed KV on the
+    decode."""
+    return marked_room(random.randrange(1, 1 << 40), hold_s, corrupt)
 
 
 class Server(EngineServer):

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 import pytest
+from engine_servers import percentile
 
 import harness as h
 
@@ -270,13 +271,10 @@ def test_cost_decode_latency_against_nixl_connector(fleet: Fleet, vocab: int, re
         for w in order:
             decode_once(w, prompts[i % len(prompts)])
 
-    def p99(xs: List[float]) -> float:
-        return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
-
     rows = {}
     for m in ("ttft", "total"):
         ours, theirs = lat["ours"][m], lat["nixl"][m]
-        rows[m] = (statistics.median(ours) / statistics.median(theirs), p99(ours) / p99(theirs),
+        rows[m] = (statistics.median(ours) / statistics.median(theirs), percentile(ours, 0.99) / percentile(theirs, 0.99),
                    statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3)
     report("\ncost, ours / NixlConnector (40 alternating decode requests each, nixl backend underneath):",
            *(f"  {m:5s}: median {rm:.2f} ({om:.1f} ms vs {tm:.1f} ms), p99 {r99:.2f}" for m, (rm, r99, om, tm) in rows.items()))

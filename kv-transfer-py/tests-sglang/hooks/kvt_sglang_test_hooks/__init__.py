@@ -36,6 +36,18 @@ ROOM_MOD, HOLD_RESIDUE, CORRUPT_RESIDUE = 1000, 777, 666
 _local = threading.local()
 
 
+def marked_room(base: int, hold_s: float = 0.0, corrupt: bool = False) -> int:
+    """A bootstrap room with ``base`` in its high digits and the mark the
+    hooks read in its low six (the one encoding; :func:`hold_seconds` and
+    the corrupt hook decode it). ``hold_s``: at most 9.99 s."""
+    r = base * ROOM_MOD * ROOM_MOD
+    if corrupt:
+        return r + CORRUPT_RESIDUE
+    if hold_s > 0:
+        return r + int(round(hold_s * 100)) % ROOM_MOD * ROOM_MOD + HOLD_RESIDUE
+    return r + 1
+
+
 def hold_seconds(room: Any) -> float:
     try:
         r = int(room)
