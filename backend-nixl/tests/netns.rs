@@ -60,6 +60,10 @@ fn wait_file(dir: &std::path::Path, name: &str) -> bool {
 /// slot; no old byte lands in the next tenant.
 fn link_cut_across_the_veth() -> Result<(), Failed> {
     let lab = Lab::new("nixlcut").map_err(|e| Failed::from(format!("lab: {e}")))?;
+    // Unshaped, a veth moves the 64 MiB in ~10 ms, and the WRITE (and the
+    // DONE behind it) could beat the cut. At 400 Mbit/s it takes ~1.3 s, so
+    // the cut lands mid-transfer on any host.
+    lab.limit_rate("400mbit").map_err(|e| Failed::from(format!("a rate limit on the veth (sch_tbf): {e}")))?;
     let driven = std::sync::Mutex::new(Vec::<String>::new());
     let drive = |dir: &std::path::Path| {
         let mut log = driven.lock().unwrap_or_else(|e| e.into_inner());
@@ -94,7 +98,7 @@ fn link_cut_across_the_veth() -> Result<(), Failed> {
     ensure(get("settled_completed") == "1", format!("freed without the drain's ack:\n{dec}"))?;
     ensure(get("late_old_bytes") == "0", format!("old bytes landed in the next tenant:\n{dec}"))?;
     eprintln!(
-        "netns nixl link cut: link cut right after a 64 MiB WRITE was posted, held and reported stuck while cut off, freed by the ack \
+        "netns nixl link cut: link cut with a 64 MiB WRITE on the wire (400 Mbit/s), held and reported stuck while cut off, freed by the ack \
          {} ms after the abort ({} ABORTs sent), 0 old bytes in the next tenant",
         get("slot_back_after_ms"),
         get("aborts_sent")

@@ -108,7 +108,7 @@ fn a_write_after_its_window_was_invalidated_is_refused_and_memory_is_unchanged()
             src.write_at(i, 0, &[0xab; SLOT]).expect("fill");
         }
         let mut h = block_on(prefill.t.write(src, &remote, TransferOptions::notify(false))).expect("post");
-        assert!(eventually(|| fabric.posted(pqp) == 2), "the WRITEs are held");
+        assert!(eventually(|| fabric.posted_transfers(pqp) == 2), "the WRITEs are held");
         exposed.abort();
         assert!(eventually(|| decode.pool.metrics().quarantined == 0), "{policy:?}: the aborted slots came back");
         let mut next = decode.pool.reserve(2).expect("the same slots, next tenant");
@@ -160,7 +160,7 @@ fn an_abort_ack_arriving_while_the_revoke_is_in_flight_settles_the_slots() {
     fabric.hold(pqp);
     let src = prefill.pool.reserve(2).expect("reserve");
     let mut h = block_on(prefill.t.write(src, &remote, TransferOptions::notify(false))).expect("post");
-    assert!(eventually(|| fabric.posted(pqp) == 2));
+    assert!(eventually(|| fabric.posted_transfers(pqp) == 2));
     exposed.abort();
     // The drain: ABORT reaches the initiator, whose WRITEs are in flight.
     assert!(eventually(|| prefill.t.counter("messages_received") >= 1), "the ABORT arrived");
@@ -199,9 +199,9 @@ fn a_link_that_dies_with_requests_posted_flushes_them_and_fences_both_sides() {
     src.write_at(0, 0, &[0x5a; SLOT]).expect("fill");
     let mut h = block_on(prefill.t.write(src, &remote, TransferOptions::default())).expect("post");
     assert!(
-        eventually(|| fabric.posted(pqp) == 3),
+        eventually(|| fabric.posted_transfers(pqp) == 3),
         "two WRITEs and the DONE behind them: {} posted on {pqp}; queue pairs {:?}",
-        fabric.posted(pqp),
+        fabric.posted_transfers(pqp),
         fabric.queue_pairs()
     );
     fabric.break_link(pqp);

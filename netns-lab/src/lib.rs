@@ -268,6 +268,20 @@ impl Lab {
         Ok(())
     }
 
+    /// Limits both directions to `rate` (a `tc` rate such as `"400mbit"`)
+    /// with a token bucket (`sch_tbf`, in kernels that lack netem): a large
+    /// transfer then stays on the wire long enough for a test to act while
+    /// it is in flight. [`Lab::clear_netem`] removes it.
+    pub fn limit_rate(&self, rate: &str) -> Result<(), LabError> {
+        for h in [&self.a, &self.b] {
+            sh(&[
+                "tc", "-n", &h.ns, "qdisc", "replace", "dev", &h.ifname, "root", "tbf", "rate", rate, "burst", "256kb",
+                "latency", "100ms",
+            ])?;
+        }
+        Ok(())
+    }
+
     /// Whether this kernel has netem (`sch_netem`): tried on host a's
     /// loopback and removed again.
     pub fn netem_available(&self) -> bool {
@@ -278,7 +292,7 @@ impl Lab {
         ok
     }
 
-    /// Removes any netem shaping.
+    /// Removes any shaping (netem or a rate limit).
     pub fn clear_netem(&self) -> Result<(), LabError> {
         for h in [&self.a, &self.b] {
             let _ = sh(&["tc", "-n", &h.ns, "qdisc", "del", "dev", &h.ifname, "root"]);

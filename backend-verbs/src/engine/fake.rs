@@ -215,6 +215,16 @@ impl FakeFabric {
     pub fn posted(&self, qpn: u32) -> usize {
         lock(&self.inner).qps.get(&qpn).map_or(0, |q| q.sq.len())
     }
+
+    /// Requests posted on `qpn` and not executed yet, heartbeats left out:
+    /// one falls due every `heartbeat` on a live peer, so on a slow host a
+    /// probe can queue behind a held send queue at any point of a test.
+    pub fn posted_transfers(&self, qpn: u32) -> usize {
+        lock(&self.inner)
+            .qps
+            .get(&qpn)
+            .map_or(0, |q| q.sq.iter().filter(|w| !matches!(w.wr, WorkRequest::Heartbeat)).count())
+    }
 }
 
 impl FakeNic {
