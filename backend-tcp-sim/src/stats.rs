@@ -3,36 +3,11 @@
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-macro_rules! stats {
-    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
-        #[derive(Debug, Default)]
-        pub(crate) struct Counters {
-            $(pub(crate) $name: AtomicU64,)*
-        }
-
-        /// A snapshot of a NIC's counters ([`SimNic::stats`](crate::SimNic::stats)).
-        #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-        #[non_exhaustive]
-        pub struct NicStats {
-            $($(#[$doc])* pub $name: u64,)*
-        }
-
-        impl Counters {
-            pub(crate) fn snapshot(&self) -> NicStats {
-                NicStats { $($name: self.$name.load(Ordering::Relaxed),)* }
-            }
-        }
-
-        impl NicStats {
-            /// Every counter with its name.
-            pub fn fields(&self) -> Vec<(&'static str, u64)> {
-                vec![$((stringify!($name), self.$name),)*]
-            }
-        }
-    };
-}
-
-stats! {
+kv_transfer_core::backend_counters! {
+    /// A snapshot of a NIC's counters ([`SimNic::stats`](crate::SimNic::stats)).
+    #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[non_exhaustive]
+    pub struct NicStats;
     /// WRITEs applied into registered memory (target side).
     writes_applied,
     /// Bytes applied by those WRITEs.
@@ -65,28 +40,16 @@ stats! {
     wrs_canceled,
     /// NOTIFY frames sent.
     notifications_sent,
-    /// NOTIFY frames received.
-    notifications_received,
     /// Application messages sent ([`SimNic::send_message`](crate::SimNic::send_message)).
     messages_sent,
     /// Application messages received.
     messages_received,
-    /// Tenancies in received NOTIFY / ABORT_ACK frames that were not (or no longer) bound here.
-    notifications_stale,
-    /// ABORT frames sent (escalation: request drain).
-    aborts_sent,
     /// ABORT frames received.
     aborts_received,
     /// ABORT_ACK frames sent.
     abort_acks_sent,
-    /// ABORT_ACK frames received.
-    abort_acks_received,
-    /// Tenancies revoked (binding cleared, in-flight applies drained).
-    revocations,
     /// Revocations that could not drain in time (escalated further).
     revocations_timed_out,
-    /// Connections fenced (torn down and joined).
-    fences,
     /// Connections opened by this NIC.
     connections_opened,
     /// Connections accepted by this NIC.
@@ -98,8 +61,6 @@ stats! {
     /// Accepted connections closed at once: their address's established
     /// connections at its cap.
     connections_refused_per_address,
-    /// Naive policy only: Completed proofs minted without evidence on quarantine.
-    naive_releases,
     /// WRITE completions that arrived before the WR's bytes had all left
     /// (parked until they had: a source slot settles only once our NIC is
     /// done reading it).
@@ -107,9 +68,25 @@ stats! {
     /// Connections torn down because a hook or callback panicked on their
     /// receiving thread (the connection is fenced, never left half alive).
     hook_panics,
+    ; drain:
+    /// NOTIFY frames received.
+    notifications_received = |d| d.dones_received,
+    /// Tenancies in received NOTIFY / ABORT_ACK frames that were not (or no
+    /// longer) bound here, forged, or from a peer that proves nothing.
+    notifications_stale = |d| d.stale + d.forged + d.untrusted,
+    /// ABORT frames sent (escalation: request drain).
+    aborts_sent = |d| d.aborts_sent,
+    /// ABORT_ACK frames received.
+    abort_acks_received = |d| d.abort_acks_received,
+    /// Tenancies revoked (binding cleared, in-flight applies drained).
+    revocations = |d| d.revoked,
+    /// Connections fenced (torn down and joined).
+    fences = |d| d.fences,
+    /// Naive policy only: Completed proofs minted without evidence on quarantine.
+    naive_releases = |d| d.naive_releases,
     /// DONE / ABORT_ACK tenancies dropped as forged: from a connection they
     /// were not exposed to, or without the exposure's token.
-    forged,
+    forged = |d| d.forged,
 }
 
 pub(crate) fn inc(c: &AtomicU64) {

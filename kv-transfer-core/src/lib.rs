@@ -61,6 +61,7 @@
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 mod clock;
+mod counters;
 pub mod drain;
 mod escalation;
 mod gate;

@@ -127,18 +127,12 @@ pub trait Backend {
     fn available(&self) -> Result<(), String>;
     /// A decode side and a prefill side, connected.
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure>;
-    /// Whether `rig` can run the prefill side as a separate process that a
-    /// scenario kills (`RigConfig::prefill_process`). Without it, the
-    /// killed-process crash scenario is skipped with a message; the
-    /// in-process crash still runs.
-    fn prefill_process(&self) -> bool {
-        false
-    }
-    /// Whether its rigs can hold incoming writes ([`Rig::hold_writes`]):
-    /// a scenario that needs them is listed as ignored (not applicable,
-    /// with why) on a backend that cannot, never passed.
-    fn holds_writes(&self) -> bool {
-        true
+    /// What its rigs provide beyond the basics. The conformance matrix
+    /// lists a cell whose scenario needs something missing as ignored (not
+    /// applicable, with why), never as passed; a cell that runs checks that
+    /// its rig provides what the backend declared.
+    fn provides(&self) -> Provides {
+        Provides::default()
     }
     /// Whether CI runs this backend's tests somewhere else when it is not
     /// available here (the verbs backend: in `scripts/rdma-lab`'s guest).
@@ -150,6 +144,44 @@ pub trait Backend {
     /// own implementation here; the simulator's runs in `tests/race.rs`.
     fn race(&self) -> Option<RaceRunner> {
         None
+    }
+}
+
+/// What a backend's rigs provide beyond the basics ([`Backend::provides`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Provides {
+    /// A prefill side in a process of its own, which a scenario kills
+    /// (`RigConfig::prefill_process`).
+    pub prefill_process: bool,
+    /// Incoming writes held at the decode side ([`Rig::hold_writes`]).
+    pub held_writes: bool,
+    /// Settlement by revocation ([`Rig::can_revoke`]).
+    pub revoke: bool,
+    /// Settlement by a fence ([`Rig::can_fence`]).
+    pub fence: bool,
+    /// Raw one-sided accesses ([`Rig::raw_write`]).
+    pub raw_access: bool,
+    /// Malformed frames sent to the decode side ([`Rig::send_malformed`]).
+    pub malformed_frames: bool,
+    /// A peer under the test's control ([`Rig::raw_peer`]).
+    pub raw_peer: bool,
+    /// A peer that stalls mid-payload ([`Rig::expose_to_stalled_peer`]).
+    pub stalled_peer: bool,
+}
+
+impl Default for Provides {
+    /// Everything but an out-of-process prefill side.
+    fn default() -> Self {
+        Self {
+            prefill_process: false,
+            held_writes: true,
+            revoke: true,
+            fence: true,
+            raw_access: true,
+            malformed_frames: true,
+            raw_peer: true,
+            stalled_peer: true,
+        }
     }
 }
 

@@ -25,9 +25,10 @@
 //! whether it is available, and what to install if not; build a rig) and
 //! [`harness::Rig`] (a decode side and a prefill side, connected: pools,
 //! expose, tagged writes, hold and release of writes where the backend can,
-//! crash of the prefill side, raw accesses). Capabilities a backend lacks
-//! return `None` / `false`; the scenario then checks what it can and says
-//! what it skipped. Then add it to [`backends`]. The TCP simulator's
+//! crash of the prefill side, raw accesses). What its rigs lack is declared
+//! once, in [`Backend::provides`]: the matrix lists the cells that need it
+//! as ignored (not applicable, with why), and a cell that runs fails if its
+//! rig lacks what was declared. Then add it to [`backends`]. The TCP simulator's
 //! harness, [`sim::SimBackend`], is the reference implementation; the NIXL,
 //! Mooncake and MORI harnesses go beside it (`src/nixl.rs`, ...; MORI on
 //! verbs in `src/mori_verbs.rs`).

@@ -36,7 +36,7 @@
 //! not here: this rig needs nothing outside the workspace.
 
 use crate::ensure;
-use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::post_tagged;
 use backend_mooncake::adapter::TenancyKeys;
 use backend_mooncake::gate::GatedTransport;
@@ -288,6 +288,17 @@ impl Backend for MooncakeBackend {
             Wire::RdmaFake => "mooncake-rdma-fake",
             #[cfg(all(feature = "mooncake-rdma", feature = "verbs"))]
             Wire::RdmaDevice => "mooncake-rdma",
+        }
+    }
+    fn provides(&self) -> Provides {
+        Provides {
+            // Over RDMA every exposure has a key of its own; TCP has none.
+            revoke: self.wire.keyed(),
+            fence: false,
+            raw_access: false,
+            // Over RDMA a WRITE is the NIC's whole message.
+            stalled_peer: !self.wire.keyed(),
+            ..Provides::default()
         }
     }
     fn race(&self) -> Option<crate::harness::RaceRunner> {

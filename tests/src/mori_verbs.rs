@@ -16,7 +16,9 @@
 //! fourth under the same engine key, with a ticket of its own.
 
 use crate::ensure;
-use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure};
+use crate::harness::{
+    fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+};
 use crate::sim::post_tagged;
 use crate::verbs::Nic;
 use backend_mori::harness::{settle_tag, MoriSide};
@@ -96,8 +98,15 @@ impl Backend for MoriVerbsBackend {
     fn available(&self) -> Result<(), String> {
         self.nic.available()
     }
-    fn holds_writes(&self) -> bool {
-        self.nic.holds_writes()
+    fn provides(&self) -> Provides {
+        Provides {
+            held_writes: self.nic.holds_writes(),
+            // Verbs gives no raw access from user space, and a WRITE is the
+            // NIC's whole message: it cannot be stalled half sent.
+            raw_access: false,
+            stalled_peer: false,
+            ..Provides::default()
+        }
     }
     fn runs_elsewhere_in_ci(&self) -> bool {
         self.nic.runs_elsewhere_in_ci()

@@ -37,7 +37,7 @@
 //! does not parse is dropped and counted, the connection stays). The prefill
 //! side always runs in this process (no killed-process variant).
 
-use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::post_tagged;
 use backend_nixl::engine::{AgentConfig, NixlLibrary, INSTALL_HINT};
 use backend_nixl::{
@@ -108,11 +108,20 @@ impl Backend for NixlBackend {
     fn name(&self) -> &'static str {
         "nixl"
     }
-    fn holds_writes(&self) -> bool {
-        // Held by not progressing the target: only where UCX cannot place
-        // a write without the target's progress.
+    fn provides(&self) -> Provides {
         prepare_env();
-        transports_need_target_progress()
+        Provides {
+            // Held by not progressing the target: only where UCX cannot
+            // place a write without the target's progress.
+            held_writes: transports_need_target_progress(),
+            // Drain and ack only (its CAPABILITIES).
+            revoke: false,
+            fence: false,
+            // The wire is UCX's.
+            raw_access: false,
+            malformed_frames: false,
+            ..Provides::default()
+        }
     }
     fn available(&self) -> Result<(), String> {
         prepare_env();

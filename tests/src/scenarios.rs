@@ -2,7 +2,7 @@
 //! or a [`Failure`] saying what was expected and what was seen; none panics.
 
 use crate::ensure;
-use crate::harness::{Backend, Failure, RawSpec, Rig, RigConfig};
+use crate::harness::{Backend, Failure, Provides, RawSpec, Rig, RigConfig};
 use kv_transfer_core::{
     AdmissionError, EscalationLadder, Exposed, MetricsSnapshot, PostErrorKind, RejectReason, RemoteSlots, Settled,
     SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions, TransferOutcome,
@@ -96,15 +96,31 @@ fn serve(rig: &dyn Rig, exposed: SlotLease<Exposed>, remote: &RemoteSlots, reque
     Ok(())
 }
 
-/// Scenario 1: abort while writes are in flight. The slots are not reused
-/// before a proof (checked on the drain/ack path and on the revoke path);
-/// the next tenant's bytes are intact.
+/// Checks that `rig` provides what its backend declared for this cell
+/// (`what`: the capability, `has`: what the rig says).
+fn declared(rig: &dyn Rig, what: &str, has: bool) -> Result<(), Failure> {
+    ensure!(has, "[{}] the backend declares {what}, but its rig does not provide it", rig.backend());
+    Ok(())
+}
+
+/// Scenario 1, drain path: abort while writes are in flight. The slots are
+/// not reused before a proof (the peer's ABORT_ACK); the next tenant's
+/// bytes are intact.
 pub fn abort_in_flight(b: &dyn Backend) -> Result<(), Failure> {
-    for (path, l) in [("drain", ladder(30_000, 30_000, 30_000)), ("revoke", ladder(1, 30_000, 30_000))] {
+    abort_in_flight_path(b, "drain")
+}
+
+/// Scenario 1, revoke path: the same, the ladder revoking after a 1 ms drain.
+pub fn abort_in_flight_revoked(b: &dyn Backend) -> Result<(), Failure> {
+    abort_in_flight_path(b, "revoke")
+}
+
+fn abort_in_flight_path(b: &dyn Backend, path: &str) -> Result<(), Failure> {
+    {
+        let l = if path == "drain" { ladder(30_000, 30_000, 30_000) } else { ladder(1, 30_000, 30_000) };
         let rig = b.rig(&RigConfig { decode_slots: 4, ladder: l, ..RigConfig::default() })?;
-        if path == "revoke" && !rig.can_revoke() {
-            eprintln!("[{}] abort_in_flight: no revocation; the revoke path is skipped", rig.backend());
-            continue;
+        if path == "revoke" {
+            declared(rig.as_ref(), "revocation", rig.can_revoke())?;
         }
         let pool = rig.decode_pool().clone();
         let held = rig.hold_writes();
@@ -191,7 +207,18 @@ pub fn abort_in_flight(b: &dyn Backend) -> Result<(), Failure> {
 /// (MORI's carried notifications). Then the pool is whole and the next
 /// tenant's bytes are its own.
 pub fn peer_crash(b: &dyn Backend, process: bool) -> Result<(), Failure> {
-    if process && !b.prefill_process() {
+    peer_crash_run(b, process, true)
+}
+
+/// Scenario 3 on a backend without a fence: after the crash nothing can
+/// prove that the dead peer's writes are over, so the aborted slots stay
+/// quarantined (never freed by a timer).
+pub fn peer_crash_without_fence(b: &dyn Backend) -> Result<(), Failure> {
+    peer_crash_run(b, false, false)
+}
+
+fn peer_crash_run(b: &dyn Backend, process: bool, fence: bool) -> Result<(), Failure> {
+    if process && !b.provides().prefill_process {
         // The conformance harness lists this case as ignored (not applicable).
         return Err(Failure(format!("[{}] scenario 3 (killed process): no out-of-process prefill worker", b.name())));
     }
@@ -220,7 +247,8 @@ pub fn peer_crash(b: &dyn Backend, process: bool) -> Result<(), Failure> {
     );
     rig.crash_prefill()?;
     rig.release_writes();
-    if !rig.can_fence() {
+    if !fence {
+        ensure!(!rig.can_fence(), "[{}] a rig with a fence runs the fenced cell", rig.backend());
         // Nothing can prove that the dead peer's writes are over: the slots stay quarantined.
         std::thread::sleep(Duration::from_millis(200));
         let m = pool.metrics();
@@ -228,9 +256,9 @@ pub fn peer_crash(b: &dyn Backend, process: bool) -> Result<(), Failure> {
             m.quarantined == 4 && m.free == m.capacity - 4,
             "without a fence the aborted slots must stay quarantined after the crash, saw {m:?}"
         );
-        eprintln!("[{}] peer_crash: no fence; the slots stay quarantined (checked), reuse skipped", rig.backend());
         return Ok(());
     }
+    declared(rig.as_ref(), "a fence", rig.can_fence())?;
     let m = wait_whole(&pool)?;
     // A backend whose ladder revokes first (verbs: `LOCAL_INV` is local and
     // certain) settles the unwritten slots by revocation before the fence.
@@ -268,15 +296,10 @@ pub fn peer_crash(b: &dyn Backend, process: bool) -> Result<(), Failure> {
 pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
     let rig = b.rig(&RigConfig { decode_slots: 4, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
     let pool = rig.decode_pool().clone();
-    if !rig.can_revoke() {
-        // Without revocation an aborted tenancy cannot be reassigned while its write is held.
-        eprintln!("[{}] stale_ack: no revocation; the stale-write half skipped", rig.backend());
-        return stale_notify_replay(rig.as_ref());
-    }
-    if !rig.hold_writes() {
-        eprintln!("[{}] stale_ack: cannot hold writes; the stale-write half skipped", rig.backend());
-        return stale_notify_replay(rig.as_ref());
-    }
+    // The old tenancy's write is held past its abort, and the aborted
+    // tenancy is reassigned: that takes a revocation.
+    declared(rig.as_ref(), "revocation", rig.can_revoke())?;
+    declared(rig.as_ref(), "held writes", rig.hold_writes())?;
     if rig.shadows_revoked_slots() {
         return stale_ack_past_a_retry_shadow(rig.as_ref());
     }
@@ -312,7 +335,7 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
         ensure!(region_bytes(&pool) == before, "the refused write changed the new tenancy's slots");
         s.release();
         wait_whole(&pool)?;
-        return stale_notify_replay(rig.as_ref());
+        return Ok(());
     }
     // Two stale WRs rejected at the NIC, then the ABORT_ACK naming two old tenancies.
     ensure!(
@@ -328,7 +351,7 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
     };
     serve(rig.as_ref(), b_exp, &remote_b, 2)?;
     wait_whole(&pool)?;
-    stale_notify_replay(rig.as_ref())
+    Ok(())
 }
 
 /// Scenario 4 on a backend whose revoked slots are refused to their peer
@@ -382,18 +405,17 @@ fn stale_ack_past_a_retry_shadow(rig: &dyn Rig) -> Result<(), Failure> {
     ensure!(region_bytes(&pool) == before, "the new tenancy's slots changed without a write");
     s.release();
     wait_whole(&pool)?;
-    stale_notify_replay(rig)
+    Ok(())
 }
 
 /// Scenario 4, notification half: a peer replays the NOTIFY of a slot's
 /// previous tenancy, and names past and future generations; each is dropped
 /// and counted, and only the NOTIFY of the current tenancy settles it.
-fn stale_notify_replay(rig: &dyn Rig) -> Result<(), Failure> {
-    let Some(peer) = rig.raw_peer() else {
-        eprintln!("[{}] stale_ack: no raw peer; notification replay skipped", rig.backend());
-        return Ok(());
-    };
+pub fn stale_notify_replay(b: &dyn Backend) -> Result<(), Failure> {
+    let rig = b.rig(&RigConfig { decode_slots: 4, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
+    let Some(peer) = rig.raw_peer() else { return declared(rig.as_ref(), "a raw peer", false) };
     let mut peer = peer?;
+    let rig = rig.as_ref();
     let pool = rig.decode_pool().clone();
     let (first, r1) = rig.expose_to_raw(pool.reserve(1).map_err(err("reserve"))?)?;
     peer.notify(&r1, &r1.tenancies())?;
@@ -425,16 +447,18 @@ fn stale_notify_replay(rig: &dyn Rig) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Scenario 5: bad input of every kind a backend can receive: typed error,
-/// target memory unchanged.
+/// Scenario 5, posts: every bad post the initiator must refuse gets a
+/// typed error and hands the lease back; target memory is unchanged.
 pub fn bad_input(b: &dyn Backend) -> Result<(), Failure> {
     let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
     let pool = rig.decode_pool().clone();
     let size = pool.slot_size();
     let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
     let before = region_bytes(&pool);
-    // Posts the initiator must refuse, handing the lease back.
-    if let (Some(t), Some(ppool)) = (rig.prefill_transfer(), rig.prefill_pool()) {
+    let (Some(t), Some(ppool)) = (rig.prefill_transfer(), rig.prefill_pool()) else {
+        return Err(Failure(format!("[{}] an in-process rig without its prefill side", rig.backend())));
+    };
+    {
         type Case<'a> = (&'a str, usize, RemoteSlots, fn(&PostErrorKind) -> bool);
         let mut cases: Vec<Case> = vec![
             ("slot count mismatch", 1, remote.clone(), |k| matches!(k, PostErrorKind::Descriptor(_))),
@@ -462,7 +486,21 @@ pub fn bad_input(b: &dyn Backend) -> Result<(), Failure> {
         let m = ppool.metrics();
         ensure!(m.free == m.capacity, "a refused post kept prefill slots: {m:?}");
     }
-    // Raw accesses the target NIC must reject.
+    ensure!(region_bytes(&pool) == before, "a refused post changed target memory");
+    exposed.abort();
+    wait_whole(&pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
+    Ok(())
+}
+
+/// Scenario 5, the wire: raw one-sided accesses the target NIC must reject
+/// (unknown key, out of bounds, another slot, old and future generations,
+/// zero length, oversize), each with its typed reason; memory unchanged.
+pub fn bad_input_raw_accesses(b: &dyn Backend) -> Result<(), Failure> {
+    let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
+    let pool = rig.decode_pool().clone();
+    let size = pool.slot_size();
+    let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+    let before = region_bytes(&pool);
     let s0 = remote.slots[0];
     let s1 = remote.slots[1];
     let good = RawSpec { key: remote.key, addr: s0.addr, slot: s0.slot.0, generation: s0.generation.0 };
@@ -483,25 +521,30 @@ pub fn bad_input(b: &dyn Backend) -> Result<(), Failure> {
         ("zero length", good, 0, RejectReason::ZeroLength),
         ("oversize", good, size * 4 + 1, RejectReason::Oversize),
     ];
-    let mut raw_supported = true;
     for (what, spec, len, reason) in cases {
         match rig.raw_write(spec, vec![0xee; len]) {
-            None => {
-                raw_supported = false;
-                break;
-            }
+            None => return declared(rig.as_ref(), "raw accesses", false),
             Some(Err(TransferError::Rejected(r))) if r == reason => {}
             Some(other) => return Err(Failure(format!("{what}: expected Rejected({reason:?}), got {other:?}"))),
         }
         ensure!(region_bytes(&pool) == before, "{what}: the rejected access changed target memory");
     }
-    if !raw_supported {
-        eprintln!("[{}] bad_input: no raw access; wire-level cases skipped", rig.backend());
-    }
-    if let Some(r) = rig.send_malformed() {
-        r?;
-        ensure!(region_bytes(&pool) == before, "a malformed frame changed target memory");
-    }
+    exposed.abort();
+    wait_whole(&pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
+    Ok(())
+}
+
+/// Scenario 5, malformed frames: bytes that are no valid frame make the
+/// decode side drop (and count) them and tear that connection down; memory
+/// unchanged, and the exposure still settles.
+pub fn bad_input_malformed_frames(b: &dyn Backend) -> Result<(), Failure> {
+    let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
+    let pool = rig.decode_pool().clone();
+    let (exposed, _remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+    let before = region_bytes(&pool);
+    let Some(r) = rig.send_malformed() else { return declared(rig.as_ref(), "malformed frames", false) };
+    r?;
+    ensure!(region_bytes(&pool) == before, "a malformed frame changed target memory");
     exposed.abort();
     wait_whole(&pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
     Ok(())
@@ -619,8 +662,9 @@ pub fn never_acks(b: &dyn Backend) -> Result<(), Failure> {
     // Part 1: the write is held, so no ack comes; revocation settles.
     let rig = b.rig(&RigConfig { decode_slots: 4, ladder: ladder(100, 30_000, 30_000), ..RigConfig::default() })?;
     let pool = rig.decode_pool().clone();
-    let (revoke, fence) = (rig.can_revoke(), rig.can_fence());
-    if rig.hold_writes() {
+    let revoke = rig.can_revoke();
+    declared(rig.as_ref(), "held writes", rig.hold_writes())?;
+    {
         let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
         let h = rig.write_tagged(&remote, 1)?;
         ensure!(rig.wait_held(WAIT), "the write never arrived");
@@ -655,20 +699,28 @@ pub fn never_acks(b: &dyn Backend) -> Result<(), Failure> {
         }
         wait_whole(&pool)?;
     }
-    // Part 2: the peer stalls mid-payload: revocation cannot drain, the fence
-    // settles; where there is no fence, the ladder ends with the slot stuck.
+    Ok(())
+}
+
+/// Scenario 8, a stalled peer: it stalls mid-payload, so revocation cannot
+/// drain, and the fence settles; where there is no fence, the ladder ends
+/// with the slot stuck, never freed.
+pub fn stalled_peer_never_acks(b: &dyn Backend) -> Result<(), Failure> {
+    let Provides { revoke, fence, .. } = b.provides();
     let rig = b.rig(&RigConfig {
         decode_slots: 4,
         ladder: if fence { ladder(50, 100, 30_000) } else { ladder(50, 100, 100) },
         can_hold: false,
         ..RigConfig::default()
     })?;
+    ensure!(
+        (rig.can_revoke(), rig.can_fence()) == (revoke, fence),
+        "[{}] the backend declares revoke={revoke} fence={fence}, its rig says otherwise",
+        rig.backend()
+    );
     let pool = rig.decode_pool().clone();
     let lease = pool.reserve(1).map_err(err("reserve"))?;
-    let Some(r) = rig.expose_to_stalled_peer(lease) else {
-        eprintln!("[{}] never_acks: no stalled peer; the fence step is not exercised", rig.backend());
-        return Ok(());
-    };
+    let Some(r) = rig.expose_to_stalled_peer(lease) else { return declared(rig.as_ref(), "a stalled peer", false) };
     let (exposed, guard) = r?;
     std::thread::sleep(Duration::from_millis(20));
     let t0 = Instant::now();

@@ -1,7 +1,9 @@
 //! The TCP simulator's harness: the reference [`Backend`] implementation.
 
 use crate::ensure;
-use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure};
+use crate::harness::{
+    fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+};
 use backend_tcp_sim::wire::{self, Body};
 use backend_tcp_sim::{block_on, FaultPlan, Gate, NicConfig, RawAccess, SimNic};
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
@@ -86,8 +88,8 @@ impl Backend for SimBackend {
     fn available(&self) -> Result<(), String> {
         Ok(())
     }
-    fn prefill_process(&self) -> bool {
-        self.prefill_worker.is_some()
+    fn provides(&self) -> Provides {
+        Provides { prefill_process: self.prefill_worker.is_some(), ..Provides::default() }
     }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
         let n = RIGS.fetch_add(1, Ordering::Relaxed);

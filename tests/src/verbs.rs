@@ -10,7 +10,9 @@
 //! offered; a raw peer is a third adapter under the test's control, and its
 //! impostor a fourth under the same name.
 
-use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure};
+use crate::harness::{
+    fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+};
 use crate::sim::post_tagged;
 use backend_verbs::{FakeFabric, LabEnv, VerbsConfig, VerbsTransfer};
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
@@ -138,8 +140,17 @@ impl Backend for VerbsBackend {
     fn available(&self) -> Result<(), String> {
         self.nic.available()
     }
-    fn holds_writes(&self) -> bool {
-        self.nic.holds_writes()
+    fn provides(&self) -> Provides {
+        Provides {
+            held_writes: self.nic.holds_writes(),
+            // Verbs gives no raw access from user space, and a WRITE is the
+            // NIC's whole message: it cannot be stalled half sent.
+            raw_access: false,
+            stalled_peer: false,
+            // The side channel refuses a bad hello before any frame.
+            malformed_frames: false,
+            ..Provides::default()
+        }
     }
     fn runs_elsewhere_in_ci(&self) -> bool {
         self.nic.runs_elsewhere_in_ci()

@@ -8,10 +8,13 @@
 //! install hint goes to stderr, once per backend); with `CI=true` they run
 //! and fail with the hint instead. `--ignored` / `--include-ignored` run
 //! them too, and they fail with the hint. A scenario a backend cannot run
-//! anywhere (it needs an out-of-process prefill side, or writes held at the
-//! decode side) is listed as ignored with what it needs, under `CI=true`
-//! too: never shown as passed.
+//! anywhere (it needs an out-of-process prefill side, writes held at the
+//! decode side, a revocation, a fence, raw accesses...: [`Provides`]) is
+//! listed as ignored with what it needs, under `CI=true` too: never shown
+//! as passed. No cell runs half its scenario: one with alternatives (a
+//! fence or none) is a cell per alternative.
 
+use kv_transfer_tests::harness::Provides;
 use kv_transfer_tests::{backends, ci, test_name, Backend, Failure};
 use libtest_mimic::{Arguments, Failed, Trial};
 use std::collections::BTreeMap;
@@ -24,58 +27,98 @@ fn worker() -> Option<PathBuf> {
 /// A scenario of the matrix.
 type Scenario = fn(&dyn Backend) -> Result<(), Failure>;
 
-/// What a scenario needs of a backend beyond a rig. A backend without it
-/// has that test listed as ignored (not applicable, with why), even under
-/// `CI=true`: it can run nowhere, and it is never shown as passed.
+/// What a scenario needs of a backend beyond a rig ([`Provides`]). A
+/// backend without it has that test listed as ignored (not applicable,
+/// with why), even under `CI=true`: it can run nowhere, and it is never
+/// shown as passed. A scenario with alternatives (with a fence, without
+/// one) is one cell per alternative.
 #[derive(Clone, Copy)]
-enum Needs {
-    Nothing,
-    /// A prefill side in a process of its own ([`Backend::prefill_process`]).
+enum Need {
     PrefillProcess,
-    /// Writes held at the decode side ([`Backend::holds_writes`]).
     HeldWrites,
+    Revoke,
+    Fence,
+    NoFence,
+    RawAccess,
+    MalformedFrames,
+    RawPeer,
+    StalledPeer,
 }
 
-impl Needs {
-    /// Why `b` cannot run a scenario with these needs, if it cannot.
+impl Need {
+    /// Why `b` cannot run a scenario with this need, if it cannot.
     fn unmet(self, b: &dyn Backend) -> Option<&'static str> {
-        match self {
-            Needs::Nothing => None,
-            Needs::PrefillProcess => (!b.prefill_process()).then_some("an out-of-process prefill side"),
-            Needs::HeldWrites => (!b.holds_writes()).then_some("writes held at the decode side (a software NIC)"),
-        }
+        let p: Provides = b.provides();
+        let (has, what) = match self {
+            Need::PrefillProcess => (p.prefill_process, "an out-of-process prefill side"),
+            Need::HeldWrites => (p.held_writes, "writes held at the decode side (a software NIC)"),
+            Need::Revoke => (p.revoke, "revocation (a key per tenancy)"),
+            Need::Fence => (p.fence, "a fence (a connection the decode side can tear down with confirmation)"),
+            Need::NoFence => (!p.fence, "a backend without a fence (this one settles by its fence)"),
+            Need::RawAccess => (p.raw_access, "raw one-sided accesses (a software NIC)"),
+            Need::MalformedFrames => (p.malformed_frames, "a wire the test can put malformed frames on"),
+            Need::RawPeer => (p.raw_peer, "a peer under the test's control"),
+            Need::StalledPeer => (p.stalled_peer, "a peer that stalls mid-WRITE (a byte stream, not a NIC's message)"),
+        };
+        (!has).then_some(what)
     }
 }
 
+fn unmet(needs: &[Need], b: &dyn Backend) -> Option<&'static str> {
+    needs.iter().find_map(|n| n.unmet(b))
+}
+
+type Cell = (&'static str, &'static [Need], Scenario);
+
 /// The scenarios, by test name (scenario 2: [`RACES`], and `tests/race.rs`).
-const SCENARIOS: &[(&str, Needs, Scenario)] = &[
-    ("s1_abort_while_writes_in_flight", Needs::Nothing, kv_transfer_tests::scenarios::abort_in_flight),
-    ("s3_peer_crash_in_process", Needs::Nothing, |b| kv_transfer_tests::scenarios::peer_crash(b, false)),
-    ("s3_peer_crash_killed_process", Needs::PrefillProcess, |b| kv_transfer_tests::scenarios::peer_crash(b, true)),
-    ("s4_stale_ack_never_settles_new_tenancy", Needs::Nothing, kv_transfer_tests::scenarios::stale_ack),
-    ("s5_bad_input", Needs::Nothing, kv_transfer_tests::scenarios::bad_input),
-    ("s6_admission_overload", Needs::Nothing, kv_transfer_tests::scenarios::admission_overload),
-    ("s7_dropped_handle_and_lease", Needs::HeldWrites, kv_transfer_tests::scenarios::dropped_handles),
-    ("s8_peer_never_acks", Needs::Nothing, kv_transfer_tests::scenarios::never_acks),
+const SCENARIOS: &[Cell] = &[
+    ("s1_abort_while_writes_in_flight", &[], kv_transfer_tests::scenarios::abort_in_flight),
     (
-        "hostile_impersonation_and_guessed_tokens_settle_nothing",
-        Needs::Nothing,
-        kv_transfer_tests::hostile::impersonation,
+        "s1_abort_while_writes_in_flight_settled_by_revocation",
+        &[Need::Revoke],
+        kv_transfer_tests::scenarios::abort_in_flight_revoked,
     ),
+    ("s3_peer_crash_in_process", &[Need::Fence], |b| kv_transfer_tests::scenarios::peer_crash(b, false)),
+    (
+        "s3_peer_crash_without_fence_stays_quarantined",
+        &[Need::NoFence],
+        kv_transfer_tests::scenarios::peer_crash_without_fence,
+    ),
+    ("s3_peer_crash_killed_process", &[Need::PrefillProcess, Need::Fence], |b| {
+        kv_transfer_tests::scenarios::peer_crash(b, true)
+    }),
+    (
+        "s4_stale_ack_never_settles_new_tenancy",
+        &[Need::Revoke, Need::HeldWrites],
+        kv_transfer_tests::scenarios::stale_ack,
+    ),
+    ("s4_stale_notify_replay_never_settles", &[Need::RawPeer], kv_transfer_tests::scenarios::stale_notify_replay),
+    ("s5_bad_input", &[], kv_transfer_tests::scenarios::bad_input),
+    ("s5_bad_input_raw_accesses_rejected", &[Need::RawAccess], kv_transfer_tests::scenarios::bad_input_raw_accesses),
+    (
+        "s5_bad_input_malformed_frames_dropped",
+        &[Need::MalformedFrames],
+        kv_transfer_tests::scenarios::bad_input_malformed_frames,
+    ),
+    ("s6_admission_overload", &[], kv_transfer_tests::scenarios::admission_overload),
+    ("s7_dropped_handle_and_lease", &[Need::HeldWrites], kv_transfer_tests::scenarios::dropped_handles),
+    ("s8_peer_never_acks", &[Need::HeldWrites], kv_transfer_tests::scenarios::never_acks),
+    ("s8_stalled_peer_never_acks", &[Need::StalledPeer], kv_transfer_tests::scenarios::stalled_peer_never_acks),
+    ("hostile_impersonation_and_guessed_tokens_settle_nothing", &[], kv_transfer_tests::hostile::impersonation),
     (
         "hostile_impersonation_positive_control_settles_unwritten",
-        Needs::Nothing,
+        &[],
         kv_transfer_tests::hostile::impersonation_positive_control,
     ),
 ];
 
 /// Scenario 2, for the backends with a race of their own here (the
 /// simulator's is `tests/race.rs`).
-const RACES: &[(&str, Needs, Scenario)] = &[
-    ("s2_naive_policy_shows_corruption", Needs::Nothing, |b| {
+const RACES: &[Cell] = &[
+    ("s2_naive_policy_shows_corruption", &[], |b| {
         kv_transfer_tests::scenarios::reassignment_race(b, kv_transfer_core::drain::ReleasePolicy::Naive)
     }),
-    ("s2_safe_policy_zero_foreign_bytes", Needs::Nothing, |b| {
+    ("s2_safe_policy_zero_foreign_bytes", &[], |b| {
         kv_transfer_tests::scenarios::reassignment_race(b, kv_transfer_core::drain::ReleasePolicy::Safe)
     }),
 ];
@@ -119,10 +162,10 @@ fn main() {
         let backend = b.name();
         let unavailable = b.available().err();
         let ignore_missing = !ci || b.runs_elsewhere_in_ci();
-        let races: &[(&str, Needs, Scenario)] = if b.race().is_some() { RACES } else { &[] };
+        let races: &[Cell] = if b.race().is_some() { RACES } else { &[] };
         for &(scenario, needs, f) in SCENARIOS.iter().chain(races) {
             let name = test_name(scenario, backend);
-            if let Some(why) = needs.unmet(b.as_ref()) {
+            if let Some(why) = unmet(needs, b.as_ref()) {
                 let trial = Trial::test(name.clone(), move || run_one(backend, f)).with_ignored_flag(true);
                 if !args.is_filtered_out(&trial) {
                     not_applicable.push((name, why));

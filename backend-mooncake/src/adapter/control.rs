@@ -11,19 +11,12 @@ pub(super) fn control_loop(inner: &Arc<Inner>) {
             handle_notify(inner, &n.name, &n.notify_msg);
         }
         flush_outbox(inner);
-        let mut next: Option<Duration> = None;
-        let pools: Vec<(PoolId, SettlementAuthority)> =
-            lock(&inner.pools).iter().map(|(id, e)| (*id, e.authority.clone())).collect();
-        for (pool, a) in pools {
-            for action in a.poll_escalations() {
-                escalate(inner, pool, &a, action);
-            }
-            if let Some(d) = a.next_escalation_in() {
-                next = Some(next.map_or(d, |n: Duration| n.min(d)));
-            }
+        let actions = lock(&inner.drain).poll();
+        for a in actions {
+            execute(inner, a);
         }
         let mut wait = inner.cfg.poll_interval;
-        if let Some(d) = next {
+        if let Some(d) = lock(&inner.drain).next_deadline() {
             wait = wait.min(d);
         }
         let (m, cv) = &inner.wake;
@@ -62,32 +55,28 @@ fn handle_notify(inner: &Arc<Inner>, from: &str, text: &str) {
 fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
     let n = msg.tenancies.len() as u64;
     let Some((peer, _, _)) = inner.peer_by_name(from) else {
-        bump(&inner.counters.wrong_peer, n);
+        bump(&inner.counters.unknown_sender_or_pool, n);
         tracing::warn!(from, "completion from an unknown peer; dropped");
         return;
     };
-    let Some(authority) = lock(&inner.pools).get(&msg.pool).map(|e| e.authority.clone()) else {
-        bump(&inner.counters.wrong_peer, n);
+    if !lock(&inner.pools).contains_key(&msg.pool) {
+        bump(&inner.counters.unknown_sender_or_pool, n);
         return;
-    };
-    let mut v = lock(&inner.exposures).accept(peer, msg);
+    }
+    let mut d = lock(&inner.drain).on_settling(peer, msg);
+    let settled = d.tenancies();
     if let Some(keys) = &inner.cfg.keys {
         // Keys end before the slots can go back to the pool; the peer's word
         // also covers its retries of a revoked tenancy.
         let mut g = lock(&inner.grants);
-        g.settled(keys, msg.pool, &v.settled);
+        g.settled(keys, msg.pool, &settled);
         bump(&inner.counters.shadows_cleared, g.accept(peer, msg) as u64);
     }
-    bump(&inner.counters.wrong_peer, v.forged as u64);
-    bump(&inner.counters.v1_completions_ignored, v.untrusted as u64);
     // The data server stops serving the slots before they can go back; a
     // slot a request is still inside is not released.
-    let stuck = inner.close_ranges(msg.pool, &v.settled);
-    v.settled.retain(|t| !stuck.contains(t));
-    v.digests.retain(|(t, _)| !stuck.contains(t));
-    // Counted before delivery, so a waiter woken by it sees the count.
-    bump(&inner.counters.settled_by_peer, v.settled.len() as u64);
-    v.deliver(&authority);
+    let stuck = inner.close_ranges(msg.pool, &settled);
+    d.retain(|t| !stuck.contains(&t));
+    let _ = d.deliver();
 }
 
 /// Initiator side: an ABORT from `from` (a segment name we answer to; an
@@ -135,20 +124,16 @@ fn flush_outbox(inner: &Arc<Inner>) {
     }
 }
 
-/// Executes core's plan for one escalation action.
-fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: EscalationAction) {
-    let plan = lock(&inner.exposures).plan(pool, &action, inner.caps(), inner.cfg.release_policy);
-    if let Some(ts) = plan.release_without_proof() {
-        tracing::error!(slots = ts.len(), "NAIVE POSITIVE CONTROL: releasing aborted slots without a proof");
-        bump(&inner.counters.naive_releases, ts.len() as u64);
-        // The positive control frees without ending anything: the slot's
-        // range stays open (the bug it reproduces) until it is exposed again.
-        a.deliver(a.completed(ts));
-        return;
-    }
-    #[allow(unreachable_patterns)]
-    match plan {
-        Plan::SendAbort { peer, messages } => {
+/// Executes one of core's drain actions (drain, and with RDMA keys
+/// revoke; never fence).
+fn execute(inner: &Arc<Inner>, action: Action) {
+    match action {
+        Action::Deliver(d) => {
+            // The positive control frees without ending anything: the slot's
+            // range stays open (the bug it reproduces) until it is exposed again.
+            let _ = d.deliver();
+        }
+        Action::SendAbort { peer, messages } => {
             let seg = lock(&inner.peers).by_id.get(&peer).map(|p| (p.segment, p.name.clone()));
             match seg {
                 Some((_, name)) if !inner.cfg.send_on_control_thread => {
@@ -159,7 +144,7 @@ fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: E
                 Some((seg, name)) => {
                     for m in &messages {
                         if inner.send(seg, m) {
-                            bump(&inner.counters.aborts_sent, 1);
+                            DrainCounters::add(&inner.drain_counters.aborts_sent, 1);
                             tracing::debug!(peer = %name, "ABORT sent");
                         }
                     }
@@ -167,33 +152,21 @@ fn escalate(inner: &Arc<Inner>, pool: PoolId, a: &SettlementAuthority, action: E
                 None => tracing::debug!(peer = peer.0, "no peer to ask to drain"),
             }
         }
-        Plan::Revoke { peer, tenancies } => {
+        Action::Revoke { pool, peer, tenancies } => {
             let Some(keys) = &inner.cfg.keys else { return };
             let with_tokens: Vec<_> = {
-                let ex = lock(&inner.exposures);
-                tenancies.iter().filter_map(|t| ex.token_of(pool, *t, peer).map(|k| (*t, k))).collect()
+                let drain = lock(&inner.drain);
+                tenancies.iter().filter_map(|t| drain.exposures().token_of(pool, *t, peer).map(|k| (*t, k))).collect()
             };
             let confirmed = lock(&inner.grants).revoke(keys, pool, peer, &with_tokens);
-            let ts = lock(&inner.exposures).revoked(pool, peer, &confirmed);
-            if !ts.is_empty() {
-                let stuck = inner.close_ranges(pool, &ts);
-                let ts: Vec<_> = ts.into_iter().filter(|t| !stuck.contains(t)).collect();
-                bump(&inner.counters.revoked, ts.len() as u64);
-                tracing::debug!(peer = peer.0, slots = ts.len(), "keys revoked; slots shadowed for that peer");
-                if !ts.is_empty() {
-                    a.deliver(a.revoked(&ts));
-                }
-            }
+            // A slot a data request is still inside is not proven (fail closed).
+            let stuck = inner.close_ranges(pool, &confirmed);
+            let ts: Vec<_> = confirmed.into_iter().filter(|t| !stuck.contains(t)).collect();
+            let d = lock(&inner.drain).revoked(pool, peer, &ts);
+            tracing::debug!(peer = peer.0, slots = ts.len(), "keys revoked; slots shadowed for that peer");
+            let _ = d.deliver();
         }
-        Plan::Stuck { peer, tenancies } => {
-            bump(&inner.counters.exhausted, 1);
-            tracing::warn!(
-                peer = peer.0,
-                slots = tenancies.len(),
-                "Mooncake TCP can neither revoke nor fence: slots stay quarantined until the peer acknowledges"
-            );
-        }
-        // Fence is not in this backend's ladder.
-        _ => {}
+        // Not in this backend's ladder (its capabilities): core never plans it.
+        Action::Fence { peer } => tracing::error!(peer = peer.0, "Mooncake cannot fence: escalation step dropped"),
     }
 }

@@ -95,13 +95,13 @@ use std::time::Duration;
 
 pub use kv_transfer_core::drain::ReleasePolicy;
 use kv_transfer_core::drain::{
-    self, AbortTracker, Capabilities, ControlKind, ControlMessage, DecodeError, ExposureTable, OpEnd, Outbox, Outgoing,
-    Plan, Trust,
+    self, AbortTracker, Action, Capabilities, ControlKind, ControlMessage, DecodeError, DrainCounters, Driver, OpEnd,
+    Outbox, Outgoing, Trust,
 };
 use kv_transfer_core::{
-    check_shapes, BackendError, Completer, EscalationAction, ExposeError, ExposeErrorKind, Exposed, Op, PeerId,
-    PoolConfig, PoolId, PostError, PostErrorKind, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority,
-    SlotLease, SlotPool, Target, Transfer, TransferError, TransferHandle, TransferOptions,
+    check_shapes, BackendError, Completer, ExposeError, ExposeErrorKind, Exposed, Op, PeerId, PoolConfig, PoolId,
+    PostError, PostErrorKind, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool,
+    Target, Transfer, TransferError, TransferHandle, TransferOptions,
 };
 
 use crate::engine::{BatchId, SegmentId, TransferEngine, TransferRequest};
@@ -197,31 +197,10 @@ pub enum AdapterError {
     Thread(String),
 }
 
-macro_rules! counters {
-    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
-        #[derive(Debug, Default)]
-        struct Counters { $($name: AtomicU64,)* }
-
-        /// A snapshot of the adapter's own counters (the pools keep theirs).
-        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-        pub struct AdapterMetrics { $($(#[$doc])* pub $name: u64,)* }
-
-        impl Counters {
-            fn snapshot(&self) -> AdapterMetrics {
-                AdapterMetrics { $($name: self.$name.load(Ordering::Relaxed),)* }
-            }
-        }
-
-        impl AdapterMetrics {
-            /// Every counter with its name.
-            pub fn fields(&self) -> Vec<(&'static str, u64)> {
-                vec![$((stringify!($name), self.$name),)*]
-            }
-        }
-    };
-}
-
-counters! {
+kv_transfer_core::backend_counters! {
+    /// A snapshot of the adapter's own counters and its drain's (the pools keep theirs).
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct AdapterMetrics;
     /// Operations posted (one batch each).
     posts,
     /// Operations whose every task COMPLETED.
@@ -244,23 +223,12 @@ counters! {
     notifies_malformed,
     /// Notifications without the prefix (an application's); dropped.
     notifies_foreign,
-    /// Tenancies in a DONE / ABORT_ACK from a peer they were not exposed to,
-    /// without the exposure's token, for an unknown pool, or from an unknown
-    /// sender; dropped (the forged ones are also in the pool's `forged_rejected`).
-    wrong_peer,
-    /// Tenancies settled `Completed` from a peer's `W`/`K`.
-    settled_by_peer,
-    /// Tenancies in a DONE / ABORT_ACK for an exposure made to a v1 peer (its
-    /// trust recorded when it was exposed); proves nothing, dropped.
-    v1_completions_ignored,
     /// Peers added that speak protocol v1 (ourselves included, if we advertise v1).
     v1_peers,
     /// Exposures to v1 peers (they settle only by a fence).
     v1_exposures,
     /// Operations that ran (partly) under v1: no `W`/`K` sent for them.
     v1_ops,
-    /// ABORTs sent (RequestDrain).
-    aborts_sent,
     /// ABORTs received (as initiator).
     aborts_received,
     /// ABORT_ACKs sent.
@@ -272,12 +240,6 @@ counters! {
     abort_acks_withheld,
     /// Posts refused because the target had aborted the tenancies.
     posts_to_aborted,
-    /// Escalations that reached the end of the ladder.
-    exhausted,
-    /// Tenancies released by the naive positive control, without evidence.
-    naive_releases,
-    /// Tenancies settled `Revoked`: their key ended at the NIC (RDMA keys).
-    revoked,
     /// Exposures refused because a slot is shadowed for that peer (it may
     /// retry a revoked tenancy's writes).
     shadow_refusals,
@@ -296,6 +258,27 @@ counters! {
     /// Tenancies kept quarantined although proven: a data request did not
     /// leave their slot's range when it was closed (fail closed).
     ranges_stuck,
+    /// DONE / ABORT_ACK tenancies for an unknown pool or from an unknown
+    /// sender (the drain's forged ones are added to these in `wrong_peer`).
+    unknown_sender_or_pool,
+    ; drain:
+    /// Tenancies in a DONE / ABORT_ACK from a peer they were not exposed to,
+    /// without the exposure's token, for an unknown pool, or from an unknown
+    /// sender; dropped (the forged ones are also in the pool's `forged_rejected`).
+    wrong_peer = |d| d.forged,
+    /// Tenancies settled `Completed` from a peer's `W`/`K`.
+    settled_by_peer = |d| d.settled_by_peer,
+    /// Tenancies in a DONE / ABORT_ACK for an exposure made to a v1 peer (its
+    /// trust recorded when it was exposed); proves nothing, dropped.
+    v1_completions_ignored = |d| d.untrusted,
+    /// ABORTs sent (RequestDrain).
+    aborts_sent = |d| d.aborts_sent,
+    /// Escalations that reached the end of the ladder.
+    exhausted = |d| d.exhausted,
+    /// Tenancies released by the naive positive control, without evidence.
+    naive_releases = |d| d.naive_releases,
+    /// Tenancies settled `Revoked`: their key ended at the NIC (RDMA keys).
+    revoked = |d| d.revoked,
 }
 
 #[derive(Debug)]
@@ -347,8 +330,10 @@ struct Inner {
     segment_name: String,
     pools: Mutex<HashMap<PoolId, PoolEntry>>,
     peers: Mutex<Peers>,
-    /// Target side of core's drain protocol.
-    exposures: Mutex<ExposureTable>,
+    /// Target side of core's drain protocol (core's driver: the exposure
+    /// table, the pools' authorities, the ladder).
+    drain: Mutex<Driver>,
+    drain_counters: Arc<DrainCounters>,
     /// Per-tenancy keys and retry shadows (with [`AdapterConfig::keys`]).
     grants: Mutex<keys::Grants>,
     /// The slot ranges the engine's data server may serve (exposed now).
@@ -425,7 +410,9 @@ impl MooncakeTransfer {
         let (cfg_max_aborted, cfg_release_policy) = (cfg.max_aborted, cfg.release_policy);
         let cfg_send = (cfg.max_queued_per_peer, cfg.max_queued_bytes_per_peer, cfg.max_stranger_peers);
         let sender_threads = cfg.sender_threads.max(1);
-        let exposures = Mutex::new(ExposureTable::with_policy(cfg.release_policy));
+        let caps = if cfg.keys.is_some() { CAPABILITIES_WITH_KEYS } else { CAPABILITIES };
+        let drain = Driver::new(caps, cfg.release_policy);
+        let drain_counters = drain.counters();
         let inner = Arc::new(Inner {
             self_proto,
             segment_name,
@@ -433,7 +420,8 @@ impl MooncakeTransfer {
             cfg,
             pools: Mutex::default(),
             peers: Mutex::default(),
-            exposures,
+            drain: Mutex::new(drain),
+            drain_counters,
             grants: Mutex::default(),
             ranges: Mutex::default(),
             inflight: Mutex::new(Inflight {
@@ -511,7 +499,8 @@ impl MooncakeTransfer {
 
     /// The adapter's counters.
     pub fn metrics(&self) -> AdapterMetrics {
-        let mut m = self.inner.counters.snapshot();
+        let mut m = self.inner.counters.snapshot(&self.inner.drain_counters);
+        m.wrong_peer += m.unknown_sender_or_pool;
         m.abort_acks_withheld = lock(&self.inner.inflight).tracker.stats().acks_withheld;
         m.shadowed = lock(&self.inner.grants).shadowed() as u64;
         m.sends_queued = self.inner.sender.queued() as u64;
@@ -541,6 +530,7 @@ impl MooncakeTransfer {
                 i.wake();
             }
         });
+        lock(&self.inner.drain).add_pool(authority.clone());
         lock(&self.inner.pools).insert(pool.id(), PoolEntry { authority, region });
         Ok(pool)
     }
@@ -609,7 +599,7 @@ impl MooncakeTransfer {
         // The trust is fixed now: a v1 peer's exposure is never upgraded by a
         // later refresh of the peer (it settles only by a proof its word is not).
         let trust = if v1 { Trust::Unproving } else { Trust::Proving };
-        let token = lock(&self.inner.exposures).expose(lease.pool().id(), lease.tenancies(), peer, trust);
+        let token = lock(&self.inner.drain).expose(lease.pool().id(), lease.tenancies(), peer, trust);
         let (exposed, mut remote) = entry.authority.expose(lease, peer, 0, self.inner.segment_name.clone(), token);
         drop(pools);
         if let Some(k) = slot_keys {
@@ -666,11 +656,7 @@ impl Target for MooncakeTransfer {
 
 impl Inner {
     fn caps(&self) -> Capabilities {
-        if self.cfg.keys.is_some() {
-            CAPABILITIES_WITH_KEYS
-        } else {
-            CAPABILITIES
-        }
+        lock(&self.drain).capabilities()
     }
 
     fn wake(&self) {

@@ -216,7 +216,7 @@ fn send_item(inner: &Arc<Inner>, lane: Lane, dest: &str, item: Item) {
         }
         Item::Abort(_) => {
             if sent {
-                bump(&inner.counters.aborts_sent, 1);
+                kv_transfer_core::drain::DrainCounters::add(&inner.drain_counters.aborts_sent, 1);
                 tracing::debug!(peer = %dest, "ABORT sent");
             }
         }

@@ -60,12 +60,8 @@ impl Jobs {
 pub(super) fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
     loop {
         let mut timeout = DRIVER_TICK;
-        if let Some(inner) = weak.upgrade() {
-            for e in inner.all_pools() {
-                if let Some(d) = e.authority.next_escalation_in() {
-                    timeout = timeout.min(d);
-                }
-            }
+        if let Some(d) = weak.upgrade().and_then(|inner| lock(&inner.drain).next_deadline()) {
+            timeout = timeout.min(d);
         }
         let batch: Vec<Job> = {
             let mut q = lock(&jobs.m);
@@ -104,10 +100,9 @@ pub(super) fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
                 }
             }
         }
-        for e in inner.all_pools() {
-            for a in e.authority.poll_escalations() {
-                inner.escalate(&e, a);
-            }
+        let actions = lock(&inner.drain).poll();
+        for a in actions {
+            inner.execute(a);
         }
     }
 }

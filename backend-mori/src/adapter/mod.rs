@@ -74,7 +74,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread;
 
-use kv_transfer_core::drain::{Capabilities, ExposureTable, Trust};
+use kv_transfer_core::drain::{Capabilities, Driver, ReleasePolicy, Trust};
 use kv_transfer_core::{
     BackendError, Exposed, Op, PeerId, PoolConfig, PoolError, PostError, PostNow, Region, RemoteSlots, Reserved,
     SlotLease, SlotPool, Target, Tenancy, TransferHandle, TransferOptions,
@@ -215,6 +215,8 @@ impl MoriTransfer {
     /// ABORT_ACK, escalation). The pools' ladders hold only `caps`' steps.
     pub fn new(engine: Arc<dyn IoEngine>, caps: Capabilities) -> Result<Self, AdapterError> {
         let jobs = Arc::new(Jobs::default());
+        let drain = Driver::new(caps, ReleasePolicy::Safe);
+        let drain_counters = drain.counters();
         let inner = Arc::new(Inner {
             routes: RwLock::new(Routes { peers: PeerTable { next: 1, ..PeerTable::default() }, ..Routes::default() }),
             failed: Mutex::default(),
@@ -224,7 +226,8 @@ impl MoriTransfer {
                 jobs: jobs.clone(),
                 counters: Counters::default(),
             }),
-            exposures: Mutex::new(ExposureTable::new()),
+            drain: Mutex::new(drain),
+            drain_counters,
             caps,
         });
         let j = jobs.clone();
@@ -278,6 +281,7 @@ impl MoriTransfer {
         let desc = self.inner.engine.register_memory(mem)?;
         let jobs = self.inner.hub.jobs.clone();
         authority.on_quarantine(move || jobs.kick());
+        lock(&self.inner.drain).add_pool(authority.clone());
         let entry = Arc::new(PoolEntry { pool: pool.clone(), authority, desc, slot_size });
         self.inner.routes_mut().pools.push(entry);
         Ok(pool)
@@ -339,7 +343,7 @@ impl MoriTransfer {
                 }
             }
         }
-        let token = lock(&self.inner.exposures).expose(entry.pool.id(), &ts, peer, Trust::Proving);
+        let token = lock(&self.inner.drain).expose(entry.pool.id(), &ts, peer, Trust::Proving);
         let (exposed, mut remote) =
             entry.authority.expose(lease, peer, entry.desc.rkey, encode_endpoint(&entry.desc), token);
         for (s, k) in remote.slots.iter_mut().zip(keys) {
@@ -353,6 +357,7 @@ impl MoriTransfer {
         let c = &self.inner.hub.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let ops = lock(&self.inner.hub.ops);
+        let d = self.inner.drain_counters.snapshot();
         AdapterStats {
             posts: ops.posts,
             transfers: ops.transfers,
@@ -366,12 +371,12 @@ impl MoriTransfer {
             inbound_unknown: l(&c.inbound_unknown),
             inbound_failed: l(&c.inbound_failed),
             inbound_no_settle: l(&c.inbound_no_settle),
-            aborts_sent: l(&c.aborts_sent),
-            abort_acks_received: l(&c.abort_acks_received),
+            aborts_sent: d.aborts_sent,
+            abort_acks_received: d.abort_acks_received,
             aborts_received: l(&c.aborts_received),
             abort_acks_sent: l(&c.abort_acks_sent),
-            revoked: l(&c.revoked),
-            fences: l(&c.fences),
+            revoked: d.revoked,
+            fences: d.fences,
             peers_lost: l(&c.peers_lost),
             posts_refused_tombstone: l(&c.posts_refused_tombstone),
         }

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use kv_transfer_core::drain::{Capabilities, ExposureTable};
+use kv_transfer_core::drain::{Capabilities, DrainCounters, Driver};
 use kv_transfer_core::{PeerId, PoolId, PostErrorKind, SettlementAuthority, SlotPool, Tenancy};
 
 use super::driver::Jobs;
@@ -31,12 +31,8 @@ pub(super) struct Counters {
     pub(super) inbound_unknown: AtomicU64,
     pub(super) inbound_failed: AtomicU64,
     pub(super) inbound_no_settle: AtomicU64,
-    pub(super) aborts_sent: AtomicU64,
-    pub(super) abort_acks_received: AtomicU64,
     pub(super) aborts_received: AtomicU64,
     pub(super) abort_acks_sent: AtomicU64,
-    pub(super) revoked: AtomicU64,
-    pub(super) fences: AtomicU64,
     pub(super) peers_lost: AtomicU64,
     pub(super) posts_refused_tombstone: AtomicU64,
 }
@@ -99,9 +95,10 @@ pub(super) struct Inner {
     /// Shared with every operation (held strongly by each, so a
     /// completion reaches it without upgrading a weak reference).
     pub(super) hub: Arc<OpHub>,
-    /// Target side of core's drain protocol: every tenancy exposed to a
-    /// peer, under its token.
-    pub(super) exposures: Mutex<ExposureTable>,
+    /// Target side of core's drain protocol (core's driver): every tenancy
+    /// exposed to a peer, under its token, the pools' authorities, the ladder.
+    pub(super) drain: Mutex<Driver>,
+    pub(super) drain_counters: Arc<DrainCounters>,
     /// What the transport lets this adapter prove (its pools' ladders).
     pub(super) caps: Capabilities,
 }
@@ -158,9 +155,6 @@ impl Inner {
     }
     pub(super) fn pool_by_mem(&self, mem: u32) -> Option<Arc<PoolEntry>> {
         self.routes().pools.iter().find(|e| e.desc.id == mem).cloned()
-    }
-    pub(super) fn all_pools(&self) -> Vec<Arc<PoolEntry>> {
-        self.routes().pools.clone()
     }
     pub(super) fn peer_id(&self, key: &EngineKey) -> Option<PeerId> {
         self.routes().peers.by_key.get(key).copied()

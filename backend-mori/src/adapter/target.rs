@@ -3,11 +3,8 @@
 //! control-message codec, fences, and the execution of core's escalation
 //! plan. All of it runs on the driver thread.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
-use kv_transfer_core::drain::{self, ControlKind, ControlMessage, ReleasePolicy};
-use kv_transfer_core::{EscalationAction, PeerId, Tenancy};
+use kv_transfer_core::drain::{self, Action, ControlKind, ControlMessage, DrainCounters};
+use kv_transfer_core::{PeerId, Tenancy};
 
 use super::state::{inc, Inner, PoolEntry};
 use super::wire::unpack_tag;
@@ -20,7 +17,7 @@ impl Inner {
     /// binds it to the peer's connection): `Completed` if it is that peer's
     /// current exposure, else stale. Returns whether it settled.
     fn settle_by_status(&self, entry: &PoolEntry, peer: PeerId, t: Tenancy) -> bool {
-        if !lock(&self.exposures).take(entry.pool.id(), t, peer) {
+        if !lock(&self.drain).take(entry.pool.id(), t, peer) {
             entry.authority.record_stale(1);
             return false;
         }
@@ -69,7 +66,7 @@ impl Inner {
         };
         match self.peer_id(&s.remote) {
             Some(p) => {
-                if !s.code.is_success() && lock(&self.exposures).is_exposed(entry.pool.id(), t, p) {
+                if !s.code.is_success() && lock(&self.drain).exposures().is_exposed(entry.pool.id(), t, p) {
                     // Recorded before the proof, so the application sees it
                     // as soon as the slot is settled.
                     inc(&c.inbound_failed);
@@ -123,15 +120,17 @@ impl Inner {
                 }
             }
             ControlKind::AbortAck => {
-                inc(&self.hub.counters.abort_acks_received);
-                let Some(entry) = self.pool_entry(msg.pool) else { return };
                 let Some(peer) = self.peer_id(from) else {
-                    entry.authority.record_stale(msg.tenancies.len() as u64);
+                    if let Some(entry) = self.pool_entry(msg.pool) {
+                        entry.authority.record_stale(msg.tenancies.len() as u64);
+                    }
                     return;
                 };
-                let mut v = lock(&self.exposures).accept(peer, &msg);
-                v.settled.retain(|t| self.clear_access(&entry, *t));
-                v.deliver(&entry.authority);
+                let mut d = lock(&self.drain).on_settling(peer, &msg);
+                if let Some(entry) = self.pool_entry(msg.pool) {
+                    d.retain(|t| self.clear_access(&entry, t));
+                }
+                let _ = d.deliver();
             }
             // This adapter's DONE is the engine's inbound status.
             ControlKind::Done => tracing::warn!(peer = %from, "unexpected DONE message dropped"),
@@ -150,7 +149,7 @@ impl Inner {
             };
             match self.engine.send_message(to, bytes) {
                 Ok(()) => match kind {
-                    ControlKind::Abort => inc(&self.hub.counters.aborts_sent),
+                    ControlKind::Abort => DrainCounters::add(&self.drain_counters.aborts_sent, 1),
                     ControlKind::AbortAck => inc(&self.hub.counters.abort_acks_sent),
                     ControlKind::Done => {}
                 },
@@ -162,39 +161,24 @@ impl Inner {
     /// The connection to `peer` is torn down (and the transport confirmed
     /// it): `Fenced` for every exposure to it, in every pool.
     pub(super) fn fenced(&self, peer: PeerId) {
-        let proofs = self.mint_fences(peer);
-        self.deliver_fences(peer, proofs);
-    }
-
-    /// `Fenced(peer)` for every pool, minted now: each covers the exposures
-    /// to `peer` made so far, and none made later (core's fence epoch).
-    fn mint_fences(&self, peer: PeerId) -> Vec<(Arc<PoolEntry>, kv_transfer_core::Fenced)> {
-        self.all_pools()
-            .into_iter()
-            .map(|e| {
-                let proof = e.authority.fenced(peer);
-                (e, proof)
-            })
-            .collect()
-    }
-
-    fn deliver_fences(&self, peer: PeerId, proofs: Vec<(Arc<PoolEntry>, kv_transfer_core::Fenced)>) {
-        lock(&self.exposures).fenced(peer);
+        let mut drain = lock(&self.drain);
+        let proofs = drain.fence_proofs(peer);
+        let d = drain.lost(proofs);
+        drop(drain);
         lock(&self.hub.ops).aborts.forget_peer(&peer);
-        for (e, proof) in proofs {
-            e.authority.deliver(proof);
-        }
+        let _ = d.deliver();
     }
 
     /// Fences `peer`; on success delivers `Fenced` to every pool.
     pub(super) fn fence(&self, peer: PeerId) -> bool {
         let Some(key) = self.peer_key(peer) else { return false };
         // Minted before the fence starts, delivered once it is confirmed.
-        let proofs = self.mint_fences(peer);
+        let proofs = lock(&self.drain).fence_proofs(peer);
         match self.engine.fence_remote_engine(&key) {
             Ok(()) => {
-                inc(&self.hub.counters.fences);
-                self.deliver_fences(peer, proofs);
+                let d = lock(&self.drain).fenced(proofs);
+                lock(&self.hub.ops).aborts.forget_peer(&peer);
+                let _ = d.deliver();
                 true
             }
             Err(e) => {
@@ -204,17 +188,15 @@ impl Inner {
         }
     }
 
-    /// Executes core's plan for one escalation action.
-    pub(super) fn escalate(&self, entry: &PoolEntry, a: EscalationAction) {
-        tracing::debug!(peer = a.peer.0, step = ?a.step, slots = a.tenancies.len(), "escalation");
-        let plan = lock(&self.exposures).plan(entry.pool.id(), &a, self.caps, ReleasePolicy::Safe);
-        match plan {
-            drain::Plan::Nothing => {}
-            drain::Plan::SendAbort { peer, messages } => match self.peer_key(peer) {
+    /// Executes one of core's drain actions.
+    pub(super) fn execute(&self, a: Action) {
+        match a {
+            Action::SendAbort { peer, messages } => match self.peer_key(peer) {
                 Some(key) => messages.into_iter().for_each(|m| self.send(&key, m)),
                 None => tracing::warn!(peer = peer.0, "cannot ask an unknown peer to drain"),
             },
-            drain::Plan::Revoke { peer, tenancies } => {
+            Action::Revoke { pool, peer, tenancies } => {
+                let Some(entry) = self.pool_entry(pool) else { return };
                 // Only a revocation the transport confirmed is a proof.
                 let mut confirmed = Vec::new();
                 for t in &tenancies {
@@ -227,22 +209,15 @@ impl Inner {
                         }
                     }
                 }
-                let done = lock(&self.exposures).revoked(entry.pool.id(), peer, &confirmed);
-                if !done.is_empty() {
-                    self.hub.counters.revoked.fetch_add(done.len() as u64, Ordering::Relaxed);
-                    entry.authority.deliver(entry.authority.revoked(&done));
-                }
+                let d = lock(&self.drain).revoked(pool, peer, &confirmed);
+                let _ = d.deliver();
             }
-            drain::Plan::Fence { peer } => {
+            Action::Fence { peer } => {
                 self.fence(peer);
             }
-            drain::Plan::Stuck { peer, tenancies } => tracing::error!(
-                peer = peer.0,
-                slots = tenancies.len(),
-                "escalation exhausted: slots stay quarantined (a leak, not a reuse)"
-            ),
-            #[allow(unreachable_patterns)]
-            _ => {}
+            Action::Deliver(d) => {
+                let _ = d.deliver();
+            }
         }
     }
 }

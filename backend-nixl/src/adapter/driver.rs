@@ -8,12 +8,12 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kv_transfer_core::drain::{ControlKind, ControlMessage, DecodeError, Outgoing, Plan};
-use kv_transfer_core::{PoolId, SettlementAuthority, Tenancy};
+use kv_transfer_core::drain::{Action, ControlKind, ControlMessage, DecodeError, DrainCounters, Outgoing};
+use kv_transfer_core::Tenancy;
 
 use super::lifecycle::Phase;
 use super::state::{Inner, State};
-use super::{NixlEvent, Progress, CAPABILITIES};
+use super::{NixlEvent, Progress};
 use crate::engine::ReqId;
 
 /// The driver's wake-up: posts, quarantines and shutdown set it, the driver
@@ -120,7 +120,7 @@ impl Inner {
                 let inbox = std::mem::take(&mut st.inbox);
                 (
                     posted,
-                    !st.exposures.is_empty(),
+                    !st.drain.exposures().is_empty(),
                     !st.outgoing.is_empty(),
                     st.stop,
                     youngest,
@@ -262,26 +262,20 @@ impl Inner {
                 }
             }
             ControlKind::Done | ControlKind::AbortAck => {
-                let Some(authority) = st.pools.get(&m.pool).map(|p| p.authority.clone()) else {
-                    st.m.stale += m.tenancies.len() as u64;
-                    return;
-                };
-                let v = st.exposures.accept(peer, &m);
-                st.m.stale += (v.stale + v.forged) as u64;
-                if v.settled.is_empty() {
-                    drop(st);
-                    v.deliver(&authority);
-                    return;
+                let d = st.drain.on_settling(peer, &m);
+                let settled = d.tenancies();
+                if !settled.is_empty() {
+                    if st.events.len() >= self.cfg.event_capacity {
+                        st.events.pop_front();
+                        st.m.events_dropped += 1;
+                    }
+                    st.events.push_back(NixlEvent { peer, pool: m.pool, tenancies: settled.clone(), kind: m.kind });
                 }
-                st.m.settled_by_message += v.settled.len() as u64;
-                if st.events.len() >= self.cfg.event_capacity {
-                    st.events.pop_front();
-                    st.m.events_dropped += 1;
-                }
-                st.events.push_back(NixlEvent { peer, pool: m.pool, tenancies: v.settled.clone(), kind: m.kind });
                 drop(st);
-                v.deliver(&authority);
-                self.notify_changed();
+                let _ = d.deliver();
+                if !settled.is_empty() {
+                    self.notify_changed();
+                }
             }
         }
     }
@@ -340,61 +334,44 @@ impl Inner {
         sent
     }
 
-    /// Runs due escalation steps of every pool (core's plans; NIXL's ladder
-    /// is drain and ack only, so the rest is core's `quarantine_stuck`).
+    /// Runs due escalation steps of every pool: core's driver's actions
+    /// (NIXL's ladder is drain and ack only, so an exhausted one is core's
+    /// `quarantine_stuck`).
     fn escalate(&self) {
-        let authorities: Vec<(PoolId, SettlementAuthority)> =
-            self.state().pools.iter().map(|(id, p)| (*id, p.authority.clone())).collect();
-        let mut next: Option<Instant> = None;
-        for (pool, a) in authorities {
-            for action in a.poll_escalations() {
-                let (plan, agent) = {
-                    let st = self.state();
-                    let plan = st.exposures.plan(pool, &action, CAPABILITIES, self.cfg.release_policy);
-                    (plan, st.peers.get(&action.peer).cloned())
-                };
-                if let Some(ts) = plan.release_without_proof() {
-                    tracing::error!(
-                        slots = ts.len(),
-                        "NAIVE POSITIVE CONTROL: releasing aborted slots without a proof"
-                    );
-                    a.deliver(a.completed(ts));
-                    continue;
-                }
-                match plan {
-                    Plan::SendAbort { messages, .. } => {
-                        let Some(agent) = agent else { continue };
-                        for m in messages {
-                            let sent = m
-                                .encode_text()
-                                .map_err(|e| e.to_string())
-                                .and_then(|t| self.engine.gen_notif(&agent, t.as_bytes()).map_err(|e| e.to_string()));
-                            match sent {
-                                Ok(()) => self.state().m.aborts_sent += 1,
-                                Err(e) => {
-                                    tracing::warn!(%agent, error = %e, "sending ABORT failed");
-                                    self.state().m.notif_errors += 1;
-                                }
+        let actions = {
+            let mut st = self.state();
+            let actions = st.drain.poll();
+            // Looked at again within 100 ms even if the pool's clock is a
+            // test's manual one that moves while the driver sleeps.
+            st.next_escalation = st.drain.next_deadline().map(|d| Instant::now() + d.min(Duration::from_millis(100)));
+            actions
+        };
+        for a in actions {
+            match a {
+                Action::SendAbort { peer, messages } => {
+                    let Some(agent) = self.state().peers.get(&peer).cloned() else { continue };
+                    for m in messages {
+                        let sent = m
+                            .encode_text()
+                            .map_err(|e| e.to_string())
+                            .and_then(|t| self.engine.gen_notif(&agent, t.as_bytes()).map_err(|e| e.to_string()));
+                        match sent {
+                            Ok(()) => DrainCounters::add(&self.state().drain.counters().aborts_sent, 1),
+                            Err(e) => {
+                                tracing::warn!(%agent, error = %e, "sending ABORT failed");
+                                self.state().m.notif_errors += 1;
                             }
                         }
                     }
-                    Plan::Stuck { peer, tenancies } => tracing::warn!(
-                        pool = pool.0,
-                        peer = peer.0,
-                        slots = tenancies.len(),
-                        "NIXL can neither revoke nor fence with a confirmation: slots stay quarantined until the \
-                         peer acknowledges"
-                    ),
-                    _ => {}
+                }
+                Action::Deliver(d) => {
+                    let _ = d.deliver();
+                }
+                // Not in NIXL's ladder (CAPABILITIES): core never plans them.
+                Action::Revoke { .. } | Action::Fence { .. } => {
+                    tracing::error!("NIXL cannot revoke or fence: escalation step dropped");
                 }
             }
-            if let Some(d) = a.next_escalation_in() {
-                // Looked at again within 100 ms even if the pool's clock is a
-                // test's manual one that moves while the driver sleeps.
-                let t = Instant::now() + d.min(Duration::from_millis(100));
-                next = Some(next.map_or(t, |n| n.min(t)));
-            }
         }
-        self.state().next_escalation = next;
     }
 }

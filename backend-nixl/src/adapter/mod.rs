@@ -113,7 +113,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_transfer_core::drain::{AbortTracker, Capabilities, ControlKind, ExposureTable, ReleasePolicy, Trust};
+use kv_transfer_core::drain::{AbortTracker, Capabilities, ControlKind, Driver, ReleasePolicy, Trust};
 use kv_transfer_core::{
     BackendError, ExposeError, ExposeErrorKind, Exposed, MemoryKind, PeerId, PoolConfig, PoolError, PoolId, Region,
     RemoteSlots, Reserved, SlotLease, SlotPool, Target, Tenancy,
@@ -387,7 +387,7 @@ impl NixlTransfer {
     pub fn new(engine: Arc<dyn NixlEngine>, cfg: AdapterConfig) -> Result<Self, AdapterError> {
         let name: Arc<str> = engine.agent_name().into();
         let state = State {
-            exposures: ExposureTable::with_policy(cfg.release_policy),
+            drain: Driver::new(CAPABILITIES, cfg.release_policy),
             aborts: AbortTracker::with_policy(cfg.max_aborted, cfg.release_policy),
             ..State::default()
         };
@@ -454,7 +454,9 @@ impl NixlTransfer {
         let reg = unsafe { self.inner.engine.register_dram(&[mr]) }?;
         let wake = Arc::clone(&self.inner.wake);
         authority.on_quarantine(move || wake.wake());
-        self.inner.state().pools.insert(pool.id(), PoolEntry { authority, region, reg });
+        let mut st = self.inner.state();
+        st.drain.add_pool(authority.clone());
+        st.pools.insert(pool.id(), PoolEntry { authority, region, reg });
         Ok(pool)
     }
 
@@ -503,8 +505,8 @@ impl NixlTransfer {
             return Err(ExposeError { lease, kind: ExposeErrorKind::UnknownPeer(peer) });
         }
         let (key, authority) = (entry.reg.0, entry.authority.clone());
-        let token = st.exposures.expose(pool, lease.tenancies(), peer, Trust::Proving);
-        st.m.exposed_slots = st.exposures.len();
+        let token = st.drain.expose(pool, lease.tenancies(), peer, Trust::Proving);
+        st.m.exposed_slots = st.drain.exposures().len();
         // Under the lock: a message for these tenancies waits until they are recorded.
         let (exposed, remote) = authority.expose(lease, peer, key, self.inner.name.to_string(), token);
         drop(st);
@@ -523,7 +525,12 @@ impl NixlTransfer {
         let mut m = st.m;
         m.in_flight = st.ops.len();
         m.oldest_in_flight = st.ops.values().filter_map(|o| o.phase.driven()).map(|d| d.started.elapsed()).max();
-        m.exposed_slots = st.exposures.len();
+        m.exposed_slots = st.drain.exposures().len();
+        let d = st.drain.counters();
+        let g = kv_transfer_core::drain::DrainCounters::get;
+        m.stale = g(&d.stale) + g(&d.forged) + g(&d.untrusted);
+        m.settled_by_message = g(&d.settled_by_peer);
+        m.aborts_sent = g(&d.aborts_sent);
         m.pending_messages = st.outgoing.len();
         m.cached_requests = st.cache.len();
         m.acks_withheld = st.aborts.stats().acks_withheld;
@@ -541,7 +548,7 @@ impl NixlTransfer {
         let name = st.peers.get(&peer).cloned().ok_or(AdapterError::UnknownPeer(peer))?;
         loop {
             let in_flight = st.ops.values().filter(|o| o.agent == name).count();
-            let exposed = st.exposures.exposed_to(peer);
+            let exposed = st.drain.exposures().exposed_to(peer);
             let msgs = st.outgoing.iter().filter(|o| o.to == name).count();
             if in_flight == 0 && exposed == 0 && msgs == 0 {
                 break;
@@ -584,7 +591,7 @@ impl NixlTransfer {
         let mut st = self.inner.state();
         st.closing = true;
         self.inner.wake.wake();
-        while !(st.ops.is_empty() && st.exposures.is_empty() && st.outgoing.is_empty()) {
+        while !(st.ops.is_empty() && st.drain.exposures().is_empty() && st.outgoing.is_empty()) {
             let now = Instant::now();
             if now >= deadline {
                 break;
@@ -605,13 +612,17 @@ impl NixlTransfer {
             }
         }
         let mut st = self.inner.state();
-        let mut report =
-            ShutdownReport { in_flight_left: st.ops.len(), exposed_left: st.exposures.len(), ..Default::default() };
+        let mut report = ShutdownReport {
+            in_flight_left: st.ops.len(),
+            exposed_left: st.drain.exposures().len(),
+            ..Default::default()
+        };
         let ops_left = !st.ops.is_empty();
         let pools: Vec<(PoolId, PoolEntry)> = st.pools.drain().collect();
         let mut leak_engine = ops_left;
         for (id, entry) in pools {
-            let exposed = st.exposures.exposed_in(id) > 0;
+            st.drain.remove_pool(id);
+            let exposed = st.drain.exposures().exposed_in(id) > 0;
             let safe = !ops_left && !exposed && self.inner.engine.deregister(entry.reg).is_ok();
             if safe {
                 report.deregistered += 1;

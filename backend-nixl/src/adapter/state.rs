@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kv_transfer_core::drain::{AbortTracker, ExposureTable, Outbox};
+use kv_transfer_core::drain::{AbortTracker, Driver, Outbox, ReleasePolicy};
 use kv_transfer_core::{PeerId, PoolId, Region, SettlementAuthority, Tenancy};
 
 use super::driver::Wake;
@@ -40,8 +40,9 @@ pub(super) struct State {
     /// Cleared when that peer is removed.
     pub(super) last_peer: Option<(Arc<str>, PeerId)>,
     pub(super) next_peer: u32,
-    /// Target side of core's drain protocol: live exposures, their tokens.
-    pub(super) exposures: ExposureTable,
+    /// Target side of core's drain protocol: live exposures, their tokens,
+    /// the pools' authorities and their escalation (core's driver).
+    pub(super) drain: Driver,
     /// Initiator side of core's drain protocol: tombstones, tenancies an
     /// unproven failure touched, ABORTs waiting for ops.
     pub(super) aborts: AbortTracker<Arc<str>>,
@@ -75,7 +76,7 @@ impl Default for State {
             names: IdMap::default(),
             last_peer: None,
             next_peer: 0,
-            exposures: ExposureTable::new(),
+            drain: Driver::new(super::CAPABILITIES, ReleasePolicy::Safe),
             aborts: AbortTracker::new(REMEMBERED),
             outgoing: Outbox::default(),
             cache: Vec::new(),

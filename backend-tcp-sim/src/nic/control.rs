@@ -1,17 +1,18 @@
 //! The simulator's side of core's drain protocol (`kv_transfer_core::drain`):
 //! CONTROL frames in (DONE and ABORT_ACK settle exposures through the NIC's
-//! [`ExposureTable`], an ABORT goes to the connection's `AbortTracker`), the
-//! escalation driver executing core's [`Plan`]s (ABORT, revocation, fence),
+//! drain [`Driver`](kv_transfer_core::drain::Driver), an ABORT goes to the
+//! connection's `AbortTracker`), the driver thread executing core's
+//! [`Action`]s (ABORT, revocation, fence),
 //! and teardown, which fences a connection (`Fenced`) as connection loss and
 //! shutdown do.
 
 use super::conn::{Conn, OpEntry};
 use super::registration::{Reg, RevokeOutcome};
 use super::{lock, InboundEvent, NicInner};
-use crate::stats::{add, inc};
+use crate::stats::inc;
 use crate::wire::Body;
-use kv_transfer_core::drain::{ControlKind, ControlMessage, Plan};
-use kv_transfer_core::{EscalationAction, PeerId, Tenancy, TransferError};
+use kv_transfer_core::drain::{Action, ControlKind, ControlMessage, DrainCounters};
+use kv_transfer_core::{PeerId, Tenancy, TransferError};
 use std::net::Shutdown;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -33,54 +34,43 @@ impl NicInner {
     /// peer's identity: a name it declared proves nothing).
     pub(super) fn on_control(&self, conn: &Conn, msg: ControlMessage) {
         match msg.kind {
-            ControlKind::Done => {
-                inc(&self.counters.notifications_received);
-                self.settle_from_peer(conn, msg, true);
-            }
-            ControlKind::AbortAck => {
-                inc(&self.counters.abort_acks_received);
-                self.settle_from_peer(conn, msg, false);
-            }
+            ControlKind::Done => self.settle_from_peer(conn, msg, true),
+            ControlKind::AbortAck => self.settle_from_peer(conn, msg, false),
             ControlKind::Abort => self.on_abort(conn, msg),
         }
     }
 
-    /// DONE (`notify`) or ABORT_ACK: core's exposure table says which named
+    /// DONE (`notify`) or ABORT_ACK: core's drain driver says which named
     /// tenancies the peer may settle (exposed to this connection, under the
     /// message's token); each one's binding is cleared (in-flight applies
-    /// drained) before its `Completed` proof.
+    /// drained) before its `Completed` proof. The positive control clears
+    /// nothing (its stale writes must still land).
     fn settle_from_peer(&self, conn: &Conn, msg: ControlMessage, notify: bool) {
-        let Some(reg) = self.reg_for_pool(msg.pool) else {
-            add(&self.counters.notifications_stale, msg.tenancies.len() as u64);
+        let mut d = lock(&self.drain).on_settling(conn.peer, &msg);
+        let Some(reg) = d.pool().and_then(|p| self.reg_for_pool(p)) else {
+            let _ = d.deliver();
             return;
         };
-        if self.cfg.policy.is_naive() {
-            // The positive control checks nothing (the digests still travel:
-            // integrity on consume is the second line it is tested against).
-            let pairs: Vec<_> = msg.tenancies.iter().copied().zip(msg.digests.iter().copied()).collect();
-            reg.authority.deliver(reg.authority.completed_with_digests(&msg.tenancies, &pairs, msg.token));
-            if notify {
-                self.event(InboundEvent::Notified { peer: conn.peer, key: reg.key, tenancies: msg.tenancies });
-            }
-            return;
-        }
-        let mut v = lock(&self.exposures).accept(conn.peer, &msg);
-        let mut cleared = Vec::with_capacity(v.settled.len());
-        for t in std::mem::take(&mut v.settled) {
-            match reg.revoke(t, self.cfg.revoke_wait) {
-                RevokeOutcome::Revoked => cleared.push(t),
+        if !self.cfg.policy.is_naive() {
+            let mut not_bound = 0;
+            d.retain(|t| match reg.revoke(t, self.cfg.revoke_wait) {
+                RevokeOutcome::Revoked => true,
                 // A stalled apply keeps the binding: no proof; the ladder fences.
-                RevokeOutcome::TimedOut => inc(&self.counters.revocations_timed_out),
-                RevokeOutcome::NotBound => v.stale += 1,
-            }
+                RevokeOutcome::TimedOut => {
+                    inc(&self.counters.revocations_timed_out);
+                    false
+                }
+                RevokeOutcome::NotBound => {
+                    not_bound += 1;
+                    false
+                }
+            });
+            d.add_stale(not_bound);
         }
-        v.digests.retain(|(t, _)| cleared.contains(t));
-        v.settled = cleared;
-        add(&self.counters.notifications_stale, (v.stale + v.forged + v.untrusted) as u64);
-        add(&self.counters.forged, v.forged as u64);
-        v.deliver(&reg.authority);
+        let settled = d.tenancies();
+        let _ = d.deliver();
         if notify {
-            self.event(InboundEvent::Notified { peer: conn.peer, key: reg.key, tenancies: v.settled });
+            self.event(InboundEvent::Notified { peer: conn.peer, key: reg.key, tenancies: settled });
         }
     }
 
@@ -103,16 +93,12 @@ impl NicInner {
         }
     }
 
+    /// The drain's one loop: connection losses, then core's driver's
+    /// actions, then sleep until its next deadline or a kick.
     pub(super) fn driver_loop(self: Arc<Self>) {
         loop {
             let dead = {
-                let regs = self.all_regs();
-                let mut timeout = DRIVER_TICK;
-                for r in &regs {
-                    if let Some(d) = r.authority.next_escalation_in() {
-                        timeout = timeout.min(d);
-                    }
-                }
+                let timeout = lock(&self.drain).next_deadline().map_or(DRIVER_TICK, |d| d.min(DRIVER_TICK));
                 let mut s = lock(&self.signal.m);
                 if !s.kicked && s.dead.is_empty() && !timeout.is_zero() {
                     s = match self.signal.cv.wait_timeout(s, timeout) {
@@ -129,49 +115,35 @@ impl NicInner {
             for peer in dead {
                 self.teardown(peer, "connection lost");
             }
-            for reg in self.all_regs() {
-                for a in reg.authority.poll_escalations() {
-                    self.escalate(&reg, a);
-                }
+            let actions = lock(&self.drain).poll();
+            for a in actions {
+                self.execute(a);
             }
         }
     }
 
-    /// Executes core's plan for one escalation action.
-    fn escalate(&self, reg: &Reg, a: EscalationAction) {
-        tracing::debug!(peer = a.peer.0, step = ?a.step, slots = a.tenancies.len(), "escalation");
-        let plan = lock(&self.exposures).plan(reg.pool.id(), &a, reg.authority.capabilities(), self.cfg.policy);
-        if let Some(ts) = plan.release_without_proof() {
-            // THE BUG, on purpose (the positive control): a proof without evidence.
-            add(&self.counters.naive_releases, ts.len() as u64);
-            reg.authority.deliver(reg.authority.completed(ts));
-            return;
-        }
-        #[allow(unreachable_patterns)]
-        match plan {
-            Plan::Nothing => {}
-            Plan::SendAbort { peer, messages } => {
+    /// Executes one of core's drain actions.
+    fn execute(&self, a: Action) {
+        match a {
+            Action::SendAbort { peer, messages } => {
                 if let Some(conn) = self.conn(peer) {
                     for m in messages {
-                        inc(&self.counters.aborts_sent);
+                        DrainCounters::add(&self.drain_counters.aborts_sent, 1);
                         self.send_control(&conn, m);
                     }
                 }
             }
-            Plan::Revoke { peer, tenancies } => {
-                self.revoke_tenancies(reg, peer, &tenancies);
+            Action::Revoke { pool, peer, tenancies } => {
+                if let Some(reg) = self.reg_for_pool(pool) {
+                    self.revoke_tenancies(&reg, peer, &tenancies);
+                }
             }
-            Plan::Fence { peer } => {
+            Action::Fence { peer } => {
                 self.teardown(peer, "escalation: fence");
             }
-            Plan::Stuck { peer, tenancies } => {
-                tracing::error!(
-                    peer = peer.0,
-                    slots = tenancies.len(),
-                    "escalation exhausted: slots stay quarantined (a leak, not a reuse)"
-                );
+            Action::Deliver(d) => {
+                let _ = d.deliver();
             }
-            _ => {}
         }
     }
 
@@ -186,12 +158,9 @@ impl NicInner {
                 RevokeOutcome::NotBound => {}
             }
         }
-        lock(&self.exposures).revoked(reg.pool.id(), peer, &done);
-        if !done.is_empty() {
-            add(&self.counters.revocations, done.len() as u64);
-            reg.authority.deliver(reg.authority.revoked(&done));
-        }
-        done.len()
+        let n = done.len();
+        let _ = lock(&self.drain).revoked(reg.pool.id(), peer, &done).deliver();
+        n
     }
 
     /// Tears the connection to `peer` down, joins its threads, fails its
@@ -200,24 +169,18 @@ impl NicInner {
         let conn = lock(&self.conns).remove(&peer);
         let Some(conn) = conn else {
             if lock(&self.fenced).contains(&peer) {
-                for reg in self.all_regs() {
-                    reg.authority.deliver(reg.authority.fenced(peer));
-                }
+                // Already torn down: nothing can arrive from it.
+                let mut drain = lock(&self.drain);
+                let proofs = drain.fence_proofs(peer);
+                let d = drain.lost(proofs);
+                drop(drain);
+                let _ = d.deliver();
                 return true;
             }
             return false;
         };
-        // Minted before the teardown starts, delivered once it is joined: each
-        // covers the exposures to this connection made so far (core's fence
-        // epoch), none made later.
-        let proofs: Vec<_> = self
-            .all_regs()
-            .into_iter()
-            .map(|r| {
-                let proof = r.authority.fenced(peer);
-                (r, proof)
-            })
-            .collect();
+        // Minted before the teardown starts, delivered once it is joined.
+        let proofs = lock(&self.drain).fence_proofs(peer);
         conn.dead.store(true, Ordering::SeqCst);
         conn.close_tx();
         let _ = conn.stream.shutdown(Shutdown::Both);
@@ -228,7 +191,6 @@ impl NicInner {
             }
         }
         lock(&self.fenced).insert(peer);
-        inc(&self.counters.fences);
         let ops: Vec<OpEntry> = {
             let mut st = lock(&conn.st);
             st.closed = true;
@@ -240,10 +202,8 @@ impl NicInner {
         for op in ops {
             self.finish_op(peer, op, Err(TransferError::Transport(reason.to_string())), true);
         }
-        lock(&self.exposures).fenced(peer);
-        for (reg, proof) in proofs {
-            reg.authority.deliver(proof);
-        }
+        let d = lock(&self.drain).fenced(proofs);
+        let _ = d.deliver();
         tracing::debug!(nic = %self.cfg.name, peer = peer.0, reason, "connection fenced");
         self.event(InboundEvent::PeerLost { peer });
         true

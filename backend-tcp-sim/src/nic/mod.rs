@@ -56,7 +56,7 @@ use kv_transfer_core::{
     TransferHandle, TransferOptions,
 };
 // Named in the docs; the impl comes from `impl_transfer_via_post_now!`.
-use kv_transfer_core::drain::{Capabilities, ExposureTable, Trust};
+use kv_transfer_core::drain::{Capabilities, DrainCounters, Driver, Trust};
 #[cfg(doc)]
 use kv_transfer_core::Transfer;
 use kv_transfer_core::{BackendError, Target};
@@ -139,7 +139,9 @@ struct NicInner {
     last_decode_error: Mutex<Option<DecodeError>>,
     /// Target side of core's drain protocol: every tenancy exposed to a
     /// connection, under its token.
-    exposures: Mutex<ExposureTable>,
+    /// Core's drain: the exposure table, the pools' authorities, the ladder.
+    drain: Mutex<Driver>,
+    drain_counters: Arc<DrainCounters>,
 }
 
 struct Owner {
@@ -207,7 +209,9 @@ impl SimNic {
             now ^ (u64::from(std::process::id()) << 32)
                 ^ crate::fault::splitmix64(NICS.fetch_add(1, Ordering::Relaxed)),
         );
-        let exposures = Mutex::new(ExposureTable::with_policy(cfg.policy));
+        let drain = Driver::new(CAPABILITIES, cfg.policy);
+        let drain_counters = drain.counters();
+        let drain = Mutex::new(drain);
         let gate = kv_transfer_core::PeerGate::new(cfg.listener.handshakes, cfg.listener.per_address);
         let inner = Arc::new(NicInner {
             cfg,
@@ -232,7 +236,8 @@ impl SimNic {
             listener_handle: listener.try_clone().ok(),
             fault_log: Mutex::new(Vec::new()),
             last_decode_error: Mutex::new(None),
-            exposures,
+            drain,
+            drain_counters,
         });
         let a = inner.clone();
         let acceptor = std::thread::Builder::new()
@@ -260,7 +265,7 @@ impl SimNic {
     }
     /// A snapshot of the counters.
     pub fn stats(&self) -> NicStats {
-        self.inner.counters.snapshot()
+        self.inner.counters.snapshot(&self.inner.drain_counters)
     }
     /// The last frame decoding error seen on any connection.
     pub fn last_decode_error(&self) -> Option<DecodeError> {
@@ -281,6 +286,7 @@ impl SimNic {
         let (pool, authority) = SlotPool::new(region.clone(), config.with_capabilities(CAPABILITIES))?;
         let signal = self.inner.signal.clone();
         authority.on_quarantine(move || signal.kick());
+        lock(&self.inner.drain).add_pool(authority.clone());
         let key = self.inner.key_salt | self.inner.next_key.fetch_add(1, Ordering::Relaxed);
         let base = region.host_ptr().map_or(0, |p| p.as_ptr() as usize);
         let bindings = (0..pool.capacity())
@@ -378,7 +384,7 @@ impl SimNic {
                 b.gen.store(t.generation.0, Ordering::SeqCst);
             }
         }
-        let token = lock(&self.inner.exposures).expose(reg.pool.id(), lease.tenancies(), peer, Trust::Proving);
+        let token = lock(&self.inner.drain).expose(reg.pool.id(), lease.tenancies(), peer, Trust::Proving);
         let out = reg.authority.expose(lease, peer, reg.key, self.inner.endpoint.clone(), token);
         drop(conns);
         tracing::trace!(peer = peer.0, slots = out.0.len(), "exposed at NIC");
@@ -611,9 +617,6 @@ impl NicInner {
     }
     fn reg_for_key(&self, key: u64) -> Option<Arc<Reg>> {
         self.regs.read().unwrap_or_else(|p| p.into_inner()).iter().find(|r| r.key == key).cloned()
-    }
-    fn all_regs(&self) -> Vec<Arc<Reg>> {
-        self.regs.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
     fn conn(&self, peer: PeerId) -> Option<Arc<Conn>> {
         lock(&self.conns).get(&peer).filter(|c| !c.dead.load(Ordering::SeqCst)).cloned()

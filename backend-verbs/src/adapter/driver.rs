@@ -5,10 +5,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_transfer_core::drain::{ControlKind, ControlMessage, OpEnd, Outgoing, Plan, MAX_LEN};
-use kv_transfer_core::{PeerId, PoolId, RejectReason, SettlementAuthority, Tenancy, TransferError};
+use kv_transfer_core::drain::{Action, ControlKind, ControlMessage, OpEnd, Outgoing, MAX_LEN};
+use kv_transfer_core::{PeerId, PoolId, RejectReason, Tenancy, TransferError};
 
-use super::{inc, lock, AfterInvalidate, Inner, OpEntry, OpFailure, PeerState, Pending, State, CAPABILITIES};
+use super::{inc, lock, AfterInvalidate, Inner, OpEntry, OpFailure, PeerState, Pending, State};
 use super::{Window, WindowState};
 use crate::work::{Completion, QpId, WcStatus, WorkRequest};
 
@@ -149,11 +149,8 @@ impl Inner {
                 for (then, tenancy) in proves {
                     match then {
                         AfterInvalidate::Revoke => {
-                            let revoked = lock(&self.exposures).revoked(pool, peer, &[tenancy]);
-                            if !revoked.is_empty() {
-                                authority.deliver(authority.revoked(&revoked));
-                                inc(&self.counters.revoked);
-                            }
+                            let d = lock(&self.drain).revoked(pool, peer, &[tenancy]);
+                            let _ = d.deliver();
                         }
                         AfterInvalidate::Complete => {
                             authority.deliver(authority.completed(&[tenancy]));
@@ -213,25 +210,17 @@ impl Inner {
             }
             return;
         }
-        let v = lock(&self.exposures).accept(peer, &msg);
-        let Some(authority) = st.pools.get(&msg.pool).map(|e| e.authority.clone()) else {
-            return;
-        };
-        if v.stale > 0 {
-            authority.record_stale(v.stale as u64);
-        }
-        if v.forged > 0 {
-            authority.record_forged(v.forged as u64);
-        }
+        let mut d = lock(&self.drain).on_settling(peer, &msg);
         if self.cfg.release_policy.is_naive() {
-            if !v.settled.is_empty() {
-                authority.deliver(authority.completed(&v.settled));
-            }
+            let _ = d.deliver();
             return;
         }
         // Completed only once the peer's window is gone: a peer cannot
-        // write after its own DONE.
-        for t in v.settled {
+        // write after its own DONE. Now: the stale and forged counts.
+        let settled = d.tenancies();
+        d.retain(|_| false);
+        let _ = d.deliver();
+        for t in settled {
             self.invalidate(st, msg.pool, peer, t, AfterInvalidate::Complete);
         }
     }
@@ -333,7 +322,6 @@ impl Inner {
             return;
         }
         p.state = PeerState::Fencing;
-        inc(&self.counters.fences);
         if let Err(e) = self.engine.to_error(p.qp) {
             tracing::error!(peer = peer.0, error = %e, "moving the QP to ERR failed");
         }
@@ -380,13 +368,18 @@ impl Inner {
                     tracing::warn!(error = %e, "cannot start the reconnect");
                 }
             }
-            lock(&self.exposures).fenced(peer);
+            // Confirmed (the QP flushed): the proofs cover every exposure to
+            // the peer so far (exposing to a peer being fenced is refused).
+            let fence = {
+                let mut drain = lock(&self.drain);
+                let proofs = drain.fence_proofs(peer);
+                drain.fenced(proofs)
+            };
             st.aborts.forget_peer(&peer);
             let named = st.peers.get(&peer).is_some_and(|p| p.confirmed && st.by_name.get(&p.name) == Some(&peer));
             if !named {
                 self.drop_record(&mut st, peer);
             }
-            let mut authorities: Vec<SettlementAuthority> = Vec::new();
             for entry in st.pools.values_mut() {
                 for (i, bound) in entry.window_peer.iter_mut().enumerate() {
                     if *bound == Some(peer) {
@@ -396,12 +389,9 @@ impl Inner {
                         }
                     }
                 }
-                authorities.push(entry.authority.clone());
             }
             drop(st);
-            for a in &authorities {
-                a.deliver(a.fenced(peer));
-            }
+            let _ = fence.deliver();
             st = lock(&self.state);
         }
     }
@@ -423,43 +413,25 @@ impl Inner {
         }
     }
 
-    /// The ladder: revoke (`LOCAL_INV`), then fence; the positive control
-    /// frees at once.
+    /// The ladder (core's driver): revoke (`LOCAL_INV`), then fence; the
+    /// positive control frees at once.
     fn escalate(&self) {
-        let pools: Vec<(PoolId, SettlementAuthority)> =
-            lock(&self.state).pools.iter().map(|(id, e)| (*id, e.authority.clone())).collect();
-        for (pool, authority) in pools {
-            for a in authority.poll_escalations() {
-                if self.cfg.release_policy.is_naive() {
-                    tracing::error!(
-                        slots = a.tenancies.len(),
-                        "NAIVE POSITIVE CONTROL: freeing aborted slots without a proof"
-                    );
-                    inc(&self.counters.naive_releases);
-                    authority.deliver(authority.completed(&a.tenancies));
-                    continue;
+        let actions = lock(&self.drain).poll();
+        for a in actions {
+            match a {
+                Action::Revoke { pool, peer, tenancies } => {
+                    let mut st = lock(&self.state);
+                    for t in tenancies {
+                        self.invalidate(&mut st, pool, peer, t, AfterInvalidate::Revoke);
+                    }
                 }
-                let plan = lock(&self.exposures).plan(pool, &a, CAPABILITIES, self.cfg.release_policy);
-                let mut st = lock(&self.state);
-                match plan {
-                    Plan::Revoke { peer, tenancies } => {
-                        for t in tenancies {
-                            self.invalidate(&mut st, pool, peer, t, AfterInvalidate::Revoke);
-                        }
-                    }
-                    Plan::Fence { peer } => self.start_fence(&mut st, peer),
-                    Plan::SendAbort { peer, messages } => {
-                        let out = messages.into_iter().map(|msg| Outgoing { to: peer, msg }).collect();
-                        self.send_all(&mut st, out);
-                    }
-                    Plan::Stuck { peer, tenancies } => {
-                        tracing::warn!(
-                            peer = peer.0,
-                            slots = tenancies.len(),
-                            "ladder exhausted: slots stay quarantined"
-                        );
-                    }
-                    _ => {}
+                Action::Fence { peer } => self.start_fence(&mut lock(&self.state), peer),
+                Action::SendAbort { peer, messages } => {
+                    let out = messages.into_iter().map(|msg| Outgoing { to: peer, msg }).collect();
+                    self.send_all(&mut lock(&self.state), out);
+                }
+                Action::Deliver(d) => {
+                    let _ = d.deliver();
                 }
             }
         }

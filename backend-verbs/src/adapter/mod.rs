@@ -48,7 +48,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kv_transfer_core::drain::{Capabilities, ControlKind, ControlMessage, ExposureTable, ReleasePolicy, Trust};
+use kv_transfer_core::drain::{Capabilities, ControlKind, ControlMessage, DrainCounters, Driver, ReleasePolicy, Trust};
 use kv_transfer_core::{
     check_shapes, BackendError, Completer, ExposeError, ExposeErrorKind, Exposed, HostRegion, Op, PeerId, PoolConfig,
     PoolId, PostError, PostErrorKind, PostNow, Region, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool,
@@ -178,12 +178,9 @@ struct Counters {
     flushed: AtomicU64,
     binds: AtomicU64,
     invalidations: AtomicU64,
-    revoked: AtomicU64,
-    fences: AtomicU64,
     control_sent: AtomicU64,
     messages_received: AtomicU64,
     malformed: AtomicU64,
-    naive_releases: AtomicU64,
     heartbeats: AtomicU64,
     side_channel_refused: AtomicU64,
     side_channel_busy: AtomicU64,
@@ -388,7 +385,9 @@ struct Inner {
     engine: Arc<dyn Engine>,
     descriptor: String,
     state: Mutex<State>,
-    exposures: Mutex<ExposureTable>,
+    /// Core's drain: the exposure table, the pools' authorities, the ladder.
+    drain: Mutex<Driver>,
+    drain_counters: Arc<DrainCounters>,
     stop: AtomicBool,
     /// The listening socket, for the drop to shut down (waking `accept`).
     acceptor: TcpListener,
@@ -436,14 +435,16 @@ impl VerbsTransfer {
         let ticket = fresh_ticket();
         let descriptor =
             Descriptor { name: cfg.name.clone(), addr: listener.local_addr()?.to_string(), ticket }.encode();
-        let exposures = Mutex::new(ExposureTable::with_policy(cfg.release_policy));
+        let drain = Driver::new(CAPABILITIES, cfg.release_policy);
+        let drain_counters = drain.counters();
         let gate = kv_transfer_core::PeerGate::new(cfg.side_channel.handshakes, cfg.side_channel.per_address);
         let inner = Arc::new(Inner {
             cfg,
             engine,
             descriptor,
             state: Mutex::default(),
-            exposures,
+            drain: Mutex::new(drain),
+            drain_counters,
             stop: AtomicBool::new(false),
             acceptor,
             ticket,
@@ -475,6 +476,7 @@ impl VerbsTransfer {
         let slots = pool.metrics().capacity as usize;
         let windows = (0..slots).map(|_| None).collect();
         let entry = PoolEntry { authority, mr, windows, window_peer: vec![None; slots] };
+        lock(&self.inner.drain).add_pool(entry.authority.clone());
         lock(&self.inner.state).pools.insert(pool.id(), entry);
         Ok(pool)
     }
@@ -492,6 +494,7 @@ impl VerbsTransfer {
     pub fn counters(&self) -> Vec<(&'static str, u64)> {
         let c = &self.inner.counters;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let d = self.inner.drain_counters.snapshot();
         vec![
             ("posts", g(&c.posts)),
             ("ops_ok", g(&c.ops_ok)),
@@ -500,12 +503,12 @@ impl VerbsTransfer {
             ("flushed", g(&c.flushed)),
             ("binds", g(&c.binds)),
             ("invalidations", g(&c.invalidations)),
-            ("revoked", g(&c.revoked)),
-            ("fences", g(&c.fences)),
+            ("revoked", d.revoked),
+            ("fences", d.fences),
             ("control_sent", g(&c.control_sent)),
             ("messages_received", g(&c.messages_received)),
             ("malformed", g(&c.malformed)),
-            ("naive_releases", g(&c.naive_releases)),
+            ("naive_releases", d.naive_releases),
             ("heartbeats", g(&c.heartbeats)),
             ("side_channel_refused", g(&c.side_channel_refused)),
             // Accepted connections closed at once: handshakes at their cap.
@@ -673,7 +676,7 @@ impl Inner {
             drop(st);
             return fail(lease, ExposeErrorKind::ForeignPool);
         };
-        let token = lock(&self.exposures).expose(pool_id, lease.tenancies(), peer, Trust::Proving);
+        let token = lock(&self.drain).expose(pool_id, lease.tenancies(), peer, Trust::Proving);
         let key = if naive { u64::from(entry.mr.rkey) } else { 0 };
         let (exposed, mut remote) = entry.authority.expose(lease, peer, key, self.descriptor.clone(), token);
         for (s, k) in remote.slots.iter_mut().zip(keys) {

@@ -18,6 +18,10 @@
 //!   revocation, as a real Mooncake initiator over RDMA does): a slot whose
 //!   tenancy was revoked while exposed to a peer is not exposed to that peer
 //!   again until its own ack or a fence covers its retries.
+//! - [`Driver`]: the table, the pools' authorities and the escalation in
+//!   one sans-IO state machine per backend, with its timer contract: the
+//!   backend feeds it messages, executes its [`Action`]s and sleeps until
+//!   its [`next_deadline`](Driver::next_deadline).
 //! - [`Capabilities`]: what a backend can prove. The pool's escalation
 //!   ladder is built from them ([`PoolConfig::with_capabilities`](crate::PoolConfig::with_capabilities)):
 //!   a step the backend cannot take is skipped, and a slot with no step
@@ -38,6 +42,7 @@
 
 mod aborts;
 mod codec;
+mod driver;
 mod exposures;
 mod outbox;
 mod shadows;
@@ -47,6 +52,7 @@ pub use codec::{
     digest, ControlKind, ControlMessage, DecodeError, Digest, EncodeError, ExposureToken, DIGEST_LEN, HEADER_LEN,
     MAGIC, MAX_LEN, MAX_TENANCIES, TEXT_PREFIX, VERSION,
 };
+pub use driver::{Action, Delivery, DrainCounters, DrainSnapshot, Driver, FenceProofs};
 pub use exposures::{ExposureTable, Plan, Trust, Verdict};
 pub use outbox::{Outbox, MAX_SEND_ATTEMPTS};
 pub use shadows::{RetryShadows, Shadowed};
