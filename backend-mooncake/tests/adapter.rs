@@ -2,7 +2,7 @@
 
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use backend_mooncake::adapter::block_on;
 use backend_mooncake::{AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, ProtoVersion, TransferEngine};
@@ -29,13 +29,7 @@ fn side(slots: usize, slot: usize) -> Side {
     side_with(EngineConfig::default(), slots, slot, EscalationLadder::default())
 }
 
-fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
+use kv_transfer_testkit::wait::wait_for as wait_until;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 9) as u8)).collect()

@@ -37,13 +37,7 @@ fn side(cfg: AdapterConfig) -> Side {
     Side { a, pool, region }
 }
 
-fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
+use kv_transfer_testkit::wait::wait_for as wait_until;
 
 fn made_up(i: u64) -> ExposureToken {
     let mut b = [0x3c; 16];

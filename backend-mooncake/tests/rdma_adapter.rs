@@ -5,7 +5,7 @@
 //! retry after a revocation").
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use backend_mooncake::adapter::{block_on, TenancyKeys};
 use backend_mooncake::rdma::{rdma_engine, Publish, RdmaNics};
@@ -49,13 +49,7 @@ fn side_with(fabric: &FakeFabric, slots: usize, slot: usize, release_policy: Rel
     Side { a, pool, region, nic }
 }
 
-fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
+use kv_transfer_testkit::wait::wait_for as wait_until;
 
 fn initiator_qps(fabric: &FakeFabric, nic: &FakeNic) -> Vec<u32> {
     fabric.queue_pairs().into_iter().filter(|(_, n, to)| *n == nic.id() && to.is_some()).map(|(q, _, _)| q).collect()

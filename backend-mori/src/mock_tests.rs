@@ -85,14 +85,9 @@ fn pop_within(engine: &MoriEngine, uid: u64) -> Option<InboundStatus> {
     None
 }
 
-fn wait_until(mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    for _ in 0..10_000 {
-        if f() || Instant::now() > deadline {
-            return;
-        }
-        thread::sleep(Duration::from_millis(1));
-    }
+/// Waits (at most 10 s) for `f`; the assertions after it say what did not come.
+fn wait_until(f: impl FnMut() -> bool) {
+    let _ = kv_transfer_testkit::wait::wait_until(Duration::from_secs(10), f);
 }
 
 #[test]

@@ -79,12 +79,8 @@ fn filled(pool: &SlotPool, n: usize, byte: u8) -> SlotLease<kv_transfer_core::Re
     l
 }
 
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+fn wait_until(what: &str, f: impl FnMut() -> bool) {
+    kv_transfer_testkit::wait::wait_for(what, WAIT, f);
 }
 
 fn settle_within(lease: SlotLease<Exposed>) -> SlotLease<kv_transfer_core::Settled> {

@@ -5,7 +5,7 @@
 //! interleaved across queue pairs). Runs on any host: no device, no root.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use backend_verbs::{FakeFabric, FakeNic, VerbsConfig, VerbsTransfer};
 use kv_transfer_core::drain::ReleasePolicy;
@@ -18,15 +18,8 @@ const WAIT: Duration = Duration::from_secs(5);
 const SLOT: usize = 4096;
 
 /// Calls `cond` until it holds or `WAIT` passes.
-fn eventually(mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + WAIT;
-    while Instant::now() < deadline {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    cond()
+fn eventually(cond: impl FnMut() -> bool) -> bool {
+    kv_transfer_testkit::wait::wait_until(WAIT, cond)
 }
 
 struct Side {

@@ -26,6 +26,7 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub mod payload;
 pub mod race;
-pub mod wait;
+
+/// The test kit's payloads and waits, which the race is written with.
+pub use kv_transfer_testkit::{payload, wait};

@@ -10,7 +10,7 @@ use crate::ensure;
 use crate::harness::{Backend, Failure, Rig, RigConfig, SenderIdentity};
 use kv_transfer_core::drain::{ExposureToken, ReleasePolicy};
 use kv_transfer_core::{EscalationLadder, Exposed, RemoteSlots, Settled, SlotLease};
-use kv_transfer_examples::payload::{pattern, verify, Tag};
+use kv_transfer_testkit::payload::{pattern, verify, Tag};
 use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -153,5 +153,5 @@ fn attack(b: &dyn Backend, policy: ReleasePolicy) -> Result<Run, Failure> {
 
 fn settle_within(exposed: SlotLease<Exposed>, wait: Duration) -> Option<SlotLease<Settled>> {
     let mut f = Box::pin(exposed.settled());
-    kv_transfer_examples::wait::poll_until(f.as_mut(), wait)
+    kv_transfer_testkit::wait::poll_until(f.as_mut(), wait)
 }

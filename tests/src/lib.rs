@@ -5,7 +5,7 @@
 //! always; the others behind this crate's features), one test per scenario
 //! and backend (see below).
 //! Every scenario checks bytes, not only statuses: payloads are tagged with
-//! their request id and destination tenancy ([`kv_transfer_examples::payload`]),
+//! their request id and destination tenancy ([`kv_transfer_testkit::payload`]),
 //! so a consumer tells its own bytes from anyone else's.
 //!
 //! | # | scenario | function |

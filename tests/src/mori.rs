@@ -14,7 +14,7 @@ use kv_transfer_core::{
     Exposed, Generation, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy,
     Transfer, TransferError, TransferHandle,
 };
-use kv_transfer_examples::wait::wait_until;
+use kv_transfer_testkit::wait::wait_until;
 use std::any::Any;
 use std::io::Write;
 use std::net::TcpStream;

@@ -30,7 +30,7 @@ use kv_transfer_core::{
     Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
     TransferError, TransferHandle,
 };
-use kv_transfer_examples::wait::wait_until;
+use kv_transfer_testkit::wait::wait_until;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};

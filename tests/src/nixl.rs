@@ -50,7 +50,7 @@ use kv_transfer_core::{
     Exposed, HostRegion, PeerId, PoolConfig, PoolId, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
     TransferError, TransferHandle, TransferOptions,
 };
-use kv_transfer_examples::wait::{poll_until, wait_until};
+use kv_transfer_testkit::wait::{poll_until, wait_until};
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -7,8 +7,8 @@ use kv_transfer_core::{
     AdmissionError, EscalationLadder, Exposed, MetricsSnapshot, PostErrorKind, RejectReason, RemoteSlots, Settled,
     SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions, TransferOutcome,
 };
-use kv_transfer_examples::payload::{fill, verify, SlotCheck, Tag};
-use kv_transfer_examples::wait::{poll_until, wait_until};
+use kv_transfer_testkit::payload::{fill, verify, SlotCheck, Tag};
+use kv_transfer_testkit::wait::{poll_until, wait_until};
 use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -447,14 +447,38 @@ pub fn stale_notify_replay(b: &dyn Backend) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Scenario 5's rig: two decode slots exposed, and the region's bytes before
+/// anything bad arrives.
+struct BadInput {
+    rig: Box<dyn Rig>,
+    pool: SlotPool,
+    exposed: SlotLease<Exposed>,
+    remote: RemoteSlots,
+    before: Vec<u8>,
+}
+
+impl BadInput {
+    fn new(b: &dyn Backend) -> Result<Self, Failure> {
+        let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
+        let pool = rig.decode_pool().clone();
+        let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
+        let before = region_bytes(&pool);
+        Ok(Self { rig, pool, exposed, remote, before })
+    }
+
+    /// The exposure, aborted, still settles and the pool comes back whole.
+    fn settle(rig: &dyn Rig, pool: &SlotPool, exposed: SlotLease<Exposed>) -> Result<(), Failure> {
+        exposed.abort();
+        wait_whole(pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
+        Ok(())
+    }
+}
+
 /// Scenario 5, posts: every bad post the initiator must refuse gets a
 /// typed error and hands the lease back; target memory is unchanged.
 pub fn bad_input(b: &dyn Backend) -> Result<(), Failure> {
-    let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
-    let pool = rig.decode_pool().clone();
+    let BadInput { rig, pool, exposed, remote, before } = BadInput::new(b)?;
     let size = pool.slot_size();
-    let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
-    let before = region_bytes(&pool);
     let (Some(t), Some(ppool)) = (rig.prefill_transfer(), rig.prefill_pool()) else {
         return Err(Failure(format!("[{}] an in-process rig without its prefill side", rig.backend())));
     };
@@ -487,20 +511,15 @@ pub fn bad_input(b: &dyn Backend) -> Result<(), Failure> {
         ensure!(m.free == m.capacity, "a refused post kept prefill slots: {m:?}");
     }
     ensure!(region_bytes(&pool) == before, "a refused post changed target memory");
-    exposed.abort();
-    wait_whole(&pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
-    Ok(())
+    BadInput::settle(rig.as_ref(), &pool, exposed)
 }
 
 /// Scenario 5, the wire: raw one-sided accesses the target NIC must reject
 /// (unknown key, out of bounds, another slot, old and future generations,
 /// zero length, oversize), each with its typed reason; memory unchanged.
 pub fn bad_input_raw_accesses(b: &dyn Backend) -> Result<(), Failure> {
-    let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
-    let pool = rig.decode_pool().clone();
+    let BadInput { rig, pool, exposed, remote, before } = BadInput::new(b)?;
     let size = pool.slot_size();
-    let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
-    let before = region_bytes(&pool);
     let s0 = remote.slots[0];
     let s1 = remote.slots[1];
     let good = RawSpec { key: remote.key, addr: s0.addr, slot: s0.slot.0, generation: s0.generation.0 };
@@ -529,25 +548,18 @@ pub fn bad_input_raw_accesses(b: &dyn Backend) -> Result<(), Failure> {
         }
         ensure!(region_bytes(&pool) == before, "{what}: the rejected access changed target memory");
     }
-    exposed.abort();
-    wait_whole(&pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
-    Ok(())
+    BadInput::settle(rig.as_ref(), &pool, exposed)
 }
 
 /// Scenario 5, malformed frames: bytes that are no valid frame make the
 /// decode side drop (and count) them and tear that connection down; memory
 /// unchanged, and the exposure still settles.
 pub fn bad_input_malformed_frames(b: &dyn Backend) -> Result<(), Failure> {
-    let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
-    let pool = rig.decode_pool().clone();
-    let (exposed, _remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
-    let before = region_bytes(&pool);
+    let BadInput { rig, pool, exposed, before, .. } = BadInput::new(b)?;
     let Some(r) = rig.send_malformed() else { return declared(rig.as_ref(), "malformed frames", false) };
     r?;
     ensure!(region_bytes(&pool) == before, "a malformed frame changed target memory");
-    exposed.abort();
-    wait_whole(&pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
-    Ok(())
+    BadInput::settle(rig.as_ref(), &pool, exposed)
 }
 
 fn kv_transfer_examples_block_on<F: std::future::Future>(f: F) -> F::Output {

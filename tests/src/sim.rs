@@ -11,8 +11,8 @@ use kv_transfer_core::{
     Exposed, Generation, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy,
     Transfer, TransferError, TransferHandle, TransferOptions,
 };
-use kv_transfer_examples::payload::{pattern, Tag};
-use kv_transfer_examples::wait::wait_until;
+use kv_transfer_testkit::payload::{pattern, Tag};
+use kv_transfer_testkit::wait::wait_until;
 use std::any::Any;
 use std::io::{Read, Write};
 use std::net::TcpStream;

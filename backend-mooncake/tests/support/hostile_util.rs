@@ -1,13 +1,13 @@
 //! Helpers of the hostile-peer tests: two adapters on loopback, a raw
 //! client of Mooncake's public wire formats, connections from another
 //! loopback address, and memory figures.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 pub use netns_lab::{connect_from, proc_status};
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use backend_mooncake::proto::{HandshakeFrame, HandshakeType, RequestHeader, StatusWord, TcpOpcode, MAX_HANDSHAKE_LEN};
 use backend_mooncake::{AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer};
@@ -33,13 +33,7 @@ pub fn side(slots: usize, slot: usize) -> Side {
     side_with(EngineConfig::default(), AdapterConfig::default(), slots, slot)
 }
 
-pub fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
+pub use kv_transfer_testkit::wait::wait_for as wait_until;
 
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed).wrapping_add((i >> 9) as u8)).collect()

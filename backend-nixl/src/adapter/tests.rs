@@ -266,16 +266,7 @@ fn pair(behaviour: Behaviour, ladder: EscalationLadder) -> Pair {
     Pair { sim, ini, tgt, src, dst, ini_peer }
 }
 
-fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    f()
-}
+use kv_transfer_testkit::wait::wait_until;
 
 fn write(p: &Pair, n: usize, notify: bool) -> (TransferHandle, SlotLease<Exposed>, RemoteSlots) {
     let (exposed, remote) = p.tgt.expose(p.dst.reserve(n).expect("reserve"), p.ini_peer).expect("expose");

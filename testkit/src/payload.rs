@@ -10,7 +10,7 @@
 //! bytes of the word.
 //!
 //! ```
-//! use kv_transfer_examples::payload::{fill, verify, Tag};
+//! use kv_transfer_testkit::payload::{fill, verify, Tag};
 //! let mine = Tag { request: 7, generation: 3, slot: 1 };
 //! let mut buf = vec![0u8; 100];
 //! fill(&mut buf, mine);
