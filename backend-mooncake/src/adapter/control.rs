@@ -11,12 +11,16 @@ pub(super) fn control_loop(inner: &Arc<Inner>) {
             handle_notify(inner, &n.name, &n.notify_msg);
         }
         flush_outbox(inner);
-        let actions = lock(&inner.drain).poll();
+        // The pools' locks are taken with the driver's released: posting
+        // threads take the driver's to expose.
+        let due = lock(&inner.drain).due();
+        let mut steps = due.collect();
+        let actions = lock(&inner.drain).plan(&mut steps);
         for a in actions {
             execute(inner, a);
         }
         let mut wait = inner.cfg.poll_interval;
-        if let Some(d) = lock(&inner.drain).next_deadline() {
+        if let Some(d) = steps.next_deadline() {
             wait = wait.min(d);
         }
         let (m, cv) = &inner.wake;

@@ -58,11 +58,9 @@ impl Jobs {
 }
 
 pub(super) fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
+    let mut next: Option<Duration> = None;
     loop {
-        let mut timeout = DRIVER_TICK;
-        if let Some(d) = weak.upgrade().and_then(|inner| lock(&inner.drain).next_deadline()) {
-            timeout = timeout.min(d);
-        }
+        let timeout = next.map_or(DRIVER_TICK, |d| d.min(DRIVER_TICK));
         let batch: Vec<Job> = {
             let mut q = lock(&jobs.m);
             if q.q.is_empty() && !q.kicked && !q.shutdown && !timeout.is_zero() {
@@ -100,7 +98,12 @@ pub(super) fn driver_loop(weak: Weak<Inner>, jobs: Arc<Jobs>) {
                 }
             }
         }
-        let actions = lock(&inner.drain).poll();
+        // The pools' locks are taken with the driver's released: posting
+        // threads take the driver's to expose.
+        let due = lock(&inner.drain).due();
+        let mut steps = due.collect();
+        let actions = lock(&inner.drain).plan(&mut steps);
+        next = steps.next_deadline();
         for a in actions {
             inner.execute(a);
         }

@@ -338,13 +338,16 @@ impl Inner {
     /// (NIXL's ladder is drain and ack only, so an exhausted one is core's
     /// `quarantine_stuck`).
     fn escalate(&self) {
+        // The pools' locks are taken with the state's released: posting
+        // threads hold it.
+        let due = self.state().drain.due();
+        let mut steps = due.collect();
         let actions = {
             let mut st = self.state();
-            let actions = st.drain.poll();
             // Looked at again within 100 ms even if the pool's clock is a
             // test's manual one that moves while the driver sleeps.
-            st.next_escalation = st.drain.next_deadline().map(|d| Instant::now() + d.min(Duration::from_millis(100)));
-            actions
+            st.next_escalation = steps.next_deadline().map(|d| Instant::now() + d.min(Duration::from_millis(100)));
+            st.drain.plan(&mut steps)
         };
         for a in actions {
             match a {

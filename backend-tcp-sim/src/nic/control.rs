@@ -96,9 +96,10 @@ impl NicInner {
     /// The drain's one loop: connection losses, then core's driver's
     /// actions, then sleep until its next deadline or a kick.
     pub(super) fn driver_loop(self: Arc<Self>) {
+        let mut next: Option<Duration> = None;
         loop {
             let dead = {
-                let timeout = lock(&self.drain).next_deadline().map_or(DRIVER_TICK, |d| d.min(DRIVER_TICK));
+                let timeout = next.map_or(DRIVER_TICK, |d| d.min(DRIVER_TICK));
                 let mut s = lock(&self.signal.m);
                 if !s.kicked && s.dead.is_empty() && !timeout.is_zero() {
                     s = match self.signal.cv.wait_timeout(s, timeout) {
@@ -115,7 +116,12 @@ impl NicInner {
             for peer in dead {
                 self.teardown(peer, "connection lost");
             }
-            let actions = lock(&self.drain).poll();
+            // The pools' locks are taken with the driver's released: posting
+            // threads take the driver's to expose.
+            let due = lock(&self.drain).due();
+            let mut steps = due.collect();
+            let actions = lock(&self.drain).plan(&mut steps);
+            next = steps.next_deadline();
             for a in actions {
                 self.execute(a);
             }

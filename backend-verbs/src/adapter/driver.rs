@@ -416,7 +416,11 @@ impl Inner {
     /// The ladder (core's driver): revoke (`LOCAL_INV`), then fence; the
     /// positive control frees at once.
     fn escalate(&self) {
-        let actions = lock(&self.drain).poll();
+        // The pools' locks are taken with the driver's released: posting
+        // threads take the driver's to expose.
+        let due = lock(&self.drain).due();
+        let mut steps = due.collect();
+        let actions = lock(&self.drain).plan(&mut steps);
         for a in actions {
             match a {
                 Action::Revoke { pool, peer, tenancies } => {

@@ -11,12 +11,17 @@
 //!
 //! 1. feeds every control message it received to [`Driver::on_settling`]
 //!    (DONE, ABORT_ACK) and delivers what comes back;
-//! 2. calls [`Driver::poll`] and executes every [`Action`] with no lock of
-//!    the driver's held, reporting back: [`Driver::revoked`] with what a
-//!    revocation confirmed, [`Driver::fenced`] once a fence is confirmed;
-//! 3. sleeps until [`Driver::next_deadline`] has passed or something woke
-//!    it (a new quarantine: [`SettlementAuthority::on_quarantine`]), then
-//!    goes back to 1.
+//! 2. collects the due escalation steps ([`Driver::due`], then
+//!    [`Due::collect`] with no lock of the driver's held: a pool's own lock
+//!    is never taken under the driver's, which posting threads also take),
+//!    plans them ([`Driver::plan`]; [`Driver::poll`] does all three for a
+//!    driver no other thread shares) and executes every [`Action`] with no
+//!    lock of the driver's held, reporting back: [`Driver::revoked`] with
+//!    what a revocation confirmed, [`Driver::fenced`] once a fence is
+//!    confirmed;
+//! 3. sleeps until the steps' [`next_deadline`](Steps::next_deadline) has
+//!    passed or something woke it (a new quarantine:
+//!    [`SettlementAuthority::on_quarantine`]), then goes back to 1.
 //!
 //! Waking late is safe (a proof is only delayed); waking early costs one
 //! empty poll. Nothing here frees a slot because time passed: a deadline
@@ -302,6 +307,50 @@ impl FenceProofs {
     }
 }
 
+/// The pools whose due escalation steps a driving loop collects with no
+/// lock of the driver's held ([`Driver::due`]).
+#[derive(Debug)]
+#[must_use = "collect the due steps, then plan them"]
+pub struct Due {
+    pools: Vec<SettlementAuthority>,
+}
+
+impl Due {
+    /// Each pool's due steps, and when the next one falls due (each pool's
+    /// own lock, briefly).
+    pub fn collect(self) -> Steps {
+        let mut next: Option<Duration> = None;
+        let steps = self
+            .pools
+            .into_iter()
+            .filter_map(|a| {
+                // After the poll: the rungs it climbed are past.
+                let due = a.poll_escalations();
+                if let Some(d) = a.next_escalation_in() {
+                    next = Some(next.map_or(d, |n| n.min(d)));
+                }
+                (!due.is_empty()).then_some((a, due))
+            })
+            .collect();
+        Steps { steps, next_deadline: next }
+    }
+}
+
+/// Due escalation steps, for [`Driver::plan`].
+#[derive(Debug, Default)]
+pub struct Steps {
+    steps: Vec<(SettlementAuthority, Vec<EscalationAction>)>,
+    next_deadline: Option<Duration>,
+}
+
+impl Steps {
+    /// How long until the next step falls due, as the pools said when the
+    /// steps were collected (`None`: none pending): sleep at most this long.
+    pub fn next_deadline(&self) -> Option<Duration> {
+        self.next_deadline
+    }
+}
+
 /// The drain of one backend's pools, sans-IO. See the module's docs for
 /// the loop that drives it.
 #[derive(Debug)]
@@ -401,12 +450,31 @@ impl Driver {
     /// Every due escalation step of every pool, as actions. The positive
     /// control's releases come back as [`Action::Deliver`]; an exhausted
     /// ladder is logged and counted here (its slots stay quarantined).
+    ///
+    /// This takes each pool's own lock while the driver is borrowed: a
+    /// driver behind a lock that posting threads also take polls in three
+    /// steps instead, [`Driver::due`], [`Due::collect`] with no lock of the
+    /// driver's held, then [`Driver::plan`].
     pub fn poll(&mut self) -> Vec<Action> {
+        let mut steps = self.due().collect();
+        self.plan(&mut steps)
+    }
+
+    /// The pools to look at (their authorities, cheap to clone): collect
+    /// their due steps with [`Due::collect`] once the driver's lock is
+    /// released.
+    pub fn due(&self) -> Due {
+        Due { pools: self.pools.clone() }
+    }
+
+    /// The actions for steps collected by [`Due::collect`] (taken from
+    /// `steps`; its next deadline stays).
+    pub fn plan(&self, steps: &mut Steps) -> Vec<Action> {
         let mut out = Vec::new();
-        for authority in &self.pools {
+        for (authority, actions) in steps.steps.drain(..) {
             let pool = authority.pool().id();
-            for a in authority.poll_escalations() {
-                if let Some(act) = self.plan(authority, pool, a) {
+            for a in actions {
+                if let Some(act) = self.plan_one(&authority, pool, a) {
                     out.push(act);
                 }
             }
@@ -414,7 +482,7 @@ impl Driver {
         out
     }
 
-    fn plan(&self, authority: &SettlementAuthority, pool: PoolId, a: EscalationAction) -> Option<Action> {
+    fn plan_one(&self, authority: &SettlementAuthority, pool: PoolId, a: EscalationAction) -> Option<Action> {
         tracing::debug!(pool = pool.0, peer = a.peer.0, step = ?a.step, slots = a.tenancies.len(), "escalation");
         let plan = self.exposures.plan(pool, &a, self.caps, self.policy);
         if let Some(ts) = plan.release_without_proof() {

@@ -52,7 +52,7 @@ pub use codec::{
     digest, ControlKind, ControlMessage, DecodeError, Digest, EncodeError, ExposureToken, DIGEST_LEN, HEADER_LEN,
     MAGIC, MAX_LEN, MAX_TENANCIES, TEXT_PREFIX, VERSION,
 };
-pub use driver::{Action, Delivery, DrainCounters, DrainSnapshot, Driver, FenceProofs};
+pub use driver::{Action, Delivery, DrainCounters, DrainSnapshot, Driver, Due, FenceProofs, Steps};
 pub use exposures::{ExposureTable, Plan, Trust, Verdict};
 pub use outbox::{Outbox, MAX_SEND_ATTEMPTS};
 pub use shadows::{RetryShadows, Shadowed};
