@@ -63,7 +63,11 @@ fn link_cut_across_the_veth() -> Result<(), Failed> {
     // Unshaped, a veth moves the 64 MiB in ~10 ms, and the WRITE (and the
     // DONE behind it) could beat the cut. At 400 Mbit/s it takes ~1.3 s, so
     // the cut lands mid-transfer on any host.
-    lab.limit_rate("400mbit").map_err(|e| Failed::from(format!("a rate limit on the veth (sch_tbf): {e}")))?;
+    if let Err(e) = lab.limit_rate("400mbit") {
+        // A kernel without sch_tbf: unshaped, the cut races the WRITE (and
+        // the run says so if the WRITE wins: "never reported stuck").
+        eprintln!("netns nixl link cut: no rate limit on the veth (sch_tbf: {e}); the cut races the WRITE");
+    }
     let driven = std::sync::Mutex::new(Vec::<String>::new());
     let drive = |dir: &std::path::Path| {
         let mut log = driven.lock().unwrap_or_else(|e| e.into_inner());
