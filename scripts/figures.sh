@@ -19,13 +19,11 @@ echo "== kvt bench: MORI against the bare simulator, 12 alternating rounds (medi
 echo "== Mooncake: real vs ours, 1 MiB and 64 KiB (measure.sh, 4 s each)"
 DUR=4 CARGO_TARGET_DIR=target bash backend-mooncake/scripts/measure.sh 2>&1
 DUR=4 BLOCK=65536 CARGO_TARGET_DIR=target bash backend-mooncake/scripts/measure.sh 2>&1
-echo "== MORI adapter vs the bare simulator (median of per-round ratios)"
-MORI_BENCH_BLOCKS=65536 ./target/release/examples/mori_bench 1.5 24 2>&1 | tail -1
-MORI_BENCH_BLOCKS=1048576 ./target/release/examples/mori_bench 1.5 12 2>&1 | tail -1
-echo "== MORI at 64 KiB with other thread x batch shapes (the gap depends on them)"
+echo "== MORI at 64 KiB with other thread x batch shapes against the bare simulator (the gap depends on them)"
 for shape in "2 32" "4 16" "2 64" "8 32"; do
   set -- $shape
-  echo "threads $1 batch $2: $(MORI_BENCH_THREADS=$1 MORI_BENCH_BATCH=$2 MORI_BENCH_BLOCKS=65536 ./target/release/examples/mori_bench 1.5 12 2>&1 | tail -1)"
+  echo "threads $1 batch $2:"
+  ./target/release/kvt bench --backend tcp-sim,mori --sweep 64KiB --threads $1 --batch $2 --rounds 12 --duration 1500ms 2>&1 | tail -n 3
 done
 echo "== NIXL: adapter vs raw C API (default UCX, 31 rounds twice: the 64 KiB figure is near its goal; then TCP)"
 for run in 1 2; do

@@ -1,4 +1,5 @@
-//! Throughput bench shaped like Mooncake's `transfer_engine_bench` initiator.
+//! Throughput bench shaped like Mooncake's `transfer_engine_bench` initiator
+//! (`--features testing`: it drives the crate's `bench` rig).
 //!
 //! ```text
 //! mc_bench [--segment HOST:PORT] [--op write|read] [--duration SECS]

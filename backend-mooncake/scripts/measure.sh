@@ -9,9 +9,9 @@
 #   ours(engine) -> ours    raw engine both sides
 # Run from the workspace root (where .engines lives). Needs the mc_bench
 # example built in release: CARGO_TARGET_DIR=tgt/mooncake cargo build --release
-# -p backend-mooncake --example mc_bench
+# -p backend-mooncake --features testing --example mc_bench
 # PROTOCOL=rdma DEVICE=rxe_lo: over Mooncake's RDMA transport (in the verbs
-# guest; mc_bench built with --features rdma-device); the adapter lines are
+# guest; mc_bench built with --features testing,rdma-device); the adapter lines are
 # TCP-only and skipped, MIN_BUF defaults to 64 MiB there.
 set -u
 PROTOCOL=${PROTOCOL:-tcp}

@@ -18,8 +18,9 @@
 //! - [`adapter`]: kv-transfer-core's `Transfer` over the engine
 //!   ([`MooncakeTransfer`]): slot leases, settlement by notification,
 //!   ABORT / ABORT_ACK, and what Mooncake TCP cannot prove (revoke, fence, v1).
-//! - [`bench`](mod@bench): a throughput bench driving the adapter (for `kvt bench` and
-//!   `scripts/measure.sh`).
+//! - with the `testing` feature, the rigs: `bench`, a throughput bench
+//!   driving the adapter (for `mc_bench` and `scripts/measure.sh`), and
+//!   `gate`, a transport that holds WRITEs in flight (for the races).
 //!
 //! What a status means for memory safety:
 //! - only [`TransferStatus::Completed`] and [`TransferStatus::Failed`] are
@@ -71,15 +72,20 @@
 //!   (`tests/rdma_real.rs`, which `scripts/rdma-lab test` runs in the guest)
 //!   and `mc_bench --rdma DEVICE`.
 //! - `mock`: exports the engine layer's `mockall` mocks for adapters' tests.
+//! - `testing`: the test rigs `bench` and `gate` (not what a deployment links).
 #![deny(missing_docs)]
 
 pub mod adapter;
 mod batch;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod bench;
 pub mod client;
 mod engine;
 mod error;
 pub mod exposed;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod gate;
 pub mod limits;
 pub mod memory;

@@ -228,6 +228,7 @@ fn completion_from_another_peer_is_dropped() {
 }
 
 /// The reusable bench runs the full safe cycle and reports figures.
+#[cfg(feature = "testing")]
 #[test]
 fn bench_runs_and_reports() {
     let cfg = backend_mooncake::bench::BenchConfig {

@@ -7,7 +7,7 @@
 //! backends, and the median of the per-round ratios is printed.
 //!
 //! ```text
-//! cargo build -p backend-mori --features verbs-device --example mori_verbs_bench --release
+//! cargo build -p backend-mori --features verbs-device,sim --example mori_verbs_bench --release
 //! scripts/rdma-lab run -- target/release/examples/mori_verbs_bench [SLOT_KIB] [ROUNDS]
 //! ```
 //!

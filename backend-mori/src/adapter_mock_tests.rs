@@ -375,5 +375,5 @@ fn inbound_statuses_settle_only_current_terminal_tenancies() {
 
 /// Runs an `async` post to completion (posts return at once).
 fn futures_lite_block<F: Future>(f: F) -> F::Output {
-    backend_tcp_sim::block_on(f)
+    kv_transfer_core::block_on(f)
 }

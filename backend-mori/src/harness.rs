@@ -267,7 +267,7 @@ impl RawMoriPeer {
         };
         self.next_seq = self.next_seq.wrapping_add(1);
         self.next_uid = self.next_uid.wrapping_add(1);
-        let msg = crate::sim::encode_notification(&n);
+        let msg = crate::notify::encode_notification(&n);
         self.nic.send_message(self.peer, &msg).map_err(|e| crate::TransportError::Remote(e.to_string()))
     }
 }

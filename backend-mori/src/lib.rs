@@ -8,7 +8,8 @@
 //!   statuses, ABORT / ABORT_ACK and the escalation ladder.
 //! - [`SimTransport`] ([`sim`]): a [`MoriTransport`] over the TCP simulator's
 //!   fabric, so engine and adapter run on a real wire in CI; [`harness`] builds
-//!   connected prefill/decode sides on it and [`bench`](mod@bench) measures it.
+//!   connected prefill/decode sides on it (both with the `sim` feature: test
+//!   rigs, not what a deployment links; `kvt bench --backend mori` measures it).
 //! - The engine layer below, described here.
 //!
 //! MORI-IO is AMD's KV-cache transfer engine (SGLang's MORI backend). This crate
@@ -97,16 +98,27 @@
 //!   `backend_verbs::Engine` (the software NIC on any host).
 //! - `verbs-device`: the same plus libibverbs, for its device tests.
 //! - `mock`: exports the engine layer's `mockall` mocks for adapters' tests.
+//! - `sim`: [`SimTransport`] (MORI over the TCP simulator), the [`loopback`]
+//!   transport and the [`harness`]: test rigs, and `kvt`'s simulated MORI.
 
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod adapter;
-pub mod bench;
 mod engine;
 mod error;
+#[cfg(feature = "sim")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sim")))]
 pub mod harness;
+#[cfg(feature = "sim")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sim")))]
 pub mod loopback;
+#[cfg(any(feature = "sim", feature = "verbs"))]
+mod notify;
+#[cfg(any(feature = "sim", feature = "verbs"))]
+mod region;
+#[cfg(feature = "sim")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sim")))]
 pub mod sim;
 mod status;
 pub mod transport;
@@ -129,6 +141,8 @@ pub use engine::{
 #[cfg(any(test, feature = "mock"))]
 pub use engine::{MockIoEngine, MockIoSession};
 pub use error::{EngineError, TransportError};
+#[cfg(feature = "sim")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sim")))]
 pub use sim::{SimTransport, SimTransportConfig};
 pub use status::{listener_panics, StatusCode, StatusListener, StatusUpdater, TransferStatus, ERR_BEGIN};
 #[cfg(any(test, feature = "mock"))]

@@ -51,7 +51,6 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
@@ -61,13 +60,14 @@ use backend_tcp_sim::{
 };
 use bytes::Bytes;
 use kv_transfer_core::{
-    Exposed, Generation, MemoryKind, PeerId, PoolConfig, Region, RegionError, Reserved, SlotId, SlotLease, SlotPool,
-    TransferError,
+    Exposed, Generation, PeerId, PoolConfig, Region, Reserved, SlotId, SlotLease, SlotPool, TransferError,
 };
 
 use crate::error::TransportError;
+use crate::notify::{decode_notification, encode_notification, encode_notification_head, MSG_NOTIFY, NOTIFY_HEAD};
+use crate::region::SimMem;
 use crate::transport::{Completion, EventSink, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
-use crate::types::{EngineDesc, EngineKey, HostBuffer, MemoryId, MemoryLocation, MemoryRegion, Tag};
+use crate::types::{EngineDesc, EngineKey, MemoryId, MemoryLocation, MemoryRegion};
 use crate::util::{lock, HashMap, HashSet};
 
 /// What MORI over the simulator can prove: drain and ack (its control
@@ -79,8 +79,6 @@ pub const CAPABILITIES: kv_transfer_core::drain::Capabilities = backend_tcp_sim:
 /// Name the simulator transport publishes in [`EngineDesc::transport`].
 pub const TCP_SIM: &str = "tcp-sim";
 
-/// First byte of an application message: a MORI notification.
-pub(crate) const MSG_NOTIFY: u8 = 1;
 /// First byte of an application message: a control message
 /// ([`MoriTransport::send_message`]).
 const MSG_CONTROL: u8 = 2;
@@ -99,99 +97,6 @@ pub struct SimTransportConfig {
 impl Default for SimTransportConfig {
     fn default() -> Self {
         Self { nic: NicConfig::new("mori"), connect_wait: Duration::from_secs(2) }
-    }
-}
-
-/// The memory a shadow pool is carved from: the caller's memory by address
-/// (external host memory) or a [`HostBuffer`].
-enum Mem {
-    /// External memory by address, with what keeps it allocated (the
-    /// registration's owner): the simulated NIC binds this memory for good,
-    /// so it must outlive every adapter and pool.
-    External {
-        addr: u64,
-        len: usize,
-        _owner: Option<crate::types::Owner>,
-    },
-    Host(HostBuffer),
-}
-
-/// Registered memory as a core [`Region`], for a NIC that takes one (the
-/// simulator's, or a verbs engine's).
-pub(crate) struct SimMem(Mem);
-
-impl fmt::Debug for SimMem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SimMem").field("addr", &self.addr()).field("len", &self.len()).finish()
-    }
-}
-
-impl SimMem {
-    /// The host memory of `region` (and its length).
-    pub(crate) fn of(region: &MemoryRegion) -> Result<(Arc<Self>, usize), TransportError> {
-        let len = usize::try_from(region.len()).map_err(|_| TransportError::OutOfBounds)?;
-        let mem = match region.host_buffer() {
-            Some(b) => Mem::Host(b.clone()),
-            None => Mem::External { addr: region.addr(), len, _owner: region.owner().cloned() },
-        };
-        Ok((Arc::new(SimMem(mem)), len))
-    }
-
-    fn check(&self, offset: usize, len: usize) -> Result<(), RegionError> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len() => Ok(()),
-            _ => Err(RegionError::OutOfBounds { offset, len, region_len: self.len() }),
-        }
-    }
-}
-
-impl Region for SimMem {
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Host
-    }
-    fn addr(&self) -> u64 {
-        match &self.0 {
-            Mem::External { addr, .. } => *addr,
-            Mem::Host(b) => b.addr(),
-        }
-    }
-    fn len(&self) -> usize {
-        match &self.0 {
-            Mem::External { len, .. } => *len,
-            Mem::Host(b) => b.len() as usize,
-        }
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), RegionError> {
-        self.check(offset, dst.len())?;
-        match &self.0 {
-            Mem::External { addr, .. } => {
-                // SAFETY: in bounds (checked); `MemoryRegion::external`'s
-                // contract keeps the memory valid while it is registered, and
-                // registration outlives every access through this transport.
-                unsafe {
-                    std::ptr::copy_nonoverlapping((*addr as usize + offset) as *const u8, dst.as_mut_ptr(), dst.len())
-                }
-                Ok(())
-            }
-            Mem::Host(b) => b.read_at(offset as u64, dst).map_err(|e| RegionError::Access(e.to_string())),
-        }
-    }
-    fn write(&self, offset: usize, src: &[u8]) -> Result<(), RegionError> {
-        self.check(offset, src.len())?;
-        match &self.0 {
-            Mem::External { addr, .. } => {
-                // SAFETY: see `read`.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), (*addr as usize + offset) as *mut u8, src.len()) }
-                Ok(())
-            }
-            Mem::Host(b) => b.write_at(offset as u64, src).map_err(|e| RegionError::Access(e.to_string())),
-        }
-    }
-    fn host_ptr(&self) -> Option<NonNull<u8>> {
-        match &self.0 {
-            Mem::External { addr, .. } => NonNull::new(*addr as usize as *mut u8),
-            Mem::Host(_) => None,
-        }
     }
 }
 
@@ -531,41 +436,6 @@ impl SimTransport {
         };
         sent.map_err(|e| TransportError::Remote(format!("message to {to}: {e}")))
     }
-}
-
-/// Bytes of a notification message before its text: kind, seq, uid, code, tag.
-const NOTIFY_HEAD: usize = 33;
-
-fn encode_notification_head(b: &mut [u8; NOTIFY_HEAD], n: &Notification) {
-    b[0] = MSG_NOTIFY;
-    b[1..5].copy_from_slice(&n.seq.to_le_bytes());
-    b[5..13].copy_from_slice(&n.uid.to_le_bytes());
-    b[13..17].copy_from_slice(&n.code.to_le_bytes());
-    b[17..25].copy_from_slice(&n.tag.slot.to_le_bytes());
-    b[25..33].copy_from_slice(&n.tag.generation.to_le_bytes());
-}
-
-/// A notification as an application message: [`MSG_NOTIFY`], the fixed
-/// fields, then the text.
-pub(crate) fn encode_notification(n: &Notification) -> Vec<u8> {
-    let mut head = [0u8; NOTIFY_HEAD];
-    encode_notification_head(&mut head, n);
-    let mut v = Vec::with_capacity(NOTIFY_HEAD + n.message.len());
-    v.extend_from_slice(&head);
-    v.extend_from_slice(n.message.as_bytes());
-    v
-}
-
-pub(crate) fn decode_notification(b: &[u8]) -> Option<Notification> {
-    let u32_at = |i: usize| b.get(i..i + 4).and_then(|s| s.try_into().ok()).map(u32::from_le_bytes);
-    let u64_at = |i: usize| b.get(i..i + 8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
-    Some(Notification {
-        seq: u32_at(0)?,
-        uid: u64_at(4)?,
-        code: u32_at(12)?,
-        tag: Tag::new(u64_at(16)?, u64_at(24)?),
-        message: String::from_utf8_lossy(b.get(32..)?).into_owned(),
-    })
 }
 
 impl Drop for SimTransport {

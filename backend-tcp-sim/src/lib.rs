@@ -32,7 +32,7 @@
 //! - Faults are seeded and reproducible ([`FaultPlan`], [`Gate`]).
 //! - [`ReleasePolicy::Naive`] exists **only** as the race tests' positive
 //!   control: it frees aborted slots at once without a proof.
-//! - [`wire`] is the pure frame codec, [`bench`](mod@bench) the reusable throughput loop.
+//! - [`wire`] is the pure frame codec (`kvt bench` measures this backend).
 //!
 //! See [`SimNic`] for a runnable end-to-end example.
 //!
@@ -51,7 +51,6 @@
 //! of that connection really ends every access to it.
 #![deny(missing_docs)]
 
-pub mod bench;
 mod fault;
 mod nic;
 mod stats;

@@ -17,8 +17,8 @@
 //! target       revokes, releases, drops the session's NIC
 //! ```
 
+use crate::measure::{measure, median, per_thread, BenchConfig};
 use anyhow::{anyhow, bail, Context as _};
-use backend_tcp_sim::bench::{measure, median, per_thread, BenchConfig};
 use backend_tcp_sim::{NicConfig, SimNic};
 use kv_transfer_core::{HostRegion, Op, PoolConfig, RemoteSlots, SlotPool, Transfer};
 use serde::Serialize;
@@ -211,7 +211,7 @@ pub fn loopback(rig: crate::backends::Rig, p: &Params) -> anyhow::Result<Outcome
 }
 
 /// The measured loop (the one every backend's bench shares,
-/// `backend_tcp_sim::bench::measure`): `threads` threads, each posting
+/// [`crate::measure::measure`]): `threads` threads, each posting
 /// `batch` single-slot operations against its share of `remote`, waiting
 /// for all of them, and repeating until `warmup + duration` is spent.
 pub fn run_loop(
@@ -235,7 +235,6 @@ pub fn run_loop(
         threads: p.threads,
         duration: p.duration,
         warmup: p.warmup,
-        socket_buffer: None,
     };
     let r = measure(init, ipool, p.op, per_thread(remote, p.threads, p.batch), &cfg)?;
     Ok((r.bytes, r.elapsed, r.batch_latency_us))

@@ -13,6 +13,7 @@
 
 mod backends;
 mod bench;
+mod measure;
 mod plot;
 mod soak;
 mod units;

@@ -214,7 +214,7 @@ pub struct RdmaParts {
     /// as its keys, with [`Publish::Grants`]).
     pub target: Arc<RdmaTarget>,
     /// The initiator half: the engine's transport (behind a
-    /// [`GatedTransport`](crate::gate::GatedTransport), for races). Tell it
+    /// `gate::GatedTransport`, for races). Tell it
     /// the engine's segment name once the engine listens.
     pub transport: Arc<RdmaTransport>,
 }

@@ -105,6 +105,7 @@ mod wire;
 use driver::{driver_loop, Job, Jobs};
 use post::OpTable;
 use state::{inc, Counters, Inner, OpHub, PeerTable, PoolEntry, Routes};
+#[cfg(feature = "sim")]
 pub(crate) use wire::pack_tag;
 use wire::{encode_endpoint, TAG_SETTLE};
 

@@ -86,7 +86,8 @@ use kv_transfer_core::drain::{Capabilities, ReleasePolicy};
 use kv_transfer_core::{HostRegion, Region};
 
 use crate::error::TransportError;
-use crate::sim::{encode_notification, SimMem, MSG_NOTIFY};
+use crate::notify::{decode_notification, encode_notification, MSG_NOTIFY};
+use crate::region::SimMem;
 use crate::transport::{Completion, MoriTransport, Notification, OpKind, TransportEvent, WorkRequest};
 use crate::types::{EngineDesc, EngineKey, MemoryId, MemoryLocation, MemoryRegion};
 use crate::util::{lock, HashMap};
@@ -676,7 +677,7 @@ impl Shared {
             return;
         }
         match bytes.split_first() {
-            Some((&MSG_NOTIFY, body)) => match crate::sim::decode_notification(body) {
+            Some((&MSG_NOTIFY, body)) => match decode_notification(body) {
                 Some(notification) => self.push(TransportEvent::Notification { from: peer, notification }),
                 None => tracing::warn!(peer = %peer, "malformed notification dropped"),
             },

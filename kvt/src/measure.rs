@@ -1,29 +1,13 @@
-//! The measured loop every backend's bench shares ([`measure`]), and the
-//! simulator's own WRITE bench built on it ([`run_write_bench`]).
+//! The measured loop every backend's bench shares ([`measure`]).
 //!
 //! [`measure`] needs only an `Arc<dyn Transfer>`, a local pool and remote
 //! single-slot descriptors: each thread posts `batch` single-slot operations
 //! through the [`Transfer`] trait, waits (bounded) for all of them, and
-//! repeats until the duration is spent. The MORI backend's bench and
-//! `kvt bench` call it too, so their figures are comparable in one run.
-//!
-//! ```
-//! use backend_tcp_sim::bench::{run_write_bench, BenchConfig};
-//! use std::time::Duration;
-//! let r = run_write_bench(&BenchConfig {
-//!     block_size: 64 << 10,
-//!     batch: 4,
-//!     threads: 1,
-//!     duration: Duration::from_millis(50),
-//!     warmup: Duration::ZERO,
-//!     ..BenchConfig::default()
-//! })
-//! .unwrap();
-//! assert!(r.bytes > 0 && r.gb_per_s > 0.0);
-//! ```
+//! repeats until the duration is spent. Every backend of `kvt bench` runs
+//! it, so their figures are comparable in one run. It lived in
+//! `backend-tcp-sim` before: a measuring loop is no part of a backend.
 
-use crate::{block_on, NicConfig, NicError, SimNic};
-use kv_transfer_core::{poll_until, HostRegion, Op, PoolConfig, RemoteSlots, SlotPool, Transfer, TransferOptions};
+use kv_transfer_core::{block_on, poll_until, Op, RemoteSlots, SlotPool, Transfer, TransferOptions};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -40,59 +24,23 @@ pub struct BenchConfig {
     pub duration: Duration,
     /// Unmeasured time before it.
     pub warmup: Duration,
-    /// Socket buffer size of the NICs' connections ([`NicConfig::socket_buffer`]).
-    pub socket_buffer: Option<usize>,
-}
-
-impl Default for BenchConfig {
-    /// 1 MiB blocks, batch 32, 4 threads, 2 s after 200 ms of warm-up.
-    fn default() -> Self {
-        Self {
-            block_size: 1 << 20,
-            batch: 32,
-            threads: 4,
-            duration: Duration::from_secs(2),
-            warmup: Duration::from_millis(200),
-            socket_buffer: NicConfig::new("").socket_buffer,
-        }
-    }
 }
 
 /// What was measured.
 #[derive(Clone, Debug)]
 pub struct BenchResult {
-    /// The configuration.
-    pub config: BenchConfig,
-    /// Bytes written in the measured time.
+    /// Bytes moved in the measured time.
     pub bytes: u64,
     /// Measured time.
     pub elapsed: Duration,
-    /// Throughput in GB/s (10^9 bytes per second).
-    pub gb_per_s: f64,
-    /// Latency of each measured batch (post of the first WRITE to the last completion), µs.
+    /// Latency of each measured batch (post of the first operation to the last completion), µs.
     pub batch_latency_us: Vec<u64>,
-}
-
-impl BenchResult {
-    /// A latency quantile (`q` in `[0, 1]`) of the batches, µs.
-    pub fn latency_quantile_us(&self, q: f64) -> u64 {
-        let mut v = self.batch_latency_us.clone();
-        if v.is_empty() {
-            return 0;
-        }
-        v.sort_unstable();
-        let i = ((v.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize;
-        v[i]
-    }
 }
 
 /// Why the bench could not run.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BenchError {
-    /// NIC setup failed.
-    #[error(transparent)]
-    Nic(#[from] NicError),
     /// Bad configuration, or a failure while running.
     #[error("{0}")]
     Other(String),
@@ -105,57 +53,11 @@ impl BenchError {
     }
 }
 
-impl BenchConfig {
-    /// Slots one side registers (`threads × batch`), refusing a zero size,
-    /// batch or thread count.
-    pub fn slots(&self) -> Result<usize, BenchError> {
-        if self.block_size == 0 || self.batch == 0 || self.threads == 0 {
-            return Err(BenchError::other("block_size, batch and threads must be non-zero"));
-        }
-        self.threads.checked_mul(self.batch).ok_or_else(|| BenchError::other("threads × batch overflows"))
-    }
-}
-
-/// Runs the WRITE loop and reports throughput and per-batch latency.
-pub fn run_write_bench(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
-    let slots = cfg.slots()?;
-    let bytes = slots.checked_mul(cfg.block_size).ok_or_else(|| BenchError::other("too large"))?;
-    let nic_cfg = |name: &str| NicConfig { socket_buffer: cfg.socket_buffer, ..NicConfig::new(name) };
-    let target = SimNic::start(nic_cfg("bench-target"))?;
-    let tpool = target
-        .register_pool(Arc::new(HostRegion::new(bytes).map_err(BenchError::other)?), PoolConfig::new(cfg.block_size))?;
-    let init = SimNic::start(nic_cfg("bench-initiator"))?;
-    let ipool = init
-        .register_pool(Arc::new(HostRegion::new(bytes).map_err(BenchError::other)?), PoolConfig::new(cfg.block_size))?;
-    init.connect(target.endpoint())?;
-    let peer = target
-        .wait_for_peer("bench-initiator", Duration::from_secs(5))
-        .ok_or_else(|| BenchError::other("peer did not connect"))?;
-
-    let (exposed, remote) =
-        target.expose(tpool.reserve(slots).map_err(BenchError::other)?, peer).map_err(|e| BenchError::other(e.kind))?;
-    let transfer: Arc<dyn Transfer> = Arc::new(init.clone());
-    let result = measure(&transfer, &ipool, Op::Write, per_thread(&remote, cfg.threads, cfg.batch), cfg);
-    // The loop posts without notifications; revoking settles the exposure.
-    target.revoke(&exposed);
-    if let Ok(s) = exposed.try_settled() {
-        s.release();
-    }
-    result
-}
-
 /// Bound on one operation's terminal status inside [`measure`].
 pub const OP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The median of `v` (the mean of the middle two for an even count; 0 for
 /// none): what the benches report over rounds.
-///
-/// ```
-/// use backend_tcp_sim::bench::median;
-/// assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-/// assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
-/// assert_eq!(median(&[]), 0.0);
-/// ```
 pub fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
@@ -253,11 +155,17 @@ pub fn measure(
     if let Some(e) = first_err {
         return Err(e);
     }
-    Ok(BenchResult {
-        config: cfg.clone(),
-        bytes: total,
-        elapsed,
-        gb_per_s: if elapsed.is_zero() { 0.0 } else { total as f64 / elapsed.as_secs_f64() / 1e9 },
-        batch_latency_us: lat,
-    })
+    Ok(BenchResult { bytes: total, elapsed, batch_latency_us: lat })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_even_and_no_rounds() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&[]), 0.0);
+    }
 }
