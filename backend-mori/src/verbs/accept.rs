@@ -29,12 +29,16 @@ fn admit(sh: &Arc<Shared>, addr: IpAddr) -> Option<Admitted> {
     let limits: &SideChannelLimits = &sh.cfg.side_channel;
     // Connections up but bound to no engine (claims of engines whose
     // descriptors are not registered, or impostors'), each with its queue
-    // pairs, receive buffers and lifeline thread: capped per address.
+    // pairs, receive buffers and lifeline thread: capped per address. A
+    // handshake past its offer counts too: it holds its queue pairs already,
+    // and its dialer may connect again the moment it sent READY, before
+    // the handshake's thread has marked it unbound (a flood would otherwise
+    // get one connection past the cap per handshake in flight).
     let claims = {
         let st = sh.st();
         st.conns
             .values()
-            .filter(|c| matches!(c.state, ConnState::Unbound { .. } | ConnState::Impostor))
+            .filter(|c| matches!(c.state, ConnState::Handshaking | ConnState::Unbound { .. } | ConnState::Impostor))
             .filter(|c| c.stream.peer_addr().is_ok_and(|a| a.ip() == addr))
             .count()
     };
