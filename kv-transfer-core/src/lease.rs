@@ -161,6 +161,7 @@ pub enum AccessError {
 }
 
 impl<S: LeaseState> SlotLease<S> {
+    #[inline]
     pub(crate) fn new(pool: SlotPool, tenancies: Tenancies, peer: Option<PeerId>) -> Self {
         Self { inner: ManuallyDrop::new(LeaseInner { pool, tenancies, peer }), _state: PhantomData }
     }
@@ -170,6 +171,7 @@ impl<S: LeaseState> SlotLease<S> {
     }
 
     /// Moves the lease's contents into another state without running `Drop`.
+    #[inline]
     fn morph<T: LeaseState>(self, peer: Option<PeerId>) -> SlotLease<T> {
         let mut me = ManuallyDrop::new(self);
         // SAFETY: `me` is never dropped (ManuallyDrop) nor used after this
@@ -234,6 +236,7 @@ impl<S: LeaseState> SlotLease<S> {
         self.read_local(index, 0, dst)
     }
 
+    #[inline]
     fn exposed(self, peer: PeerId) -> SlotLease<Exposed> {
         self.pool().mark_exposed(self.tenancies(), peer);
         self.morph(Some(peer))
@@ -295,6 +298,7 @@ impl SlotLease<Reserved> {
 impl SlotLease<Exposed> {
     /// Settles with a proof in hand. Fails, handing the lease back, if the
     /// proof is another pool's or does not cover every slot.
+    #[inline]
     pub fn settle(self, proof: impl Into<Settlement>) -> Result<SlotLease<Settled>, SettleError> {
         let proof = proof.into();
         if proof.pool != self.pool().id() {
@@ -393,6 +397,7 @@ impl SlotLease<Settled> {
 }
 
 impl<S: LeaseState> Drop for SlotLease<S> {
+    #[inline]
     fn drop(&mut self) {
         // SAFETY: `drop` runs once, and transitions (`morph`) never let it
         // run on a lease whose contents they moved out.

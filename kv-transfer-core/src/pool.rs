@@ -441,19 +441,20 @@ impl SlotPool {
     /// Reserves `n` slots, all or nothing (rule 6): either a lease on `n`
     /// slots, each under a fresh generation, or a typed refusal before
     /// anything is exposed.
+    #[inline]
     pub fn reserve(&self, n: usize) -> Result<SlotLease<Reserved>, AdmissionError> {
-        let capacity = self.capacity();
         let mut st = lock(&self.inner.state);
-        let refusal = if n == 0 {
-            Some(AdmissionError::Empty)
-        } else if n > capacity {
-            Some(AdmissionError::TooLarge { requested: n, capacity })
-        } else if n > st.free.len() {
-            Some(AdmissionError::OverCapacity { requested: n, available: st.free.len() })
-        } else {
-            None
-        };
-        if let Some(e) = refusal {
+        // The admitted case first (free.len() <= capacity, so it implies
+        // n <= capacity): one comparison on the common path.
+        if n == 0 || n > st.free.len() {
+            let capacity = self.capacity();
+            let e = if n == 0 {
+                AdmissionError::Empty
+            } else if n > capacity {
+                AdmissionError::TooLarge { requested: n, capacity }
+            } else {
+                AdmissionError::OverCapacity { requested: n, available: st.free.len() }
+            };
             return Err(self.refuse(st, n, e));
         }
         let mut tenancies = Tenancies::with_capacity(n);
@@ -570,6 +571,7 @@ impl SlotPool {
 
     /// Records a granted admission of `tenancies` (already `HELD`) and
     /// returns its lease.
+    #[inline]
     fn grant(&self, mut st: MutexGuard<'_, PoolState>, tenancies: Tenancies) -> SlotLease<Reserved> {
         st.leased += tenancies.len() as u64;
         st.counters.leases += 1;
@@ -666,6 +668,7 @@ impl SlotPool {
     // ----- transitions used by leases (crate-private) -----
 
     /// Returns never-exposed (or settled) slots to the free list.
+    #[inline(always)]
     pub(crate) fn release_held(&self, tenancies: &[Tenancy]) {
         let mut st = lock(&self.inner.state);
         let mut n = 0u64;
@@ -683,6 +686,7 @@ impl SlotPool {
         report_counter!("kvt_released_slots_total", self.inner.id, n);
     }
 
+    #[inline]
     pub(crate) fn mark_exposed(&self, tenancies: &[Tenancy], peer: PeerId) {
         let mut st = lock(&self.inner.state);
         let epoch = st.fence_epoch;
@@ -806,26 +810,33 @@ impl SlotPool {
 
     /// Applies a proof and, under the same lock, tries to settle `lease`'s
     /// tenancies (one lock round trip for the common settle path).
+    #[inline]
     pub(crate) fn apply_and_settle(&self, proof: &Settlement, lease: &[Tenancy]) -> bool {
         if let ProofScope::Tenancies(ts) = &proof.scope {
-            if ts.as_slice() == lease {
-                if let Some(settled) = self.settle_exact(proof, lease) {
-                    return settled;
-                }
+            if let Some(settled) = self.settle_exact(proof.kind, ts, lease) {
+                return settled;
             }
         }
         self.apply_then(proof, |st| Self::settle_locked(st, lease)).1
     }
 
     /// The common case: a proof naming exactly a live exposed lease's own
-    /// tenancies. Same outcome as applying the proof and settling, minus the
-    /// general bookkeeping. `None` when some slot is not plainly exposed or
-    /// proven under that tenancy (then the general path decides).
-    fn settle_exact(&self, proof: &Settlement, lease: &[Tenancy]) -> Option<bool> {
-        let kind = proof.kind;
+    /// tenancies (`proven == lease`, checked in the same pass as the slots).
+    /// Same outcome as applying the proof and settling, minus the general
+    /// bookkeeping. `None` when the proof names other tenancies, or some
+    /// slot is not plainly exposed or proven under that tenancy (then the
+    /// general path decides).
+    #[inline]
+    fn settle_exact(&self, kind: SettlementKind, proven: &[Tenancy], lease: &[Tenancy]) -> Option<bool> {
+        if proven.len() != lease.len() {
+            return None;
+        }
         let mut st = lock(&self.inner.state);
         let mut newly = 0u64;
-        for t in lease {
+        for (p, t) in proven.iter().zip(lease) {
+            if p != t {
+                return None;
+            }
             let m = st.slots.get(t.slot.0 as usize)?;
             if m.generation != t.generation.0 {
                 return None;

@@ -157,12 +157,14 @@ impl SettlementAuthority {
         &self.pool
     }
 
+    #[inline]
     fn mint(&self, kind: SettlementKind, scope: ProofScope) -> Settlement {
         Settlement { pool: self.pool.id(), kind, scope }
     }
 
     /// A `Completed` proof for these tenancies. Mint it only when every
     /// operation touching them reached a terminal status.
+    #[inline]
     pub fn completed(&self, tenancies: &[Tenancy]) -> Completed {
         Completed(self.mint(SettlementKind::Completed, ProofScope::Tenancies(Tenancies::from_slice(tenancies))))
     }
@@ -180,6 +182,7 @@ impl SettlementAuthority {
         Completed(self.mint(SettlementKind::Completed, ProofScope::Digested(Box::new(d))))
     }
     /// A `Completed` proof covering an exposed lease's slots.
+    #[inline]
     pub fn completed_lease(&self, lease: &SlotLease<Exposed>) -> Completed {
         self.completed(lease.tenancies())
     }
