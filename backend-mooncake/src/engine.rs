@@ -1,7 +1,7 @@
 //! The batch engine: a trait shaped like Mooncake's `TransferEngine` and its
 //! implementation [`MooncakeEngine`].
 
-use std::collections::HashMap;
+use kv_transfer_core::hash::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};

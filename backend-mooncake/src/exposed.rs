@@ -20,7 +20,8 @@
 //! Only a transport with a key per exposure (Mooncake over RDMA with per-grant
 //! memory windows, `rdma::RdmaTarget`) closes that.
 
-use std::collections::{BTreeMap, HashMap};
+use kv_transfer_core::hash::HashMap;
+use std::collections::BTreeMap;
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -11,7 +11,8 @@
 //! not `success`) and counted in [`crate::TargetStats`], and one address's
 //! flood never evicts another's notifications.
 
-use std::collections::{HashMap, VecDeque};
+use kv_transfer_core::hash::HashMap;
+use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! Target side: the P2P handshake server and the TCP data server.
 
-use std::collections::HashMap;
+use kv_transfer_core::hash::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -2,7 +2,8 @@
 //! [`DataTransport`] as a [`TransportWork`] and learns its outcome through the
 //! work's [`Completion`]. A later RDMA transport implements the same trait.
 
-use std::collections::{HashMap, VecDeque};
+use kv_transfer_core::hash::HashMap;
+use std::collections::VecDeque;
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
@@ -192,7 +193,7 @@ impl DataTransport for TcpTransport {
 }
 
 fn worker(sh: Arc<(Mutex<Queue>, Condvar)>, cfg: TcpTransportConfig) {
-    let mut conns: HashMap<u64, (TcpStream, Instant)> = HashMap::new();
+    let mut conns: HashMap<u64, (TcpStream, Instant)> = HashMap::default();
     let mut seen_forget = 0usize;
     loop {
         let work = {

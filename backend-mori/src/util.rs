@@ -10,11 +10,8 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// `HashMap` with foldhash's fast hasher (seeded per process) instead of
-/// SipHash: the per-transfer tables are hit a dozen times per operation, and
-/// SipHash was the largest single cost on that path. Keys a peer chooses
-/// (transfer ids, sequence numbers) live in bounded tables.
-pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-
-/// `HashSet` with the same hasher as [`HashMap`].
-pub(crate) type HashSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
+/// The per-transfer tables' maps (foldhash, seeded per process: see core's
+/// `hash`): hit a dozen times per operation, where SipHash was the largest
+/// single cost. Keys a peer chooses (transfer ids, sequence numbers) live in
+/// bounded tables.
+pub(crate) use kv_transfer_core::hash::{HashMap, HashSet};

@@ -7,7 +7,7 @@
 //! polled, successful or flushed: a region is never deregistered while the
 //! NIC may still read or write it through a posted request.
 
-use std::collections::HashMap;
+use kv_transfer_core::hash::HashMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,7 +64,7 @@ impl CompletionQueue {
         let cq = NonNull::new(cq).ok_or_else(|| VerbsError::os("ibv_create_cq", 0))?;
         Ok(Arc::new(Self {
             cq,
-            in_flight: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(HashMap::default()),
             parked: Mutex::default(),
             depth,
             ctx: Arc::clone(&pd.ctx),

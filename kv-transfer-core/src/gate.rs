@@ -3,7 +3,7 @@
 //! backend's acceptor asks for a place before it spends a thread or a
 //! buffer on a connection, and refuses (counts, closes) when there is none.
 
-use std::collections::HashMap;
+use crate::hash::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -67,7 +67,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl<K: Hash + Eq + Clone> PeerGate<K> {
     /// A gate of `total` places, at most `per_peer` of them held by one peer.
     pub fn new(total: usize, per_peer: usize) -> Self {
-        Self { places: Arc::new(Mutex::new(Places { total: 0, by_peer: HashMap::new() })), total, per_peer }
+        Self { places: Arc::new(Mutex::new(Places { total: 0, by_peer: HashMap::default() })), total, per_peer }
     }
 
     /// A place for `peer`, or why not (nothing is taken then).

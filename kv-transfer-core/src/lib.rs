@@ -65,6 +65,7 @@ mod counters;
 pub mod drain;
 mod escalation;
 mod gate;
+pub mod hash;
 mod ids;
 mod lease;
 mod metrics;

@@ -7,6 +7,7 @@ use crate::drain::Capabilities;
 use crate::escalation::{
     EscalationAction, EscalationLadder, EscalationStep, QuarantineId, MIN_REDRAIN_INTERVAL, REDRAIN_MAX_INTERVAL,
 };
+use crate::hash::HashMap;
 use crate::ids::{Generation, PeerId, PoolId, SlotId, Tenancy};
 use crate::lease::{Reserved, SlotLease, Tenancies};
 use crate::metrics::{report_counter, Counters, MetricsSnapshot};
@@ -14,7 +15,6 @@ use crate::proof::{ProofScope, Settlement, SettlementKind};
 use crate::region::Region;
 use crate::sync::{lock, Mutex, MutexGuard};
 use smallvec::SmallVec;
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -383,8 +383,8 @@ impl SlotPool {
             quarantine: Vec::new(),
             quarantine_vacant: Vec::new(),
             next_quarantine_id: 0,
-            waiters: HashMap::new(),
-            digests: HashMap::new(),
+            waiters: HashMap::default(),
+            digests: HashMap::default(),
             counters: Counters::default(),
             leased: 0,
             quarantined: 0,

@@ -10,9 +10,12 @@
 //! - `kvt soak`: the disaggregated workload across two network namespaces
 //!   with link flaps, loss bursts and prefill kills at random, a line per
 //!   interval and a final report (needs root).
+//! - `kvt cost`: instructions per transfer through each backend's adapter
+//!   against its raw engine path, counted with callgrind (needs valgrind).
 
 mod backends;
 mod bench;
+mod cost;
 mod measure;
 mod plot;
 mod soak;
@@ -43,6 +46,8 @@ enum Cmd {
     Race(RaceArgs),
     /// Run the workload across two network namespaces with faults at random (needs root).
     Soak(SoakArgs),
+    /// Count instructions per transfer, adapter against raw engine, per backend (needs valgrind).
+    Cost(cost::CostArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -620,6 +625,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => bench_cmd(a).map(|()| true),
         Cmd::Race(a) => race_cmd(a),
         Cmd::Soak(a) => soak_cmd(a),
+        Cmd::Cost(a) => cost::cmd(a).map(|()| true),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,

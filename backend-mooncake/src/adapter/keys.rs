@@ -14,7 +14,7 @@
 //! before the slot can go back to the pool: a key that outlived its
 //! tenancy would grant the next one's bytes.
 
-use std::collections::HashMap;
+use kv_transfer_core::hash::HashMap;
 use std::sync::Arc;
 
 use kv_transfer_core::drain::{ControlMessage, ExposureToken, RetryShadows};

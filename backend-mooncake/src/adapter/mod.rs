@@ -85,7 +85,7 @@
 //! on abort, without evidence) so tests can show the hazard is real. Never
 //! use it outside such a test.
 
-use std::collections::HashMap;
+use kv_transfer_core::hash::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};

@@ -3,7 +3,7 @@
 //! is exposed and closed before its settlement proof is delivered, so a
 //! request by address reaches only slots exposed now ([`crate::exposed`]).
 
-use std::collections::HashMap;
+use kv_transfer_core::hash::HashMap;
 
 use kv_transfer_core::{Generation, PoolId, SlotId, Tenancy};
 

@@ -16,7 +16,8 @@
 //!   never delay a known peer's messages, and a stranger is never added to
 //!   the peer table (its segment is opened for the send and closed again).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use kv_transfer_core::hash::{HashMap, HashSet};
+use std::collections::VecDeque;
 
 use super::*;
 

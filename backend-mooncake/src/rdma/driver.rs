@@ -2,7 +2,8 @@
 //! completions, reports tasks (see the parent module for what each failure
 //! proves).
 
-use std::collections::{HashMap, VecDeque};
+use kv_transfer_core::hash::HashMap;
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -118,10 +119,10 @@ impl Driver {
     pub(super) fn new(sh: Arc<Shared>) -> Self {
         Self {
             sh,
-            endpoints: HashMap::new(),
-            by_segment: HashMap::new(),
-            tasks: HashMap::new(),
-            slices: HashMap::new(),
+            endpoints: HashMap::default(),
+            by_segment: HashMap::default(),
+            tasks: HashMap::default(),
+            slices: HashMap::default(),
             next_task: 0,
             next_endpoint: 0,
             next_wr: 0,

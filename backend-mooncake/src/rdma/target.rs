@@ -42,7 +42,8 @@
 //! refused (first wins, [`RdmaTarget::pairs_refused`]), so no one replaces
 //! another peer's queue pairs.
 
-use std::collections::{BTreeMap, HashMap};
+use kv_transfer_core::hash::HashMap;
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

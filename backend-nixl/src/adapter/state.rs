@@ -3,7 +3,8 @@
 //! flight, pools, peers, the drain protocol's tables, the request cache,
 //! metrics), with the lock's helpers.
 
-use std::collections::{HashMap, VecDeque};
+use kv_transfer_core::hash::HashMap;
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -72,7 +73,7 @@ impl Default for State {
             next_op: 0,
             ops: IdMap::default(),
             pools: IdMap::default(),
-            peers: HashMap::new(),
+            peers: HashMap::default(),
             names: IdMap::default(),
             last_peer: None,
             next_peer: 0,

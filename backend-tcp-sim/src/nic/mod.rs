@@ -76,11 +76,9 @@ use std::time::{Duration, Instant};
 /// Inbound events kept for [`SimNic::next_event`]; older ones are dropped.
 const MAX_EVENTS: usize = 4096;
 
-/// `HashMap` with foldhash's fast hasher (seeded per process) instead of
-/// SipHash: the work-request tables are hit on every post and completion.
-type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-/// `HashSet` with the same hasher.
-type HashSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
+/// The work-request tables are hit on every post and completion: core's
+/// foldhash maps, not SipHash.
+use kv_transfer_core::hash::{HashMap, HashSet};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

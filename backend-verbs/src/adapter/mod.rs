@@ -41,7 +41,7 @@ mod channel;
 mod driver;
 mod handshake;
 
-use std::collections::HashMap;
+use kv_transfer_core::hash::HashMap;
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -366,16 +366,16 @@ struct State {
 impl Default for State {
     fn default() -> Self {
         Self {
-            pools: HashMap::new(),
-            peers: HashMap::new(),
-            by_name: HashMap::new(),
+            pools: HashMap::default(),
+            peers: HashMap::default(),
+            by_name: HashMap::default(),
             next_peer: 0,
-            wrs: HashMap::new(),
-            ops: HashMap::new(),
+            wrs: HashMap::default(),
+            ops: HashMap::default(),
             next_op: 0,
             aborts: kv_transfer_core::drain::AbortTracker::new(TOMBSTONES),
-            dialing: HashMap::new(),
-            known: HashMap::new(),
+            dialing: HashMap::default(),
+            known: HashMap::default(),
         }
     }
 }

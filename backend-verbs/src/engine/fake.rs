@@ -34,7 +34,8 @@
 //! assert_eq!(fabric.queue_pairs().len(), 2);
 //! ```
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use kv_transfer_core::hash::{HashMap, HashSet};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use kv_transfer_core::Region;

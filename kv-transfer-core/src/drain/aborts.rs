@@ -3,9 +3,10 @@
 //! an ABORT may be answered.
 
 use super::codec::{ControlKind, ControlMessage, ExposureToken};
+use crate::hash::{HashMap, HashSet};
 use crate::ids::{Generation, PoolId, SlotId, Tenancy};
 use crate::remote::RemoteSlots;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::hash::Hash;
 
 /// How an operation ended, for [`AbortTracker::finished`].
@@ -180,8 +181,8 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
     /// waiting ABORTs (each); past that it fails closed for that peer.
     pub fn new(max_remembered: usize) -> Self {
         Self {
-            ops: HashMap::new(),
-            peers: HashMap::new(),
+            ops: HashMap::default(),
+            peers: HashMap::default(),
             cap: max_remembered.max(1),
             mode: Remembering::PerPeer,
             fifo: VecDeque::new(),

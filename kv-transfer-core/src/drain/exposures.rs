@@ -5,8 +5,8 @@
 use super::codec::{ControlKind, ControlMessage, ExposureToken};
 use super::{Capabilities, ReleasePolicy};
 use crate::escalation::{EscalationAction, EscalationStep};
+use crate::hash::HashMap;
 use crate::ids::{Generation, PeerId, PoolId, SlotId, Tenancy};
-use std::collections::HashMap;
 
 /// Whether what a peer says about an exposure proves anything.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -175,7 +175,7 @@ impl ExposureTable {
     /// table checks neither the sender nor the token, so the hostile-peer
     /// tests can show that their attacks succeed without those checks.
     pub fn with_policy(policy: ReleasePolicy) -> Self {
-        Self { map: HashMap::new(), trust_anyone: policy.is_naive() }
+        Self { map: HashMap::default(), trust_anyone: policy.is_naive() }
     }
 
     /// Whether `from` with `token` speaks for exposure `e`.

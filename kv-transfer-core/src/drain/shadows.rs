@@ -21,8 +21,8 @@
 //! the backend's [`ExposureTable`](super::ExposureTable).
 
 use super::codec::{ControlKind, ControlMessage, ExposureToken};
+use crate::hash::HashMap;
 use crate::ids::{Generation, PeerId, PoolId, SlotId, Tenancy};
-use std::collections::HashMap;
 
 /// An exposure refused because the slot is shadowed for that peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
