@@ -74,7 +74,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread;
 
-use kv_transfer_core::drain::{Capabilities, Driver, ReleasePolicy, Trust};
+use kv_transfer_core::drain::{Capabilities, Driver, ExposureToken, ReleasePolicy, Trust};
 use kv_transfer_core::{
     BackendError, Exposed, Op, PeerId, PoolConfig, PoolError, PostError, PostNow, Region, RemoteSlots, Reserved,
     SlotLease, SlotPool, Target, Tenancy, TransferHandle, TransferOptions,
@@ -344,9 +344,14 @@ impl MoriTransfer {
                 }
             }
         }
-        let token = lock(&self.inner.drain).expose(entry.pool.id(), &ts, peer, Trust::Proving);
+        // The pool's mark first, the drain table's record after (see
+        // `Driver::expose_with`): the driver may be handling this peer's
+        // loss right now, and its fence must either cover the mark or find
+        // the record.
+        let token = ExposureToken::random();
         let (exposed, mut remote) =
             entry.authority.expose(lease, peer, entry.desc.rkey, encode_endpoint(&entry.desc), token);
+        lock(&self.inner.drain).expose_with(entry.pool.id(), &ts, peer, Trust::Proving, token);
         for (s, k) in remote.slots.iter_mut().zip(keys) {
             s.key = k;
         }

@@ -420,6 +420,25 @@ impl Driver {
         self.exposures.expose(pool, tenancies, peer, trust)
     }
 
+    /// Records an exposure the pool already marked, under the token it was
+    /// marked with. The order matters where the driver can run
+    /// [`Driver::lost`] or [`Driver::fenced`] for `peer` between the two
+    /// steps (a posting thread exposes while the driver handles the peer's
+    /// loss): recorded first and marked after, the loss would forget the
+    /// record while its fence, minted before the mark, does not cover the
+    /// exposure, which then nothing could settle; marked first, the fence
+    /// covers it, or the record comes after the loss and stays.
+    pub fn expose_with(
+        &mut self,
+        pool: PoolId,
+        tenancies: &[Tenancy],
+        peer: PeerId,
+        trust: Trust,
+        token: ExposureToken,
+    ) {
+        self.exposures.expose_with(pool, tenancies, peer, trust, token)
+    }
+
     /// Removes the exposure of `t` to `peer` for a settlement the backend
     /// observed by itself ([`ExposureTable::take`]).
     pub fn take(&mut self, pool: PoolId, t: Tenancy, peer: PeerId) -> bool {

@@ -189,10 +189,25 @@ impl ExposureTable {
     /// replaced: that tenancy is over.
     pub fn expose(&mut self, pool: PoolId, tenancies: &[Tenancy], peer: PeerId, trust: Trust) -> ExposureToken {
         let token = ExposureToken::random();
+        self.expose_with(pool, tenancies, peer, trust, token);
+        token
+    }
+
+    /// [`ExposureTable::expose`] under a token minted before: for a backend
+    /// that marks the pool's slots exposed first and records them here
+    /// after, so that a fence or loss of `peer` in between either covers
+    /// the pool's exposure or finds it recorded (see [`Driver::expose_with`](super::Driver::expose_with)).
+    pub fn expose_with(
+        &mut self,
+        pool: PoolId,
+        tenancies: &[Tenancy],
+        peer: PeerId,
+        trust: Trust,
+        token: ExposureToken,
+    ) {
         for t in tenancies {
             self.map.insert((pool, t.slot), Exposure { generation: t.generation, peer, token, trust });
         }
-        token
     }
 
     /// The token `t` of `pool` is exposed to `peer` under, if it is (what a
