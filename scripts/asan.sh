@@ -12,4 +12,5 @@ fi
 target="$(rustc -vV | sed -n 's/^host: //p')"
 RUSTFLAGS="-Zsanitizer=address" ASAN_OPTIONS="detect_leaks=0" \
     cargo +nightly test --target "$target" --target-dir target/asan \
-    -p backend-mori -p backend-tcp-sim --test adapter_sim --test loopback_engine --test sim "${1:-hostile}"
+    -p backend-mori -p backend-tcp-sim --features backend-mori/sim \
+    --test adapter_sim --test loopback_engine --test sim "${1:-hostile}"
