@@ -83,3 +83,18 @@ pub fn connect(init: &dyn Target, target: &dyn Target, slots: usize, block: usiz
         target.expose(target_pool.reserve(slots)?, peer).map_err(|e| anyhow!("expose: {}", e.kind))?;
     Ok(Pair { pool, target_pool, exposed, remote })
 }
+
+/// A rig's teardown after it aborted the target's exposure: waits (at most
+/// `wait`) until the target's pool has nothing quarantined and every slot
+/// back, and says so on stderr if not (`why`: what the proof waits for).
+pub fn await_settled(pool: &SlotPool, backend: &str, why: &str, wait: std::time::Duration) {
+    let deadline = std::time::Instant::now() + wait;
+    let whole = |m: &kv_transfer_core::MetricsSnapshot| m.quarantined == 0 && m.free == m.capacity;
+    while !whole(&pool.metrics()) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let left = pool.metrics().quarantined;
+    if left > 0 {
+        eprintln!("{backend} teardown: {left} target slot(s) still quarantined ({why})");
+    }
+}

@@ -13,7 +13,7 @@ use backend_mooncake::{
     AdapterConfig, EngineConfig, MooncakeEngine, MooncakeTransfer, ProtoVersion, TcpTransportConfig,
 };
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Longest wait at teardown for the initiator's ABORT_ACK.
 const SETTLE_WAIT: Duration = Duration::from_secs(10);
@@ -45,18 +45,7 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
         // ABORT / ABORT_ACK: the initiator acks once its tasks on these slots
         // are finished (they are: the loop waited for every handle).
         exposed.abort();
-        let t0 = Instant::now();
-        while t0.elapsed() < SETTLE_WAIT {
-            let m = tpool.metrics();
-            if m.quarantined == 0 && m.free == m.capacity {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        let m = tpool.metrics();
-        if m.quarantined != 0 {
-            eprintln!("mooncake: {} target slots still quarantined at teardown (no ABORT_ACK)", m.quarantined);
-        }
+        super::await_settled(&tpool, "mooncake", "no ABORT_ACK", SETTLE_WAIT);
         drop(target);
         drop(keep);
     });

@@ -15,7 +15,7 @@ use backend_nixl::{AdapterConfig, NixlTransfer};
 use kv_transfer_core::Transfer;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long teardown waits for the exposure to settle and for each side to shut down.
 const TEARDOWN: Duration = Duration::from_secs(5);
@@ -42,14 +42,7 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
         // abort it; the initiator acknowledges (ABORT_ACK) once every request of it
         // on these slots is terminal, which settles them (`Completed`).
         exposed.abort();
-        let deadline = Instant::now() + TEARDOWN;
-        while tpool.metrics().quarantined > 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let left = tpool.metrics().quarantined;
-        if left > 0 {
-            eprintln!("nixl teardown: {left} target slot(s) still quarantined (no acknowledgement)");
-        }
+        super::await_settled(&tpool, "nixl", "no acknowledgement", TEARDOWN);
         // The initiator first: its kept requests are released before the target
         // deregisters the memory they name.
         let ri = init.shutdown(TEARDOWN);

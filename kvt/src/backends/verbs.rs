@@ -8,7 +8,7 @@ use super::{connect, Pair, Rig};
 use anyhow::Context;
 use backend_verbs::{LabEnv, VerbsConfig, VerbsTransfer};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
     let env = LabEnv::from_env();
@@ -23,14 +23,8 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
     let keep = transfer.clone();
     let teardown = Box::new(move || {
         exposed.abort();
-        // Bounded: the revoke is a local invalidation per slot.
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(10) && tpool.metrics().quarantined != 0 {
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        if tpool.metrics().quarantined != 0 {
-            eprintln!("verbs: {} target slots still quarantined at teardown", tpool.metrics().quarantined);
-        }
+        // The revoke is a local invalidation per slot.
+        super::await_settled(&tpool, "verbs", "not revoked", Duration::from_secs(10));
         drop(target);
         drop(keep);
     });

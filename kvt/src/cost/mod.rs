@@ -99,6 +99,9 @@ pub(crate) struct CostArgs {
     run: Option<String>,
 }
 
+/// Largest transfer counted (each side allocates it).
+const MAX_SIZE: usize = 64 << 20;
+
 /// One row of the report.
 #[derive(Clone, Debug, Serialize)]
 struct Row {
@@ -122,7 +125,7 @@ pub(crate) fn cmd(a: CostArgs) -> anyhow::Result<()> {
             bail!("--backend lists {} twice", b.name());
         }
     }
-    if a.sizes.iter().any(|&s| s == 0 || s > 64 << 20) {
+    if a.sizes.iter().any(|&s| s == 0 || s > MAX_SIZE) {
         bail!("--sizes: each between 1 B and 64 MiB");
     }
     valgrind_present()?;
@@ -239,7 +242,7 @@ fn run_spec(spec: &str) -> anyhow::Result<()> {
     };
     let size: usize = it.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
     let count: u64 = it.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
-    if it.next().is_some() || size == 0 {
+    if it.next().is_some() || size == 0 || size > MAX_SIZE {
         return Err(bad());
     }
     paths::run(backend, path, size, count)
@@ -258,8 +261,15 @@ mod tests {
 
     #[test]
     fn a_malformed_run_spec_is_refused() {
-        for spec in ["", "tcp-sim", "tcp-sim:adapter", "nope:adapter:4096:1", "tcp-sim:both:4096:1", "tcp-sim:raw:0:1"]
-        {
+        for spec in [
+            "",
+            "tcp-sim",
+            "tcp-sim:adapter",
+            "nope:adapter:4096:1",
+            "tcp-sim:both:4096:1",
+            "tcp-sim:raw:0:1",
+            "tcp-sim:raw:1099511627776:1",
+        ] {
             assert!(run_spec(spec).is_err(), "{spec:?} accepted");
         }
     }

@@ -233,18 +233,6 @@ fn raw_nixl(size: usize, total: u64) -> anyhow::Result<()> {
     res
 }
 
-/// Waits (bounded) until `pool` has nothing quarantined: a rig's teardown
-/// after it aborted its exposure (the drain or the ladder settles it).
-fn settle_wait(pool: &SlotPool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while pool.metrics().quarantined > 0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    if pool.metrics().quarantined > 0 {
-        eprintln!("teardown: {} target slot(s) still quarantined", pool.metrics().quarantined);
-    }
-}
-
 /// Two verbs adapters on one software fabric, connected: the verbs rig.
 fn verbs_rig(size: usize) -> anyhow::Result<crate::backends::Rig> {
     use backend_verbs::{FakeFabric, VerbsConfig, VerbsTransfer};
@@ -258,7 +246,7 @@ fn verbs_rig(size: usize) -> anyhow::Result<crate::backends::Rig> {
     let keep = transfer.clone();
     let teardown = Box::new(move || {
         exposed.abort();
-        settle_wait(&target_pool);
+        crate::backends::await_settled(&target_pool, "verbs", "not revoked", Duration::from_secs(10));
         drop(target);
         drop(keep);
         drop(fabric);
@@ -332,7 +320,7 @@ fn mori_rig(size: usize) -> anyhow::Result<crate::backends::Rig> {
     let pool = init.pool.clone();
     let teardown = Box::new(move || {
         exposed.abort();
-        settle_wait(&target.pool);
+        crate::backends::await_settled(&target.pool, "mori", "not revoked", Duration::from_secs(10));
         drop((target, init, fabric));
     });
     Ok(crate::backends::Rig { backend: "mori", transfer, pool, remote, teardown })
