@@ -56,6 +56,12 @@
 //! - `naive-positive-control`: `ReleasePolicy::Naive`, the race tests' positive
 //!   control, which frees aborted slots without a proof. Only the demo, `kvt
 //!   race` and the tests enable it, never a server.
+//! - `cuda`: [`CudaRegion`], slots in a GPU's memory. The driver is loaded at
+//!   run time: the feature builds with no CUDA toolkit and no driver, and
+//!   reports their absence as a typed [`DeviceError`].
+//! - `fake-device` (Linux): [`FakeDeviceRegion`], device-like memory whose
+//!   address faults on any CPU access, so that tests on a host without a GPU
+//!   catch code that reads a device slot through its address.
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_op_in_unsafe_fn)]
@@ -89,7 +95,11 @@ pub use lease::{
 pub use metrics::{LatencySummary, MetricsSnapshot};
 pub use pool::{AdmissionError, DeliveryReport, PoolConfig, PoolError, SlotPool};
 pub use proof::{Completed, Fenced, Revoked, Settlement, SettlementAuthority, SettlementKind};
-pub use region::{HostRegion, MemoryKind, Region, RegionError};
+#[cfg(all(feature = "fake-device", target_os = "linux"))]
+pub use region::FakeDeviceRegion;
+#[cfg(feature = "cuda")]
+pub use region::{cuda_device_count, cuda_driver_present, CudaRegion};
+pub use region::{DeviceError, HostRegion, MemoryKind, Region, RegionError, SlotMemory, UnknownMemory};
 pub use remote::{RemoteSlot, RemoteSlots};
 pub use target::{BackendError, ExposeError, ExposeErrorKind, Target};
 pub use transfer::{

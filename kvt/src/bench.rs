@@ -20,7 +20,7 @@
 use crate::measure::{measure, median, per_thread, BenchConfig};
 use anyhow::{anyhow, bail, Context as _};
 use backend_tcp_sim::{NicConfig, SimNic};
-use kv_transfer_core::{HostRegion, Op, PoolConfig, RemoteSlots, SlotPool, Transfer};
+use kv_transfer_core::{Op, PoolConfig, RemoteSlots, SlotMemory, SlotPool, Transfer};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -46,6 +46,8 @@ pub struct Params {
     pub duration: Duration,
     /// Unmeasured time before it.
     pub warmup: Duration,
+    /// The memory both sides' slots live in (`--device`).
+    pub memory: SlotMemory,
 }
 
 impl Params {
@@ -195,10 +197,10 @@ pub fn op_name(op: Op) -> &'static str {
     }
 }
 
-/// Registers `slots` slots of `block` bytes with a simulator NIC.
-pub fn register(nic: &SimNic, slots: usize, block: usize) -> anyhow::Result<SlotPool> {
-    let region = HostRegion::new(slots * block).map_err(|e| anyhow!("cannot allocate {} B: {e}", slots * block))?;
-    Ok(nic.register_pool(Arc::new(region), PoolConfig::new(block))?)
+/// Registers `slots` slots of `block` bytes in `memory` with a simulator NIC.
+pub fn register(nic: &SimNic, slots: usize, block: usize, memory: SlotMemory) -> anyhow::Result<SlotPool> {
+    let region = crate::backends::allocate(memory, slots, block)?;
+    Ok(nic.register_pool(region, PoolConfig::new(block))?)
 }
 
 /// Both ends in this process, on loopback, through `rig`'s backend.
@@ -261,7 +263,14 @@ fn recv(r: &mut BufReader<TcpStream>) -> anyhow::Result<Value> {
 
 /// Target mode: serves `sessions` initiators one after the other on
 /// `listen`, and gives up after `idle` without a new initiator.
-pub fn serve(listen: &str, sessions: u32, idle: Duration, log: &dyn Fn(String)) -> anyhow::Result<()> {
+/// Its slots live in `memory`.
+pub fn serve(
+    listen: &str,
+    sessions: u32,
+    idle: Duration,
+    memory: SlotMemory,
+    log: &dyn Fn(String),
+) -> anyhow::Result<()> {
     let l = TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
     log(format!("kvt bench target: control on {}, serving {sessions} session(s)", l.local_addr()?));
     l.set_nonblocking(true)?;
@@ -281,7 +290,7 @@ pub fn serve(listen: &str, sessions: u32, idle: Duration, log: &dyn Fn(String)) 
             }
         };
         s.set_nonblocking(false)?;
-        match session(s) {
+        match session(s, memory) {
             Ok(()) => log(format!("session {} from {from}: done", n + 1)),
             Err(e) => log(format!("session {} from {from}: {e:#}", n + 1)),
         }
@@ -289,7 +298,7 @@ pub fn serve(listen: &str, sessions: u32, idle: Duration, log: &dyn Fn(String)) 
     Ok(())
 }
 
-fn session(mut s: TcpStream) -> anyhow::Result<()> {
+fn session(mut s: TcpStream, memory: SlotMemory) -> anyhow::Result<()> {
     s.set_read_timeout(Some(Duration::from_secs(3600)))?;
     let mut r = BufReader::new(s.try_clone()?);
     let hello = recv(&mut r)?;
@@ -302,7 +311,7 @@ fn session(mut s: TcpStream) -> anyhow::Result<()> {
         bail!(msg);
     }
     let nic = SimNic::start(NicConfig::new("kvt-target"))?;
-    let pool = register(&nic, slots, block)?;
+    let pool = register(&nic, slots, block, memory)?;
     send(&mut s, &json!({ "nic": nic.endpoint() }))?;
     let peer = nic.wait_for_peer(&name, Duration::from_secs(10)).ok_or_else(|| anyhow!("{name} did not connect"))?;
     let (exposed, remote) = nic.expose(pool.reserve(slots)?, peer).map_err(|e| anyhow!("{}", e.kind))?;
@@ -330,7 +339,7 @@ pub fn initiator(target: &str, p: &Params) -> anyhow::Result<Outcome> {
         .map(str::to_string)
         .ok_or_else(|| anyhow!("target sent no NIC endpoint"))?;
     let init = SimNic::start(NicConfig::new(name))?;
-    let ipool = register(&init, slots, p.block_size)?;
+    let ipool = register(&init, slots, p.block_size, p.memory)?;
     init.connect(&nic_ep)?;
     let remote: RemoteSlots = serde_json::from_value(
         recv(&mut r)?.get("remote").cloned().ok_or_else(|| anyhow!("target sent no descriptor"))?,

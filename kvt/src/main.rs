@@ -25,7 +25,7 @@ use anyhow::{anyhow, bail};
 use backend_tcp_sim::ReleasePolicy;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use kv_transfer_core::Op;
+use kv_transfer_core::{Op, SlotMemory};
 use kv_transfer_examples::race::{run_race, table, RaceConfig};
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -149,6 +149,11 @@ struct BenchArgs {
     /// Print machine-readable JSON instead of the table (no progress bar).
     #[arg(long)]
     json: bool,
+    /// Where the slots live: `host`, `fake-device` (device-like memory that
+    /// faults on any CPU access) or `cuda[:N]` (a GPU; kvt built with the
+    /// feature `cuda`). Device memory: tcp-sim only on this host.
+    #[arg(long, default_value = "host")]
+    device: SlotMemory,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -194,6 +199,11 @@ struct RaceArgs {
     /// Bytes per slot.
     #[arg(long, default_value = "256", value_parser = units::parse_size)]
     slot_size: usize,
+    /// Where every pool's slots live: `host`, `fake-device` (faults on any
+    /// CPU access through a slot's address) or `cuda[:N]` (feature `cuda`).
+    /// Device memory: tcp-sim only.
+    #[arg(long, default_value = "host")]
+    device: SlotMemory,
     /// Print the reports as JSON (no progress bar).
     #[arg(long)]
     json: bool,
@@ -315,7 +325,7 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
     }
     if a.mode == Mode::Target {
         let quiet = a.json;
-        return bench::serve(&a.listen, a.sessions, a.idle_timeout, &|m| {
+        return bench::serve(&a.listen, a.sessions, a.idle_timeout, a.device, &|m| {
             if !quiet {
                 eprintln!("{m}");
             }
@@ -352,6 +362,7 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
             threads: a.threads,
             duration: a.duration,
             warmup: a.warmup,
+            memory: a.device,
         };
         let total = (a.duration + a.warmup).as_millis() as u64;
         let pb = bar(total.max(1), a.json, "{msg} [{bar:40}] {elapsed_precise}");
@@ -367,7 +378,8 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
         let (target, p2) = (target.clone(), p.clone());
         let job = std::thread::spawn(move || match target {
             Some(t) => bench::initiator(&t, &p2),
-            None => backends::loopback_rig(backend, p2.slots()?, p2.block_size).and_then(|r| bench::loopback(r, &p2)),
+            None => backends::loopback_rig(backend, p2.slots()?, p2.block_size, p2.memory)
+                .and_then(|r| bench::loopback(r, &p2)),
         });
         let t0 = std::time::Instant::now();
         while !job.is_finished() {
@@ -490,6 +502,7 @@ fn race_cmd(a: RaceArgs) -> anyhow::Result<bool> {
             slots_per_request: a.slots_per_request,
             slot_size: a.slot_size,
             blocker_bytes: a.blocker,
+            memory: a.device,
             ..RaceConfig::default()
         };
         let pb = bar(a.requests.max(1), a.json, "{msg} [{bar:40}] {pos}/{len} requests {per_sec} eta {eta}");

@@ -2,11 +2,12 @@
 
 use kv_transfer_core::drain::ReleasePolicy;
 use kv_transfer_core::{
-    EscalationLadder, Exposed, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer, TransferError,
-    TransferHandle,
+    EscalationLadder, Exposed, Region, RemoteSlots, Reserved, SlotLease, SlotMemory, SlotPool, Tenancy, Transfer,
+    TransferError, TransferHandle,
 };
 use std::any::Any;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A scenario's failure: what was expected and what was seen.
@@ -65,6 +66,18 @@ pub struct RigConfig {
     /// may settle an exposure (token, authenticated sender), so the
     /// hostile-peer scenarios can show their attacks succeed without them.
     pub policy: ReleasePolicy,
+    /// The memory both sides' slots live in. [`SlotMemory::FakeDevice`]
+    /// faults on any CPU access through a slot's address, so a cell run on it
+    /// (`<scenario>::<backend>_device`, [`OnDevice`]) proves that no path of
+    /// the backend dereferences a device slot on the CPU.
+    pub memory: SlotMemory,
+}
+
+impl RigConfig {
+    /// A region of `slots` slots in the configured memory.
+    pub fn region(&self, slots: usize) -> Result<Arc<dyn Region>, Failure> {
+        self.memory.allocate(slots.max(1) * self.slot_size).map_err(|e| fail("region")(&e))
+    }
 }
 
 impl Default for RigConfig {
@@ -77,6 +90,7 @@ impl Default for RigConfig {
             prefill_process: false,
             can_hold: true,
             policy: ReleasePolicy::Safe,
+            memory: SlotMemory::Host,
         }
     }
 }
@@ -145,6 +159,63 @@ pub trait Backend {
     fn race(&self) -> Option<RaceRunner> {
         None
     }
+    /// The memory its rigs put slots in ([`OnDevice`] says device memory).
+    fn memory(&self) -> SlotMemory {
+        SlotMemory::Host
+    }
+}
+
+/// A backend whose rigs put every slot in device-like memory that faults on
+/// the CPU ([`SlotMemory::FakeDevice`]): its cells are named
+/// `<scenario>::<backend>_device`. A backend that cannot register device
+/// memory ([`Provides::device_memory`] is `None`) has them listed as ignored,
+/// with why.
+pub struct OnDevice {
+    inner: Box<dyn Backend>,
+    name: &'static str,
+}
+
+impl OnDevice {
+    /// `inner`, on device memory.
+    pub fn new(inner: Box<dyn Backend>) -> Self {
+        // Interned: the matrix builds its backends once per test.
+        static NAMES: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+        let want = format!("{}_device", inner.name());
+        let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
+        let name = match names.iter().find(|n| **n == want) {
+            Some(n) => *n,
+            None => {
+                let n: &'static str = Box::leak(want.into_boxed_str());
+                names.push(n);
+                n
+            }
+        };
+        Self { inner, name }
+    }
+}
+
+impl Backend for OnDevice {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn available(&self) -> Result<(), String> {
+        self.inner.available()
+    }
+    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+        self.inner.rig(&RigConfig { memory: SlotMemory::FakeDevice, ..cfg.clone() })
+    }
+    fn provides(&self) -> Provides {
+        self.inner.provides()
+    }
+    fn runs_elsewhere_in_ci(&self) -> bool {
+        self.inner.runs_elsewhere_in_ci()
+    }
+    fn memory(&self) -> SlotMemory {
+        SlotMemory::FakeDevice
+    }
+    fn race(&self) -> Option<RaceRunner> {
+        self.inner.race()
+    }
 }
 
 /// What a backend's rigs provide beyond the basics ([`Backend::provides`]).
@@ -167,10 +238,13 @@ pub struct Provides {
     pub raw_peer: bool,
     /// A peer that stalls mid-payload ([`Rig::expose_to_stalled_peer`]).
     pub stalled_peer: bool,
+    /// Slots in device memory ([`RigConfig::memory`]): `Ok` when the rigs
+    /// take it, or what the backend lacks for it.
+    pub device_memory: Result<(), &'static str>,
 }
 
 impl Default for Provides {
-    /// Everything but an out-of-process prefill side.
+    /// Everything but an out-of-process prefill side and device memory.
     fn default() -> Self {
         Self {
             prefill_process: false,
@@ -181,6 +255,7 @@ impl Default for Provides {
             malformed_frames: true,
             raw_peer: true,
             stalled_peer: true,
+            device_memory: Err("device memory in this backend's rigs"),
         }
     }
 }

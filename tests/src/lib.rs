@@ -84,7 +84,7 @@ pub mod scenarios;
 pub mod sim;
 pub mod verbs;
 
-pub use harness::{Backend, Failure, Rig, RigConfig, SenderIdentity};
+pub use harness::{Backend, Failure, OnDevice, Rig, RigConfig, SenderIdentity};
 
 /// Every backend compiled into the suite, available or not.
 /// `prefill_worker`: path of the `prefill-worker` binary (for the
@@ -102,6 +102,15 @@ pub fn backends(prefill_worker: Option<std::path::PathBuf>) -> Vec<Box<dyn Backe
     all.extend(mori_verbs::backends());
     all.extend(verbs::backends());
     all
+}
+
+/// The conformance matrix's columns: every backend compiled in ([`backends`]),
+/// then each again with its slots in device-like memory ([`OnDevice`],
+/// `<backend>_device`).
+pub fn matrix_backends(prefill_worker: Option<std::path::PathBuf>) -> Vec<Box<dyn Backend>> {
+    let host = backends(prefill_worker.clone());
+    let device = backends(prefill_worker).into_iter().map(|b| Box::new(OnDevice::new(b)) as Box<dyn Backend>);
+    host.into_iter().chain(device).collect()
 }
 
 /// Whether `CI=true` is set: a backend whose engine is missing then fails

@@ -298,6 +298,7 @@ impl Backend for MooncakeBackend {
             raw_access: false,
             // Over RDMA a WRITE is the NIC's whole message.
             stalled_peer: !self.wire.keyed(),
+            device_memory: Err("staging of device slots in the Mooncake transports (they address host memory)"),
             ..Provides::default()
         }
     }

@@ -40,6 +40,12 @@ impl Backend for MoriBackend {
     fn available(&self) -> Result<(), String> {
         Ok(())
     }
+    fn provides(&self) -> crate::harness::Provides {
+        crate::harness::Provides {
+            device_memory: Err("device memory in MORI's engine (its registered buffers are host memory)"),
+            ..Default::default()
+        }
+    }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
         if cfg.prefill_process {
             return Err(Failure("the MORI rig has no out-of-process prefill side".into()));

@@ -120,6 +120,7 @@ impl Backend for NixlBackend {
             // The wire is UCX's.
             raw_access: false,
             malformed_frames: false,
+            device_memory: Err("VRAM registration, which needs a GPU (scripts/device-check.sh)"),
             ..Provides::default()
         }
     }

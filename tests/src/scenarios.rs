@@ -860,7 +860,7 @@ pub fn race_safe(r: &kv_transfer_examples::race::RaceReport, wanted: u64) -> Res
 /// Scenario 2 through `b`'s own race, under `policy`, checked.
 pub fn reassignment_race(b: &dyn Backend, policy: kv_transfer_core::drain::ReleasePolicy) -> Result<(), Failure> {
     let run = b.race().ok_or_else(|| Failure(format!("{} has no race of its own here", b.name())))?;
-    let cfg = race_config(policy);
+    let cfg = kv_transfer_examples::race::RaceConfig { memory: b.memory(), ..race_config(policy) };
     let r = run(&cfg, &mut |_, _| {}).map_err(err("race"))?;
     if policy.is_naive() {
         race_positive_control(&r, cfg.requests)

@@ -8,8 +8,8 @@ use backend_tcp_sim::wire::{self, Body};
 use backend_tcp_sim::{block_on, FaultPlan, Gate, NicConfig, RawAccess, SimNic};
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
-    Exposed, Generation, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy,
-    Transfer, TransferError, TransferHandle, TransferOptions,
+    Exposed, Generation, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy, Transfer,
+    TransferError, TransferHandle, TransferOptions,
 };
 use kv_transfer_testkit::payload::{pattern, Tag};
 use kv_transfer_testkit::wait::wait_until;
@@ -19,7 +19,6 @@ use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// The TCP simulator. Always available.
@@ -89,7 +88,8 @@ impl Backend for SimBackend {
         Ok(())
     }
     fn provides(&self) -> Provides {
-        Provides { prefill_process: self.prefill_worker.is_some(), ..Provides::default() }
+        // Device slots are staged through host buffers by the NIC.
+        Provides { prefill_process: self.prefill_worker.is_some(), device_memory: Ok(()), ..Provides::default() }
     }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
         let n = RIGS.fetch_add(1, Ordering::Relaxed);
@@ -100,9 +100,9 @@ impl Backend for SimBackend {
             .with_max_wr_bytes((cfg.slot_size * 4).min(u32::MAX as usize) as u32);
         dcfg.revoke_wait = Duration::from_millis(200);
         let decode = SimNic::start(dcfg).map_err(|e| fail("decode NIC")(&e))?;
-        let region = HostRegion::new(cfg.decode_slots * cfg.slot_size).map_err(|e| fail("decode region")(&e))?;
+        let region = cfg.region(cfg.decode_slots)?;
         let dpool = decode
-            .register_pool(Arc::new(region), PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
+            .register_pool(region, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
             .map_err(|e| fail("decode pool")(&e))?;
         let pname = format!("prefill-{n}-{}", std::process::id());
         let prefill = if cfg.prefill_process {
@@ -125,10 +125,9 @@ impl Backend for SimBackend {
             Prefill::Process { child, stdin, peer }
         } else {
             let nic = SimNic::start(NicConfig::new(pname.clone())).map_err(|e| fail("prefill NIC")(&e))?;
-            let region = HostRegion::new(cfg.prefill_slots * cfg.slot_size).map_err(|e| fail("prefill region")(&e))?;
-            let pool = nic
-                .register_pool(Arc::new(region), PoolConfig::new(cfg.slot_size))
-                .map_err(|e| fail("prefill pool")(&e))?;
+            let region = cfg.region(cfg.prefill_slots)?;
+            let pool =
+                nic.register_pool(region, PoolConfig::new(cfg.slot_size)).map_err(|e| fail("prefill pool")(&e))?;
             let decode_at_prefill = nic.connect(decode.endpoint()).map_err(|e| fail("connect")(&e))?;
             let peer = decode
                 .wait_for_peer(&pname, Duration::from_secs(5))

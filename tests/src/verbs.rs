@@ -24,6 +24,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// Why the verbs columns cannot take device memory here.
+pub const DMABUF: &str = "a memory region over GPU memory (GPUDirect RDMA through a dma-buf: a GPU and a NIC that \
+                          can, see scripts/device-check.sh)";
+
 /// The verbs backends: the device (feature `verbs`) and the software NIC.
 pub fn backends() -> Vec<Box<dyn Backend>> {
     #[allow(unused_mut)]
@@ -149,6 +153,7 @@ impl Backend for VerbsBackend {
             stalled_peer: false,
             // The side channel refuses a bad hello before any frame.
             malformed_frames: false,
+            device_memory: Err(DMABUF),
             ..Provides::default()
         }
     }

@@ -15,7 +15,7 @@
 //! fence or none) is a cell per alternative.
 
 use kv_transfer_tests::harness::Provides;
-use kv_transfer_tests::{backends, ci, test_name, Backend, Failure};
+use kv_transfer_tests::{ci, matrix_backends, test_name, Backend, Failure};
 use libtest_mimic::{Arguments, Failed, Trial};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -39,6 +39,8 @@ enum Need {
     Revoke,
     Fence,
     NoFence,
+    /// Implicit in every cell of a `<backend>_device` column.
+    DeviceMemory,
     RawAccess,
     MalformedFrames,
     RawPeer,
@@ -55,6 +57,10 @@ impl Need {
             Need::Revoke => (p.revoke, "revocation (a key per tenancy)"),
             Need::Fence => (p.fence, "a fence (a connection the decode side can tear down with confirmation)"),
             Need::NoFence => (!p.fence, "a backend without a fence (this one settles by its fence)"),
+            Need::DeviceMemory => match p.device_memory {
+                Ok(()) => (true, ""),
+                Err(why) => (false, why),
+            },
             Need::RawAccess => (p.raw_access, "raw one-sided accesses (a software NIC)"),
             Need::MalformedFrames => (p.malformed_frames, "a wire the test can put malformed frames on"),
             Need::RawPeer => (p.raw_peer, "a peer under the test's control"),
@@ -65,7 +71,8 @@ impl Need {
 }
 
 fn unmet(needs: &[Need], b: &dyn Backend) -> Option<&'static str> {
-    needs.iter().find_map(|n| n.unmet(b))
+    let device: &[Need] = if b.memory().is_device() { &[Need::DeviceMemory] } else { &[] };
+    device.iter().chain(needs).find_map(|n| n.unmet(b))
 }
 
 type Cell = (&'static str, &'static [Need], Scenario);
@@ -126,7 +133,7 @@ const RACES: &[Cell] = &[
 /// Runs `scenario` against the backend named `backend` (built afresh on
 /// the trial's own thread: backends are not `Send`).
 fn run_one(backend: &'static str, scenario: Scenario) -> Result<(), Failed> {
-    let b = backends(worker())
+    let b = matrix_backends(worker())
         .into_iter()
         .find(|b| b.name() == backend)
         .ok_or_else(|| Failed::from(format!("backend {backend} is not compiled in")))?;
@@ -158,7 +165,7 @@ fn main() {
     let mut missing: BTreeMap<&'static str, (String, Vec<String>, bool)> = BTreeMap::new();
     // Test name -> why the scenario does not apply to its backend.
     let mut not_applicable: Vec<(String, &'static str)> = Vec::new();
-    for b in backends(worker()) {
+    for b in matrix_backends(worker()) {
         let backend = b.name();
         let unavailable = b.available().err();
         let ignore_missing = !ci || b.runs_elsewhere_in_ci();

@@ -6,6 +6,7 @@
 //! kv-transfer-tests --test race`). `KVT_RACE_SEED` sets the seed.
 
 use backend_tcp_sim::ReleasePolicy;
+use kv_transfer_core::SlotMemory;
 use kv_transfer_examples::race::{run_race, RaceConfig};
 use kv_transfer_tests::scenarios::{race_config, race_positive_control, race_safe};
 
@@ -29,6 +30,29 @@ fn s2_naive_policy_shows_corruption() {
 #[test]
 fn s2_safe_policy_zero_foreign_bytes() {
     let cfg = config(ReleasePolicy::Safe);
+    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
+    if let Err(f) = race_safe(&r, cfg.requests) {
+        panic!("{}", f.0);
+    }
+}
+
+/// The positive control on device-like memory (slots whose address faults on
+/// the CPU; the simulator stages them through host buffers): the hazard is
+/// the same, so the naive policy must still show corruption.
+#[test]
+fn s2_naive_policy_shows_corruption_on_device_memory() {
+    let cfg = RaceConfig { memory: SlotMemory::FakeDevice, ..config(ReleasePolicy::Naive) };
+    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
+    if let Err(f) = race_positive_control(&r, cfg.requests) {
+        panic!("{}", f.0);
+    }
+}
+
+/// The contract on device-like memory: zero foreign bytes, the pool whole,
+/// and no path touched a slot through its address (that would have crashed).
+#[test]
+fn s2_safe_policy_zero_foreign_bytes_on_device_memory() {
+    let cfg = RaceConfig { memory: SlotMemory::FakeDevice, ..config(ReleasePolicy::Safe) };
     let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
     if let Err(f) = race_safe(&r, cfg.requests) {
         panic!("{}", f.0);

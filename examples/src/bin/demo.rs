@@ -7,6 +7,7 @@
 //! cargo run --release -p kv-transfer-examples --bin demo
 //! cargo run --release -p kv-transfer-examples --bin demo -- --requests 20000 --abort-rate 0.5 --seed 7
 //! cargo run --release -p kv-transfer-examples --bin demo -- --policy safe --json
+//! cargo run --release -p kv-transfer-examples --bin demo -- --device fake-device
 //! ```
 
 use backend_tcp_sim::ReleasePolicy;
@@ -17,13 +18,16 @@ const USAGE: &str = "\
 demo: prefill and decode workers on loopback over the TCP simulator (separate NICs), the same seeded
 workload under the naive and the safe release policy, side by side.
 
-usage: demo [--requests N] [--abort-rate F] [--hold-rate F] [--seed S] [--policy naive|safe|both] [--json]
+usage: demo [--requests N] [--abort-rate F] [--hold-rate F] [--seed S] [--policy naive|safe|both]
+            [--device host|fake-device|cuda[:N]] [--json]
 
   --requests N      requests served per policy (default 10000)
   --abort-rate F    share of requests aborted while their writes are in flight (default 0.3)
   --hold-rate F     share of rounds whose writes are held at the decode NIC past their aborts (default 0.5)
   --seed S          seed of the schedule (default 1)
   --policy P        naive, safe or both (default both)
+  --device D        where the slots live: host (default), fake-device (device-like memory that faults on
+                    any CPU access) or cuda[:N] (a GPU; built with the feature cuda)
   --json            print the reports as JSON instead of the table";
 
 struct Args {
@@ -46,6 +50,7 @@ fn parse() -> Result<Option<Args>, String> {
             "--abort-rate" => cfg.abort_rate = val(&a)?.parse().map_err(|e| format!("--abort-rate: {e}"))?,
             "--hold-rate" => cfg.hold_rate = val(&a)?.parse().map_err(|e| format!("--hold-rate: {e}"))?,
             "--seed" => cfg.seed = val(&a)?.parse().map_err(|e| format!("--seed: {e}"))?,
+            "--device" => cfg.memory = val(&a)?.parse().map_err(|e| format!("--device: {e}"))?,
             "--policy" => {
                 policies = match val(&a)?.as_str() {
                     "naive" => vec![ReleasePolicy::Naive],
@@ -75,8 +80,9 @@ fn main() -> ExitCode {
     let c = &args.cfg;
     if !args.json {
         println!(
-            "kv-transfer demo: {} requests per policy, abort rate {}, hold rate {}, seed {}, {} slots of {} B per request",
-            c.requests, c.abort_rate, c.hold_rate, c.seed, c.slots_per_request, c.slot_size
+            "kv-transfer demo: {} requests per policy, abort rate {}, hold rate {}, seed {}, {} slots of {} B per \
+             request in {} memory",
+            c.requests, c.abort_rate, c.hold_rate, c.seed, c.slots_per_request, c.slot_size, c.memory
         );
         println!("prefill workers 0 and 1 -> decode worker, separate NICs over loopback TCP (tcp-sim)\n");
     }

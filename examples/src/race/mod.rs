@@ -41,7 +41,7 @@ use crate::payload::{pattern, verify, SlotCheck, Tag};
 use crate::wait::{poll_until, wait_until};
 use backend_tcp_sim::{block_on, splitmix64, DelayDist, FaultPlan, Gate, NicConfig, ReleasePolicy, SimNic};
 use kv_transfer_core::{
-    EscalationLadder, Exposed, HostRegion, LatencySummary, PeerId, PoolConfig, RemoteSlots, Settled, SlotLease,
+    EscalationLadder, Exposed, LatencySummary, PeerId, PoolConfig, Region, RemoteSlots, Settled, SlotLease, SlotMemory,
     SlotPool, Transfer, TransferError, TransferHandle, TransferOptions,
 };
 use serde::{Deserialize, Serialize};
@@ -84,6 +84,12 @@ pub struct RaceConfig {
     /// NIC gives a write behind a large one).
     #[serde(default = "default_blocker_bytes")]
     pub blocker_bytes: usize,
+    /// The memory every pool's slots live in. [`SlotMemory::FakeDevice`]
+    /// faults on any CPU access through a slot's address: the race then also
+    /// proves no path reads a device slot on the CPU (the simulator stages
+    /// device slots through host buffers; Mooncake and verbs refuse them).
+    #[serde(default)]
+    pub memory: SlotMemory,
 }
 
 fn default_blocker_bytes() -> usize {
@@ -108,6 +114,7 @@ impl Default for RaceConfig {
             timeout_ms: 5_000,
             digest: false,
             blocker_bytes: default_blocker_bytes(),
+            memory: SlotMemory::Host,
         }
     }
 }
@@ -250,10 +257,23 @@ struct Rig {
     p0name: String,
 }
 
-/// Memory for `slots` slots of `slot_size` bytes.
-pub(crate) fn pool_region(slots: usize, slot_size: usize) -> Result<Arc<HostRegion>, RaceError> {
+/// Memory for `slots` slots of `slot_size` bytes, in `memory`.
+pub(crate) fn pool_region(memory: SlotMemory, slots: usize, slot_size: usize) -> Result<Arc<dyn Region>, RaceError> {
     let bytes = slots.checked_mul(slot_size).ok_or_else(|| RaceError::Config("pool too large".into()))?;
-    HostRegion::new(bytes).map(Arc::new).map_err(setup_err)
+    memory.allocate(bytes).map_err(setup_err)
+}
+
+/// Refuses device memory for a race whose backend addresses host memory only.
+#[cfg(any(feature = "mooncake", feature = "verbs"))]
+pub(crate) fn host_memory_only(cfg: &RaceConfig, backend: &str) -> Result<(), RaceError> {
+    if cfg.memory.is_device() {
+        return Err(RaceError::Config(format!(
+            "the {backend} race takes host memory only (--device {} needs a backend that stages or registers \
+             device memory: tcp-sim)",
+            cfg.memory
+        )));
+    }
+    Ok(())
 }
 
 /// The decode pool's ladder: `drain_us` to drain, then 1 s to revoke, 5 s
@@ -266,9 +286,9 @@ pub(crate) fn race_ladder(cfg: &RaceConfig) -> EscalationLadder {
     }
 }
 
-fn pool(nic: &SimNic, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
-    let region = pool_region(slots, slot_size)?;
-    nic.register_pool(region, PoolConfig::new(slot_size).with_ladder(ladder)).map_err(setup_err)
+fn pool(nic: &SimNic, cfg: &RaceConfig, slots: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
+    let region = pool_region(cfg.memory, slots, cfg.slot_size)?;
+    nic.register_pool(region, PoolConfig::new(cfg.slot_size).with_ladder(ladder)).map_err(setup_err)
 }
 
 impl Rig {
@@ -284,7 +304,7 @@ impl Rig {
             ..FaultPlan::default()
         }))
         .map_err(setup_err)?;
-        let dpool = pool(&decode, cfg.round * k * 2, cfg.slot_size, ladder)?;
+        let dpool = pool(&decode, cfg, cfg.round * k * 2, ladder)?;
         let delay = if cfg.delay_max_us == 0 {
             DelayDist::None
         } else {
@@ -297,9 +317,9 @@ impl Rig {
             ..FaultPlan::default()
         }))
         .map_err(setup_err)?;
-        let p0pool = pool(&p0, cfg.round * k, cfg.slot_size, EscalationLadder::default())?;
+        let p0pool = pool(&p0, cfg, cfg.round * k, EscalationLadder::default())?;
         let p1 = SimNic::start(NicConfig::new(format!("race-prefill1-{tag}"))).map_err(setup_err)?;
-        let p1pool = pool(&p1, cfg.round * k * 2, cfg.slot_size, ladder)?;
+        let p1pool = pool(&p1, cfg, cfg.round * k * 2, ladder)?;
         p0.connect(decode.endpoint()).map_err(setup_err)?;
         let wait = Duration::from_millis(cfg.timeout_ms);
         let p0_peer = decode.wait_for_peer(&p0name, wait).ok_or_else(|| setup_err("prefill 0 did not connect"))?;

@@ -155,7 +155,7 @@ fn rdma_engines(nics: NicsFn<'_>, device: &str, policy: super::ReleasePolicy) ->
 }
 
 fn pool(t: &MooncakeTransfer, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
-    let region = super::pool_region(slots, slot_size)?;
+    let region = super::pool_region(kv_transfer_core::SlotMemory::Host, slots, slot_size)?;
     t.register_pool(region, PoolConfig::new(slot_size).with_ladder(ladder)).map_err(setup_err)
 }
 
@@ -460,6 +460,7 @@ pub fn run_mooncake_rdma_device_race(
 
 fn run(cfg: &RaceConfig, wire: Wire, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
     check_config(cfg)?;
+    super::host_memory_only(cfg, "Mooncake")?;
     let rig = Rig::start(cfg, wire)?;
     let mut run = Run {
         cfg,

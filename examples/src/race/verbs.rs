@@ -67,7 +67,7 @@ fn adapter(name: String, env: &LabEnv, policy: backend_tcp_sim::ReleasePolicy) -
 }
 
 fn pool(t: &VerbsTransfer, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
-    let region = super::pool_region(slots, slot_size)?;
+    let region = super::pool_region(kv_transfer_core::SlotMemory::Host, slots, slot_size)?;
     t.register_pool(region, PoolConfig::new(slot_size).with_ladder(ladder)).map_err(setup_err)
 }
 
@@ -321,6 +321,7 @@ impl Run<'_> {
 /// [`RaceConfig::blocker_bytes`] sets how long a held round's writes wait.
 pub fn run_verbs_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
     check_config(cfg)?;
+    super::host_memory_only(cfg, "verbs")?;
     let rig = Rig::start(cfg)?;
     let mut run = Run {
         cfg,

@@ -4,7 +4,7 @@
 
 use crate::Backend;
 use anyhow::{anyhow, bail, Context};
-use kv_transfer_core::{Exposed, HostRegion, PoolConfig, RemoteSlots, SlotLease, SlotPool, Target, Transfer};
+use kv_transfer_core::{Exposed, PoolConfig, Region, RemoteSlots, SlotLease, SlotMemory, SlotPool, Target, Transfer};
 use std::sync::Arc;
 
 #[cfg(feature = "mooncake")]
@@ -31,10 +31,25 @@ pub struct Rig {
     pub teardown: Box<dyn FnOnce() + Send>,
 }
 
-/// Builds `backend`'s loopback rig with `slots` slots of `block` bytes a side.
-pub fn loopback_rig(backend: Backend, slots: usize, block: usize) -> anyhow::Result<Rig> {
+/// `slots` slots of `block` bytes in `memory`.
+pub fn allocate(memory: SlotMemory, slots: usize, block: usize) -> anyhow::Result<Arc<dyn Region>> {
+    let len = slots.checked_mul(block).ok_or_else(|| anyhow!("{slots} slots of {block} B overflow"))?;
+    memory.allocate(len).map_err(|e| anyhow!("cannot allocate {len} B of {memory} memory: {e}"))
+}
+
+/// Builds `backend`'s loopback rig with `slots` slots of `block` bytes a
+/// side, in `memory`. Only the simulator takes device memory here (it stages
+/// device slots through host buffers); the others refuse it by name.
+pub fn loopback_rig(backend: Backend, slots: usize, block: usize, memory: SlotMemory) -> anyhow::Result<Rig> {
+    if memory.is_device() && backend != Backend::TcpSim {
+        bail!(
+            "--device {memory}: `{}` takes host memory only here (device slots: tcp-sim stages them; NIXL's VRAM \
+             and verbs' dma-buf registrations need a GPU, see scripts/device-check.sh)",
+            backend.name()
+        );
+    }
     match backend {
-        Backend::TcpSim => sim::rig(slots, block),
+        Backend::TcpSim => sim::rig(slots, block, memory),
         #[cfg(feature = "nixl")]
         Backend::Nixl => nixl::rig(slots, block),
         #[cfg(feature = "mooncake")]
@@ -68,11 +83,15 @@ pub struct Pair {
 }
 
 /// Connects `init` and `target` the one way every backend is driven.
-pub fn connect(init: &dyn Target, target: &dyn Target, slots: usize, block: usize) -> anyhow::Result<Pair> {
-    let region = || -> anyhow::Result<Arc<HostRegion>> {
-        let len = slots.checked_mul(block).ok_or_else(|| anyhow!("{slots} slots of {block} B overflow"))?;
-        Ok(Arc::new(HostRegion::new(len).map_err(|e| anyhow!("cannot allocate {len} B: {e}"))?))
-    };
+/// Both pools' slots live in `memory`.
+pub fn connect(
+    init: &dyn Target,
+    target: &dyn Target,
+    slots: usize,
+    block: usize,
+    memory: SlotMemory,
+) -> anyhow::Result<Pair> {
+    let region = || allocate(memory, slots, block);
     let pool = init.register_pool(region()?, PoolConfig::new(block)).context("registering the initiator's pool")?;
     let target_pool =
         target.register_pool(region()?, PoolConfig::new(block)).context("registering the target's pool")?;

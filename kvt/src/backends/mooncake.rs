@@ -35,7 +35,8 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
     // The initiator's shape as the adapter's own bench runs it.
     let init = side(8, 4)?;
     let target = side(2, 1)?;
-    let Pair { pool, target_pool: tpool, exposed, remote } = connect(&init, &target, slots, block)?;
+    let Pair { pool, target_pool: tpool, exposed, remote } =
+        connect(&init, &target, slots, block, kv_transfer_core::SlotMemory::Host)?;
     if exposed.peer().and_then(|p| target.peer_proto(p)) != Some(ProtoVersion::V2) {
         bail!("the initiator does not speak Mooncake TCP protocol v2");
     }

@@ -35,7 +35,8 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
         NixlTransfer::new_real(&format!("kvt-initiator-{tag}"), init_cfg)
             .context("kvt bench --backend nixl: cannot start the initiator agent")?,
     );
-    let Pair { pool: ipool, target_pool: tpool, exposed, remote } = connect(init.as_ref(), &target, slots, block)?;
+    let Pair { pool: ipool, target_pool: tpool, exposed, remote } =
+        connect(init.as_ref(), &target, slots, block, kv_transfer_core::SlotMemory::Host)?;
     let transfer: Arc<dyn Transfer> = init.clone();
     let teardown = Box::new(move || {
         // The loop posts without notifications, so no WRITE settles the exposure:

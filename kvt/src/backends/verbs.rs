@@ -18,7 +18,8 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
     };
     let init = side("initiator")?;
     let target = side("target")?;
-    let Pair { pool, target_pool: tpool, exposed, remote } = connect(&init, &target, slots, block)?;
+    let Pair { pool, target_pool: tpool, exposed, remote } =
+        connect(&init, &target, slots, block, kv_transfer_core::SlotMemory::Host)?;
     let transfer: Arc<VerbsTransfer> = Arc::new(init);
     let keep = transfer.clone();
     let teardown = Box::new(move || {

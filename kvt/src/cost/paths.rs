@@ -40,20 +40,23 @@ pub(super) fn available(b: CostBackend) -> anyhow::Result<()> {
 pub(super) fn run(b: CostBackend, path: Path, size: usize, count: u64) -> anyhow::Result<()> {
     let total = WARMUP + count;
     match (b, path) {
-        (CostBackend::TcpSim, Path::Adapter) => {
-            adapter(crate::backends::loopback_rig(crate::Backend::TcpSim, 1, size)?, total)
-        }
+        (CostBackend::TcpSim, Path::Adapter) => adapter(
+            crate::backends::loopback_rig(crate::Backend::TcpSim, 1, size, kv_transfer_core::SlotMemory::Host)?,
+            total,
+        ),
         (CostBackend::TcpSim, Path::Raw) => raw_sim(size, total),
         #[cfg(feature = "mooncake")]
-        (CostBackend::Mooncake, Path::Adapter) => {
-            adapter(crate::backends::loopback_rig(crate::Backend::Mooncake, 1, size)?, total)
-        }
+        (CostBackend::Mooncake, Path::Adapter) => adapter(
+            crate::backends::loopback_rig(crate::Backend::Mooncake, 1, size, kv_transfer_core::SlotMemory::Host)?,
+            total,
+        ),
         #[cfg(feature = "mooncake")]
         (CostBackend::Mooncake, Path::Raw) => raw_mooncake(size, total),
         #[cfg(feature = "nixl")]
-        (CostBackend::Nixl, Path::Adapter) => {
-            adapter(crate::backends::loopback_rig(crate::Backend::Nixl, 1, size)?, total)
-        }
+        (CostBackend::Nixl, Path::Adapter) => adapter(
+            crate::backends::loopback_rig(crate::Backend::Nixl, 1, size, kv_transfer_core::SlotMemory::Host)?,
+            total,
+        ),
         #[cfg(feature = "nixl")]
         (CostBackend::Nixl, Path::Raw) => raw_nixl(size, total),
         (CostBackend::Verbs, Path::Adapter) => adapter(verbs_rig(size)?, total),
@@ -113,7 +116,8 @@ fn raw_sim(size: usize, total: u64) -> anyhow::Result<()> {
 
     let target = SimNic::start(NicConfig::new("cost-target"))?;
     let init = SimNic::start(NicConfig::new("cost-initiator"))?;
-    let crate::backends::Pair { pool, exposed, remote, .. } = crate::backends::connect(&init, &target, 1, size)?;
+    let crate::backends::Pair { pool, exposed, remote, .. } =
+        crate::backends::connect(&init, &target, 1, size, kv_transfer_core::SlotMemory::Host)?;
     let key = init.key_of(&pool).ok_or_else(|| anyhow!("the initiator's pool has no key"))?;
     let access = RawAccess::of(&remote, 0).ok_or_else(|| anyhow!("no slot exposed"))?;
     let peer =
@@ -241,7 +245,7 @@ fn verbs_rig(size: usize) -> anyhow::Result<crate::backends::Rig> {
     let init = side("cost-initiator")?;
     let target = side("cost-target")?;
     let crate::backends::Pair { pool, target_pool, exposed, remote } =
-        crate::backends::connect(&init, &target, 1, size)?;
+        crate::backends::connect(&init, &target, 1, size, kv_transfer_core::SlotMemory::Host)?;
     let transfer: Arc<VerbsTransfer> = Arc::new(init);
     let keep = transfer.clone();
     let teardown = Box::new(move || {

@@ -1,10 +1,30 @@
 //! Registered memory that slots are carved from.
 //!
-//! A pool does not care where its bytes live: host memory now, device memory
-//! (CUDA through `cudarc`) later. It needs the address a NIC uses, the length,
-//! and a way to copy bytes in and out for the application's own reads and
-//! writes. Everything else (registration keys, memory windows) belongs to the
+//! A pool does not care where its bytes live: host memory ([`HostRegion`]),
+//! a GPU's memory ([`CudaRegion`], feature `cuda`) or device-like memory that
+//! faults on the CPU ([`FakeDeviceRegion`], feature `fake-device`, for tests
+//! on hosts without a GPU). It needs the address a NIC uses, the length, and
+//! a way to copy bytes in and out for the application's own reads and writes.
+//! Everything else (registration keys, memory windows) belongs to the
 //! backend.
+//!
+//! The rule for device memory: a slot's address is never dereferenced on the
+//! CPU. Every read of a slot's bytes (a consumer's read, a digest check, a
+//! socket backend's staging) goes through [`Region::read`] / [`Region::write`].
+
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+mod cuda;
+#[cfg(all(feature = "fake-device", target_os = "linux"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "fake-device")))]
+mod fake_device;
+mod memory;
+
+#[cfg(feature = "cuda")]
+pub use cuda::{cuda_device_count, cuda_driver_present, CudaRegion};
+#[cfg(all(feature = "fake-device", target_os = "linux"))]
+pub use fake_device::FakeDeviceRegion;
+pub use memory::{SlotMemory, UnknownMemory};
 
 use std::alloc::{self, Layout};
 use std::fmt;
@@ -48,6 +68,52 @@ pub enum RegionError {
     /// The memory kind cannot do this (for example a device copy without a driver).
     #[error("memory access failed: {0}")]
     Access(String),
+    /// Device memory could not be had or copied.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+/// Why device memory could not be had or copied.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeviceError {
+    /// This build has no support for the memory asked for.
+    #[error("{what} needs kv-transfer-core built with the feature `{feature}`")]
+    NotBuilt {
+        /// The memory asked for.
+        what: &'static str,
+        /// The feature that provides it.
+        feature: &'static str,
+    },
+    /// No CUDA driver library (`libcuda.so`) could be loaded.
+    #[error("no CUDA driver: libcuda.so could not be loaded (is the NVIDIA driver installed?)")]
+    NoDriver,
+    /// The device ordinal names no device.
+    #[error("no CUDA device {ordinal}: this host has {count}")]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: u32,
+        /// Devices present.
+        count: u32,
+    },
+    /// The device is out of memory.
+    #[error("{call}: out of device memory ({message})")]
+    OutOfMemory {
+        /// The driver call that failed.
+        call: &'static str,
+        /// The driver's words.
+        message: String,
+    },
+    /// Any other driver error.
+    #[error("{call} failed with CUDA error {code}: {message}")]
+    Driver {
+        /// The driver call that failed.
+        call: &'static str,
+        /// The driver's result code.
+        code: i32,
+        /// The driver's words.
+        message: String,
+    },
 }
 
 /// Memory that a pool's slots are carved from and that a backend registers
