@@ -297,10 +297,17 @@ impl TransferEngine for MooncakeEngine {
     }
 
     fn register_memory(&self, region: MemoryRegion) -> Result<(), EngineError> {
+        // Only the TCP transport stages device memory through host buffers;
+        // an RDMA NIC would need the device memory registered (dma-buf).
+        let protocol = self.transport()?.protocol();
+        if region.is_staged() && (protocol != "tcp" || self.cfg.target_hook.is_some()) {
+            return Err(EngineError::StagingUnsupported { protocol: protocol.to_string() });
+        }
+        let (addr, len) = (region.addr(), region.len());
         self.registry.register(region)?;
         if let Some(hook) = &self.cfg.target_hook {
-            if let Err(e) = hook.registered(region.addr(), region.len()) {
-                let _ = self.registry.unregister(region.addr());
+            if let Err(e) = hook.registered(addr, len) {
+                let _ = self.registry.unregister(addr);
                 return Err(e);
             }
         }

@@ -28,6 +28,12 @@ pub enum EngineError {
     /// A notify was not acknowledged with `success`.
     #[error("notify rejected by peer: {0:?}")]
     NotifyRejected(String),
+    /// Device memory (a staged region) on a transport that cannot stage it.
+    #[error("the {protocol} transport cannot move device memory (only TCP stages it through host buffers)")]
+    StagingUnsupported {
+        /// The engine's transport.
+        protocol: String,
+    },
     /// A memory region has zero length or wraps the address space.
     #[error("invalid memory region [{addr:#x}, +{len})")]
     InvalidRegion {

@@ -13,6 +13,12 @@
 //! are finished. Concurrent transfers that overlap the same bytes race, as they
 //! would on a NIC.
 //!
+//! Device memory (a GPU's, or core's faulting `FakeDeviceRegion`) is
+//! registered with the safe [`MemoryRegion::staged`]: the engine never
+//! dereferences its addresses, it moves the bytes through the region's own
+//! copies, staged in a host buffer, and a WRITE into it is acknowledged only
+//! after the copy into the region finished. Only the TCP transport can stage.
+//!
 //! The engine only ever touches memory inside a registered region, and
 //! `unregister_memory` refuses ([`crate::EngineError::RegionBusy`]) while any
 //! local task or remote request holds the region, so a successful unregister
@@ -22,13 +28,17 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
+use kv_transfer_core::{with_staging_buffer as with_staging, Region};
+
 use crate::error::EngineError;
 
-/// A range of memory the caller vouches for (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A range of memory the caller vouches for, or a region whose bytes move
+/// through its own copies (see the module docs).
+#[derive(Debug, Clone)]
 pub struct MemoryRegion {
     addr: u64,
     len: u64,
+    staging: Option<Arc<dyn Region>>,
 }
 
 impl MemoryRegion {
@@ -41,7 +51,17 @@ impl MemoryRegion {
     /// dropped), and the caller must not hold Rust references into it while
     /// transfers may touch it. See the module documentation.
     pub unsafe fn new(addr: u64, len: u64) -> Self {
-        Self { addr, len }
+        Self { addr, len, staging: None }
+    }
+    /// `region`, whose bytes the engine moves only through
+    /// [`Region::read`] / [`Region::write`] (device memory): safe, since no
+    /// address of it is ever dereferenced.
+    pub fn staged(region: Arc<dyn Region>) -> Self {
+        Self { addr: region.addr(), len: region.len() as u64, staging: Some(region) }
+    }
+    /// Whether its bytes move through the region's copies.
+    pub fn is_staged(&self) -> bool {
+        self.staging.is_some()
     }
     /// Start address.
     pub fn addr(&self) -> u64 {
@@ -62,6 +82,8 @@ struct Entry {
     addr: u64,
     len: u64,
     inflight: AtomicUsize,
+    /// Device memory: copies go through it, the address is never dereferenced.
+    staging: Option<Arc<dyn Region>>,
 }
 
 /// Registered regions, with an in-flight count per region.
@@ -90,44 +112,71 @@ impl RegionGuard {
     }
 
     /// Raw pointer to `addr` after checking `[addr, addr+len)` lies in the
-    /// held region; `None` otherwise.
+    /// held region; `None` otherwise, and for staged (device) memory, whose
+    /// addresses the CPU must not dereference.
     pub fn ptr(&self, addr: u64, len: u64) -> Option<*mut u8> {
+        self.offset(addr, len)?;
+        self.entry.staging.is_none().then_some(addr as usize as *mut u8)
+    }
+
+    /// Offset of `addr` in the held region, if `[addr, addr+len)` lies in it.
+    fn offset(&self, addr: u64, len: u64) -> Option<usize> {
         let end = addr.checked_add(len)?;
         if addr < self.entry.addr || end > self.entry.addr + self.entry.len {
             return None;
         }
-        Some(addr as usize as *mut u8)
+        usize::try_from(addr - self.entry.addr).ok()
     }
 
-    /// A shared slice over `[addr, addr+len)` of the held region.
+    /// Hands `f` the bytes of `[addr, addr+len)`: in place for host memory,
+    /// a staged copy for device memory. `None`: outside the region, or the
+    /// device copy failed.
     ///
     /// # Safety
-    /// No one may write these bytes while the slice lives (the caller's
-    /// registration contract plus the engine's own single writer per request).
-    pub(crate) unsafe fn slice(&self, addr: u64, len: u64) -> Option<&[u8]> {
-        let p = self.ptr(addr, len)?;
-        // SAFETY: inside a registered region (valid per the registration
-        // contract) and the guard keeps the registration alive.
-        Some(unsafe { std::slice::from_raw_parts(p, usize::try_from(len).ok()?) })
+    /// No one may write these bytes while `f` runs (the caller's registration
+    /// contract plus the engine's own single writer per request).
+    pub(crate) unsafe fn with_bytes<R>(&self, addr: u64, len: u64, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
+        let off = self.offset(addr, len)?;
+        let n = usize::try_from(len).ok()?;
+        match &self.entry.staging {
+            // SAFETY: inside a registered region (valid per the registration
+            // contract) and the guard keeps the registration alive.
+            None => Some(f(unsafe { std::slice::from_raw_parts(addr as usize as *const u8, n) })),
+            Some(region) => with_staging(n, |buf| region.read(off, buf).ok().map(|()| f(buf))),
+        }
     }
 
-    /// A mutable slice over `[addr, addr+len)` of the held region.
+    /// Lets `fill` write `[addr, addr+len)`: in place for host memory; for
+    /// device memory into a host buffer, copied into the region only after
+    /// `fill` succeeded, so a completion follows the device copy. `None`:
+    /// outside the region.
     ///
     /// # Safety
-    /// As [`RegionGuard::slice`], and no other access to these bytes may happen
-    /// while the slice lives.
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slice_mut(&self, addr: u64, len: u64) -> Option<&mut [u8]> {
-        let p = self.ptr(addr, len)?;
-        // SAFETY: as above; exclusivity is the caller's obligation.
-        Some(unsafe { std::slice::from_raw_parts_mut(p, usize::try_from(len).ok()?) })
+    /// As [`RegionGuard::with_bytes`], and no other access to these bytes may
+    /// happen while `fill` runs.
+    pub(crate) unsafe fn fill(
+        &self,
+        addr: u64,
+        len: u64,
+        fill: impl FnOnce(&mut [u8]) -> std::io::Result<()>,
+    ) -> Option<std::io::Result<()>> {
+        let off = self.offset(addr, len)?;
+        let n = usize::try_from(len).ok()?;
+        Some(match &self.entry.staging {
+            // SAFETY: as in `with_bytes`; exclusivity is the caller's obligation.
+            None => fill(unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut u8, n) }),
+            Some(region) => with_staging(n, |buf| {
+                fill(buf)?;
+                region.write(off, buf).map_err(std::io::Error::other)
+            }),
+        })
     }
 }
 
 impl MemoryRegistry {
     /// Registers a region. Zero length, wrap-around and overlap are rejected.
     pub fn register(&self, r: MemoryRegion) -> Result<(), EngineError> {
-        let (addr, len) = (r.addr, r.len);
+        let MemoryRegion { addr, len, staging } = r;
         let end = addr.checked_add(len);
         if len == 0 || addr == 0 || end.is_none() || usize::try_from(len).is_err() {
             return Err(EngineError::InvalidRegion { addr, len });
@@ -138,7 +187,7 @@ impl MemoryRegistry {
         if prev_overlaps {
             return Err(EngineError::RegionOverlap { addr, len });
         }
-        map.insert(addr, Arc::new(Entry { addr, len, inflight: AtomicUsize::new(0) }));
+        map.insert(addr, Arc::new(Entry { addr, len, inflight: AtomicUsize::new(0), staging }));
         tracing::debug!(addr, len, "registered memory");
         Ok(())
     }

@@ -533,8 +533,11 @@ fn serve_data_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
             TcpOpcode::Write => {
                 // SAFETY: the range lies inside a region held by `guard`; this
                 // thread is the only engine writer of it for this request.
-                let Some(dst) = (unsafe { guard.slice_mut(h.addr, h.size) }) else { return };
-                match read_exact_stop(s, dst, &sh.stop) {
+                let Some(filled) = (unsafe { guard.fill(h.addr, h.size, |dst| read_exact_stop(s, dst, &sh.stop)) })
+                else {
+                    return;
+                };
+                match filled {
                     Ok(()) => {
                         // Out of the exposure before the status word: the
                         // initiator's DONE (which closes the exposure) can
@@ -548,8 +551,12 @@ fn serve_data_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
             }
             TcpOpcode::Read => {
                 // SAFETY: as above; we only read the bytes.
-                let Some(src) = (unsafe { guard.slice(h.addr, h.size) }) else { return };
-                let ok = (!v2 || s.write_all(&StatusWord::Ok.encode()).is_ok()) && s.write_all(src).is_ok();
+                let sent = unsafe {
+                    guard.with_bytes(h.addr, h.size, |src| {
+                        (!v2 || s.write_all(&StatusWord::Ok.encode()).is_ok()) && s.write_all(src).is_ok()
+                    })
+                };
+                let Some(ok) = sent else { return };
                 drop(exposure);
                 if ok {
                     sh.stats.bytes_read.fetch_add(h.size, Ordering::Relaxed);

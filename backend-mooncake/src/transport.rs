@@ -296,8 +296,9 @@ fn run_one(s: &mut TcpStream, w: &TransportWork) -> Result<u64, TaskError> {
     match w.opcode {
         TcpOpcode::Write => {
             // SAFETY: inside the region held by `w.local`; we only read it.
-            let payload = unsafe { w.local.slice(w.local_addr, w.len) }.ok_or(TaskError::Dropped)?;
-            write_all_vectored(s, &hdr, payload).map_err(conn_err)?;
+            unsafe { w.local.with_bytes(w.local_addr, w.len, |payload| write_all_vectored(s, &hdr, payload)) }
+                .ok_or(TaskError::Dropped)?
+                .map_err(conn_err)?;
             if v2 {
                 read_status(s)?;
             }
@@ -309,8 +310,9 @@ fn run_one(s: &mut TcpStream, w: &TransportWork) -> Result<u64, TaskError> {
             }
             // SAFETY: inside the region held by `w.local`; this worker is the
             // only engine writer of this task's destination.
-            let dst = unsafe { w.local.slice_mut(w.local_addr, w.len) }.ok_or(TaskError::Dropped)?;
-            s.read_exact(dst).map_err(conn_err)?;
+            unsafe { w.local.fill(w.local_addr, w.len, |dst| s.read_exact(dst)) }
+                .ok_or(TaskError::Dropped)?
+                .map_err(conn_err)?;
         }
     }
     Ok(w.len)

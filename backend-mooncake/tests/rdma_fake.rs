@@ -260,3 +260,17 @@ fn rdma_grant_after_a_failed_bind_binds_on_a_fresh_queue_pair() {
     drop(target);
     drop(mem);
 }
+
+/// Device memory over RDMA would need the NIC to register it (dma-buf): the
+/// engine refuses a staged region by name instead of handing its address to
+/// the NIC, where the CPU-side software NIC would touch it.
+#[test]
+fn rdma_engine_refuses_device_memory_it_cannot_register() {
+    let fabric = FakeFabric::new(7);
+    let e = engine(&fabric);
+    let region = std::sync::Arc::new(kv_transfer_core::FakeDeviceRegion::new(1 << 16).unwrap());
+    match e.register_memory(MemoryRegion::staged(region)) {
+        Err(backend_mooncake::EngineError::StagingUnsupported { protocol }) => assert_eq!(protocol, "rdma"),
+        other => panic!("expected StagingUnsupported, got {other:?}"),
+    }
+}

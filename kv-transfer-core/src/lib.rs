@@ -99,7 +99,9 @@ pub use proof::{Completed, Fenced, Revoked, Settlement, SettlementAuthority, Set
 pub use region::FakeDeviceRegion;
 #[cfg(feature = "cuda")]
 pub use region::{cuda_device_count, cuda_driver_present, CudaRegion};
-pub use region::{DeviceError, HostRegion, MemoryKind, Region, RegionError, SlotMemory, UnknownMemory};
+pub use region::{
+    with_staging_buffer, DeviceError, HostRegion, MemoryKind, Region, RegionError, SlotMemory, UnknownMemory,
+};
 pub use remote::{RemoteSlot, RemoteSlots};
 pub use target::{BackendError, ExposeError, ExposeErrorKind, Target};
 pub use transfer::{

@@ -151,7 +151,7 @@ struct BenchArgs {
     json: bool,
     /// Where the slots live: `host`, `fake-device` (device-like memory that
     /// faults on any CPU access) or `cuda[:N]` (a GPU; kvt built with the
-    /// feature `cuda`). Device memory: tcp-sim only on this host.
+    /// feature `cuda`). Device memory: tcp-sim and mooncake (staged).
     #[arg(long, default_value = "host")]
     device: SlotMemory,
 }
@@ -201,7 +201,7 @@ struct RaceArgs {
     slot_size: usize,
     /// Where every pool's slots live: `host`, `fake-device` (faults on any
     /// CPU access through a slot's address) or `cuda[:N]` (feature `cuda`).
-    /// Device memory: tcp-sim only.
+    /// Device memory: tcp-sim and mooncake (staged).
     #[arg(long, default_value = "host")]
     device: SlotMemory,
     /// Print the reports as JSON (no progress bar).

@@ -48,8 +48,8 @@ use backend_mooncake::{
 };
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
-    ExposeErrorKind, Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy,
-    Transfer, TransferError, TransferHandle,
+    ExposeErrorKind, Exposed, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
+    TransferError, TransferHandle,
 };
 use std::any::Any;
 use std::io::{Read, Write};
@@ -298,7 +298,9 @@ impl Backend for MooncakeBackend {
             raw_access: false,
             // Over RDMA a WRITE is the NIC's whole message.
             stalled_peer: !self.wire.keyed(),
-            device_memory: Err("staging of device slots in the Mooncake transports (they address host memory)"),
+            // TCP stages device slots through host buffers; an RDMA NIC
+            // needs them registered (dma-buf).
+            device_memory: if self.wire.keyed() { Err(crate::verbs::DMABUF) } else { Ok(()) },
             ..Provides::default()
         }
     }
@@ -338,18 +340,17 @@ impl Backend for MooncakeBackend {
             AdapterConfig { release_policy: cfg.policy, keys, ..AdapterConfig::default() },
         )
         .map_err(|e| fail("decode adapter")(&e))?;
-        let region = HostRegion::new(cfg.decode_slots * cfg.slot_size).map_err(|e| fail("decode region")(&e))?;
+        let region = cfg.region(cfg.decode_slots)?;
         let dpool = decode
-            .register_pool(Arc::new(region), PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
+            .register_pool(region, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
             .map_err(|e| fail("decode pool")(&e))?;
         let (pengine, gate) = engines.gated()?;
         let engine = Arc::new(CrashableEngine { inner: pengine, dead: AtomicBool::new(false) });
         let transfer =
             MooncakeTransfer::new(engine.clone(), AdapterConfig::default()).map_err(|e| fail("prefill adapter")(&e))?;
-        let region = HostRegion::new(cfg.prefill_slots * cfg.slot_size).map_err(|e| fail("prefill region")(&e))?;
-        let pool = transfer
-            .register_pool(Arc::new(region), PoolConfig::new(cfg.slot_size))
-            .map_err(|e| fail("prefill pool")(&e))?;
+        let region = cfg.region(cfg.prefill_slots)?;
+        let pool =
+            transfer.register_pool(region, PoolConfig::new(cfg.slot_size)).map_err(|e| fail("prefill pool")(&e))?;
         let prefill_peer = decode.add_peer(transfer.segment_name()).map_err(|e| fail("decode add_peer")(&e))?;
         Ok(Box::new(MooncakeRig {
             name: self.name(),

@@ -189,9 +189,6 @@ pub enum AdapterError {
     /// The pool could not be built.
     #[error(transparent)]
     Pool(#[from] kv_transfer_core::PoolError),
-    /// Only host memory can be moved by the TCP transport.
-    #[error("region is not host memory; the TCP transport moves host memory only")]
-    NotHostMemory,
     /// The adapter cannot start a thread.
     #[error("cannot start adapter thread: {0}")]
     Thread(String),
@@ -513,16 +510,20 @@ impl MooncakeTransfer {
     ///
     /// The adapter keeps the region alive until the engine can no longer
     /// touch it (see [`Drop`](MooncakeTransfer#impl-Drop-for-MooncakeTransfer)).
+    ///
+    /// Device memory (no host pointer) is staged by the TCP transport through
+    /// host buffers; an engine on another transport refuses it
+    /// ([`crate::EngineError::StagingUnsupported`]).
     pub fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, AdapterError> {
-        if region.host_ptr().is_none() {
-            return Err(AdapterError::NotHostMemory);
-        }
         let (pool, authority) = SlotPool::new(region.clone(), config.with_capabilities(self.inner.caps()))?;
-        // SAFETY: the region is owned by the `Arc` the adapter keeps in
-        // `pools` until the engine unregistered it (or forever, leaked, if it
-        // never can: see `Drop`); every byte the engine touches lies in a
-        // slot that is exposed, so no lease reads or writes it meanwhile.
-        let mr = unsafe { MemoryRegion::new(region.addr(), region.len() as u64) };
+        let mr = match region.host_ptr() {
+            // SAFETY: the region is owned by the `Arc` the adapter keeps in
+            // `pools` until the engine unregistered it (or forever, leaked, if
+            // it never can: see `Drop`); every byte the engine touches lies in
+            // a slot that is exposed, so no lease reads or writes it meanwhile.
+            Some(_) => unsafe { MemoryRegion::new(region.addr(), region.len() as u64) },
+            None => MemoryRegion::staged(region.clone()),
+        };
         self.inner.engine.register_memory(mr)?;
         let weak: Weak<Inner> = Arc::downgrade(&self.inner);
         authority.on_quarantine(move || {
@@ -630,7 +631,9 @@ impl Target for MooncakeTransfer {
     fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, BackendError> {
         MooncakeTransfer::register_pool(self, region, config).map_err(|e| match e {
             AdapterError::Pool(p) => BackendError::Pool(p),
-            AdapterError::NotHostMemory => BackendError::Unsupported(e.to_string()),
+            e @ AdapterError::Engine(EngineError::StagingUnsupported { .. }) => {
+                BackendError::Unsupported(e.to_string())
+            }
             e => BackendError::Engine { backend: "mooncake", message: e.to_string() },
         })
     }

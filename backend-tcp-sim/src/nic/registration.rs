@@ -107,9 +107,12 @@ impl Reg {
             r.read_exact(dst)?;
             return Ok(true);
         }
-        let mut v = vec![0u8; len];
-        r.read_exact(&mut v)?;
-        Ok(self.region.write(off, &v).is_ok())
+        // Device memory: received into this thread's host buffer, copied into
+        // the slot before the write counts as landed.
+        kv_transfer_core::with_staging_buffer(len, |v| {
+            r.read_exact(v)?;
+            Ok(self.region.write(off, v).is_ok())
+        })
     }
 
     /// Borrow of `[off, off+len)` for sending, or a copy for non-host memory.

@@ -269,7 +269,7 @@ pub(crate) fn host_memory_only(cfg: &RaceConfig, backend: &str) -> Result<(), Ra
     if cfg.memory.is_device() {
         return Err(RaceError::Config(format!(
             "the {backend} race takes host memory only (--device {} needs a backend that stages or registers \
-             device memory: tcp-sim)",
+             device memory: tcp-sim, mooncake over TCP)",
             cfg.memory
         )));
     }

@@ -154,8 +154,14 @@ fn rdma_engines(nics: NicsFn<'_>, device: &str, policy: super::ReleasePolicy) ->
     Ok(Engines { decode, p0, p1, gate, p0_rdma })
 }
 
-fn pool(t: &MooncakeTransfer, slots: usize, slot_size: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
-    let region = super::pool_region(kv_transfer_core::SlotMemory::Host, slots, slot_size)?;
+fn pool(
+    t: &MooncakeTransfer,
+    memory: kv_transfer_core::SlotMemory,
+    slots: usize,
+    slot_size: usize,
+    ladder: EscalationLadder,
+) -> Result<SlotPool, RaceError> {
+    let region = super::pool_region(memory, slots, slot_size)?;
     t.register_pool(region, PoolConfig::new(slot_size).with_ladder(ladder)).map_err(setup_err)
 }
 
@@ -189,11 +195,11 @@ impl Rig {
         let Engines { decode, p0: e0, p1: e1, gate, p0_rdma } = engines;
         #[cfg(not(feature = "mooncake-rdma"))]
         let Engines { decode, p0: e0, p1: e1, gate } = engines;
-        let dpool = pool(&decode, cfg.round * k * 2, cfg.slot_size, super::race_ladder(cfg))?;
+        let dpool = pool(&decode, cfg.memory, cfg.round * k * 2, cfg.slot_size, super::race_ladder(cfg))?;
         let p0 = adapter(e0, safe)?;
-        let p0pool = pool(&p0, cfg.round * k, cfg.slot_size, EscalationLadder::default())?;
+        let p0pool = pool(&p0, cfg.memory, cfg.round * k, cfg.slot_size, EscalationLadder::default())?;
         let p1 = adapter(e1, safe)?;
-        let p1pool = pool(&p1, cfg.round * k * 2, cfg.slot_size, EscalationLadder::default())?;
+        let p1pool = pool(&p1, cfg.memory, cfg.round * k * 2, cfg.slot_size, EscalationLadder::default())?;
         let p0_peer = decode.add_peer(p0.segment_name()).map_err(setup_err)?;
         let p1_peer = decode.add_peer(p1.segment_name()).map_err(setup_err)?;
         p0.add_peer(decode.segment_name()).map_err(setup_err)?;
@@ -460,7 +466,11 @@ pub fn run_mooncake_rdma_device_race(
 
 fn run(cfg: &RaceConfig, wire: Wire, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
     check_config(cfg)?;
-    super::host_memory_only(cfg, "Mooncake")?;
+    if wire != Wire::Tcp {
+        // TCP stages device slots through host buffers; an RDMA NIC needs
+        // them registered (dma-buf, a GPU).
+        super::host_memory_only(cfg, "Mooncake RDMA")?;
+    }
     let rig = Rig::start(cfg, wire)?;
     let mut run = Run {
         cfg,

@@ -144,6 +144,37 @@ pub trait Region: Send + Sync + fmt::Debug + 'static {
     fn host_ptr(&self) -> Option<NonNull<u8>>;
 }
 
+std::thread_local! {
+    /// Each thread's staging buffer for device memory ([`with_staging_buffer`]).
+    static STAGING: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on a host buffer of `n` bytes: this thread's staging buffer,
+/// reused, so a backend that stages device slots through host memory (a
+/// socket backend: receive into it, then [`Region::write`]) allocates only
+/// when a transfer is larger than any before on this thread. The bytes it
+/// starts with are whatever the last use left.
+///
+/// ```
+/// let sum: u32 = kv_transfer_core::with_staging_buffer(4, |b| {
+///     b.copy_from_slice(&[1, 2, 3, 4]);
+///     b.iter().map(|x| u32::from(*x)).sum()
+/// });
+/// assert_eq!(sum, 10);
+/// ```
+pub fn with_staging_buffer<R>(n: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    STAGING.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            if buf.len() < n {
+                buf.resize(n, 0);
+            }
+            f(&mut buf[..n])
+        }
+        // Re-entered on this thread: a buffer of its own.
+        Err(_) => f(&mut vec![0u8; n]),
+    })
+}
+
 pub(crate) fn check_range(offset: usize, len: usize, region_len: usize) -> Result<(), RegionError> {
     match offset.checked_add(len) {
         Some(end) if end <= region_len => Ok(()),

@@ -38,13 +38,13 @@ pub fn allocate(memory: SlotMemory, slots: usize, block: usize) -> anyhow::Resul
 }
 
 /// Builds `backend`'s loopback rig with `slots` slots of `block` bytes a
-/// side, in `memory`. Only the simulator takes device memory here (it stages
-/// device slots through host buffers); the others refuse it by name.
+/// side, in `memory`. The socket backends take device memory (they stage it
+/// through host buffers); the others refuse it by name.
 pub fn loopback_rig(backend: Backend, slots: usize, block: usize, memory: SlotMemory) -> anyhow::Result<Rig> {
-    if memory.is_device() && backend != Backend::TcpSim {
+    if memory.is_device() && !matches!(backend, Backend::TcpSim | Backend::Mooncake) {
         bail!(
-            "--device {memory}: `{}` takes host memory only here (device slots: tcp-sim stages them; NIXL's VRAM \
-             and verbs' dma-buf registrations need a GPU, see scripts/device-check.sh)",
+            "--device {memory}: `{}` takes host memory only here (device slots: tcp-sim and mooncake stage them; \
+             NIXL's VRAM and verbs' dma-buf registrations need a GPU, see scripts/device-check.sh)",
             backend.name()
         );
     }
@@ -53,7 +53,7 @@ pub fn loopback_rig(backend: Backend, slots: usize, block: usize, memory: SlotMe
         #[cfg(feature = "nixl")]
         Backend::Nixl => nixl::rig(slots, block),
         #[cfg(feature = "mooncake")]
-        Backend::Mooncake => mooncake::rig(slots, block),
+        Backend::Mooncake => mooncake::rig(slots, block, memory),
         #[cfg(feature = "mori")]
         Backend::Mori => mori::rig(slots, block),
         Backend::MooncakeRdma => bail!(
