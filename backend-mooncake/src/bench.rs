@@ -221,6 +221,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
                 pool: PoolId(0),
                 key: 0,
                 slot_size: block as u64,
+                memory: Default::default(),
                 token: Default::default(),
                 slots: (0..batch)
                     .map(|i| RemoteSlot {

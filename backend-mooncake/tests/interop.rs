@@ -364,6 +364,7 @@ fn adapter_initiator_to_real_target() {
         pool: kv_transfer_core::PoolId(0),
         key: 0,
         slot_size: SLOT as u64,
+        memory: Default::default(),
         token: Default::default(),
         slots: slots
             .iter()

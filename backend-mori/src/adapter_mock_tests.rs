@@ -104,6 +104,7 @@ fn remote(n: usize) -> RemoteSlots {
         pool: PoolId(999),
         key: 5,
         slot_size: SLOT as u64,
+        memory: Default::default(),
         token: Default::default(),
         slots: (0..n)
             .map(|i| RemoteSlot {

@@ -67,9 +67,9 @@ impl RawRig {
         src.fill(0x11);
         // SAFETY: the buffers are fields of the rig, dropped after the
         // registrations (field order) and after every request was released.
-        let sreg = unsafe { ini.register_dram(&[src.region()], Some(&ib)) }?;
+        let sreg = unsafe { ini.register_mem(&[src.region()], Some(&ib)) }?;
         // SAFETY: as above.
-        let treg = unsafe { tgt.register_dram(&[dst.region()], Some(&tb)) }?;
+        let treg = unsafe { tgt.register_mem(&[dst.region()], Some(&tb)) }?;
         let remote = ini.load_remote_metadata(&tgt.local_metadata()?)?;
         Ok(Self { ini, ib, src, dst, remote, _regs: vec![sreg, treg], _keep: (tgt, tb) })
     }

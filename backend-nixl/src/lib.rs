@@ -27,7 +27,7 @@
 //! The layer is the trait [`engine::NixlEngine`] (mockable: `MockNixlEngine` with
 //! the `mock` feature), its real implementation [`engine::RealNixlEngine`], and
 //! the raw handle wrappers in [`engine::raw`]. `unsafe` stays inside this module
-//! tree (and one `register_dram` call in the adapter).
+//! tree (and one `register_mem` call in the adapter).
 //!
 //! The adapter, [`adapter::NixlTransfer`], implements `kv-transfer-core`'s
 //! `Transfer` over any [`engine::NixlEngine`]: requests are released only after a
@@ -53,6 +53,6 @@ pub use adapter::{AdapterConfig, AdapterError, AdapterMetrics, NixlEvent, NixlTr
 #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub use engine::MockNixlEngine;
 pub use engine::{
-    EngineConfig, EngineError, LoadError, MemRegion, NixlEngine, Notification, RealNixlEngine, RegId, ReqId, Status,
-    XferOp, XferSpec, XferState,
+    EngineConfig, EngineError, LoadError, MemRegion, MemType, NixlEngine, Notification, RealNixlEngine, RegId, ReqId,
+    Status, XferOp, XferSpec, XferState,
 };

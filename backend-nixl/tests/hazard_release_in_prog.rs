@@ -73,9 +73,9 @@ fn release_in_prog_lets_old_bytes_land_in_new_tenant() {
     let tb = tgt.create_backend("UCX", &[]).expect("ucx");
     // SAFETY: the buffers outlive the registrations (leaked below if the NIC may
     // still write them, together with the buffers).
-    let sreg = unsafe { ini.register_dram(&[src.region()], Some(&ib)) }.expect("reg");
+    let sreg = unsafe { ini.register_mem(&[src.region()], Some(&ib)) }.expect("reg");
     // SAFETY: as above.
-    let treg = unsafe { tgt.register_dram(&[slot.region()], Some(&tb)) }.expect("reg");
+    let treg = unsafe { tgt.register_mem(&[slot.region()], Some(&tb)) }.expect("reg");
     let tname = ini.load_remote_metadata(&tgt.local_metadata().unwrap()).unwrap();
     let iname = tgt.load_remote_metadata(&ini.local_metadata().unwrap()).unwrap();
 
@@ -182,9 +182,9 @@ fn engine_drop_with_in_flight_request_leaks_instead_of_releasing() {
     let tgt = RealNixlEngine::with_library(&lib, EngineConfig::ucx(common::unique("drop-tgt"))).expect("tgt");
     // SAFETY: both buffers are leaked below if the initiator was leaked, and
     // otherwise outlive both engines.
-    unsafe { ini.register_dram(&[src.region()]) }.expect("reg");
+    unsafe { ini.register_mem(&[src.region()]) }.expect("reg");
     // SAFETY: as above.
-    unsafe { tgt.register_dram(&[dst.region()]) }.expect("reg");
+    unsafe { tgt.register_mem(&[dst.region()]) }.expect("reg");
     let tname = ini.load_remote_metadata(&tgt.local_metadata().unwrap()).unwrap();
     let iname = tgt.load_remote_metadata(&ini.local_metadata().unwrap()).unwrap();
     let spec = XferSpec {

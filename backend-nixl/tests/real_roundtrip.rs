@@ -51,9 +51,9 @@ fn write_read_notify_1mib() {
     src.write(0, &a).unwrap();
     dst.fill(0xEE);
     // SAFETY: both buffers are declared before the engines, so they outlive them.
-    let src_reg = unsafe { ini.register_dram(&[src.region()]) }.expect("register src");
+    let src_reg = unsafe { ini.register_mem(&[src.region()]) }.expect("register src");
     // SAFETY: as above.
-    let dst_reg = unsafe { tgt.register_dram(&[dst.region()]) }.expect("register dst");
+    let dst_reg = unsafe { tgt.register_mem(&[dst.region()]) }.expect("register dst");
 
     let tgt_md = tgt.local_metadata().expect("target md");
     assert!(!tgt_md.is_empty());
@@ -115,9 +115,9 @@ fn guards_refuse_unsafe_teardown() {
     let ini = RealNixlEngine::with_library(&lib, cfg("gini")).unwrap();
     let tgt = RealNixlEngine::with_library(&lib, cfg("gtgt")).unwrap();
     // SAFETY: buffers are dropped after the engines.
-    let sreg = unsafe { ini.register_dram(&[src.region()]) }.unwrap();
+    let sreg = unsafe { ini.register_mem(&[src.region()]) }.unwrap();
     // SAFETY: as above.
-    let _dreg = unsafe { tgt.register_dram(&[dst.region()]) }.unwrap();
+    let _dreg = unsafe { tgt.register_mem(&[dst.region()]) }.unwrap();
     let name = ini.load_remote_metadata(&tgt.local_metadata().unwrap()).unwrap();
     tgt.load_remote_metadata(&ini.local_metadata().unwrap()).unwrap();
 

@@ -904,6 +904,7 @@ fn early_completion_settles_while_sending(policy: ReleasePolicy) -> bool {
         pool: PoolId(1),
         key: 1,
         slot_size: BIG as u64,
+        memory: Default::default(),
         token: Default::default(),
         slots: vec![RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0, key: None }],
     };

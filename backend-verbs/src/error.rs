@@ -36,6 +36,14 @@ pub enum VerbsError {
     /// A connection descriptor from the side channel did not decode.
     #[error("bad endpoint descriptor: {0}")]
     Endpoint(String),
+    /// Device memory this NIC cannot register: the region exports no dma-buf
+    /// (core's fake device), or the driver, kernel or NIC refuses GPUDirect
+    /// RDMA through one (`ibv_reg_dmabuf_mr`).
+    #[error("device memory cannot be registered for RDMA: {why}")]
+    DeviceMemory {
+        /// Why.
+        why: String,
+    },
 }
 
 impl VerbsError {

@@ -8,6 +8,7 @@
 //! access with the old key fail at the NIC (`REM_ACCESS_ERR`), memory
 //! unchanged.
 
+use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -85,21 +86,49 @@ unsafe impl Send for MemoryRegion {}
 unsafe impl Sync for MemoryRegion {}
 
 impl MemoryRegion {
-    /// Registers `region` (host memory) in `pd` with `access`.
+    /// Registers `region` in `pd` with `access`: host memory through its
+    /// host pointer (`ibv_reg_mr`), device memory through the dma-buf it
+    /// exports (`ibv_reg_dmabuf_mr`, GPUDirect RDMA), its I/O virtual address
+    /// being the region's address, so windows and work requests name device
+    /// memory exactly as they name host memory. Device memory without a
+    /// dma-buf, or a NIC that cannot take one, is
+    /// [`VerbsError::DeviceMemory`].
     pub fn register(
         pd: &Arc<ProtectionDomain>,
         region: Arc<dyn Region>,
         access: MrAccess,
     ) -> Result<Arc<Self>, VerbsError> {
-        let ptr = region
-            .host_ptr()
-            .ok_or_else(|| VerbsError::invalid("ibv_reg_mr", "the region has no host pointer (device memory)"))?;
         if region.is_empty() {
             return Err(VerbsError::invalid("ibv_reg_mr", "an empty region"));
         }
-        // SAFETY: `ptr..ptr+len` is the region's memory, kept alive by the
-        // `Arc` stored with the registration.
-        let mr = unsafe { ffi::ibv_reg_mr(pd.pd.as_ptr(), ptr.as_ptr().cast(), region.len(), access.flags().0 as i32) };
+        let flags = access.flags().0 as i32;
+        let mr = match region.host_ptr() {
+            // SAFETY: `ptr..ptr+len` is the region's memory, kept alive by
+            // the `Arc` stored with the registration.
+            Some(ptr) => unsafe { ffi::ibv_reg_mr(pd.pd.as_ptr(), ptr.as_ptr().cast(), region.len(), flags) },
+            None => {
+                let device = |why: String| VerbsError::DeviceMemory { why };
+                let fd = region
+                    .dmabuf()
+                    .ok_or_else(|| device(format!("{:?} exports no dma-buf", region.kind())))?
+                    .map_err(|e| device(e.to_string()))?;
+                // SAFETY: `fd` exports the whole region; the kernel takes its
+                // own reference on the dma-buf, so the descriptor may close
+                // once the call returns, and the region (the allocation the
+                // dma-buf pins) is kept alive by the `Arc` stored here.
+                let mr = unsafe {
+                    ffi::ibv_reg_dmabuf_mr(pd.pd.as_ptr(), 0, region.len(), region.addr(), fd.as_raw_fd(), flags)
+                };
+                if mr.is_null() {
+                    let os = std::io::Error::last_os_error();
+                    return Err(device(format!(
+                        "ibv_reg_dmabuf_mr: {os} (the NIC, its driver or the kernel cannot \
+                                               register GPU memory)"
+                    )));
+                }
+                mr
+            }
+        };
         let mr = NonNull::new(mr).ok_or_else(|| VerbsError::os("ibv_reg_mr", 0))?;
         Ok(Arc::new(Self { mr, region, access, _pd: Arc::clone(pd) }))
     }

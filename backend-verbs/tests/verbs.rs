@@ -321,6 +321,19 @@ mod on_device {
         Ok(())
     }
 
+    /// Device memory with no dma-buf (core's fake device: its address faults
+    /// on the CPU) is refused with a typed error before the NIC sees its
+    /// address: GPUDirect RDMA registers device memory through a dma-buf,
+    /// never through a host pointer it does not have.
+    pub fn device_memory_without_a_dmabuf_is_refused_by_name(lab: &Lab) -> Result<(), String> {
+        let region = Arc::new(kv_transfer_core::FakeDeviceRegion::new(1 << 16).map_err(|e| e.to_string())?);
+        match MemoryRegion::register(&lab.pd, region, MrAccess::WindowsOnly) {
+            Err(VerbsError::DeviceMemory { .. }) => Ok(()),
+            Err(e) => Err(format!("expected VerbsError::DeviceMemory, got {e}")),
+            Ok(_) => Err("a real NIC registered memory it cannot reach".into()),
+        }
+    }
+
     /// Out-of-bounds requests are refused before they reach the NIC, with
     /// nothing posted.
     pub fn out_of_bounds_requests_are_refused_before_posting(lab: &Lab) -> Result<(), String> {
@@ -738,6 +751,7 @@ mod on_device {
             a_posted_request_holds_its_memory_until_its_completion,
         ),
         ("out_of_bounds_requests_are_refused_before_posting", out_of_bounds_requests_are_refused_before_posting),
+        ("device_memory_without_a_dmabuf_is_refused_by_name", device_memory_without_a_dmabuf_is_refused_by_name),
     ];
 }
 

@@ -281,6 +281,7 @@ impl SlotLease<Reserved> {
             pool: pool.id(),
             key,
             slot_size: pool.slot_size() as u64,
+            memory: pool.memory(),
             token,
             slots,
         };

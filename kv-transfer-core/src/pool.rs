@@ -12,7 +12,7 @@ use crate::ids::{Generation, PeerId, PoolId, SlotId, Tenancy};
 use crate::lease::{Reserved, SlotLease, Tenancies};
 use crate::metrics::{report_counter, Counters, MetricsSnapshot};
 use crate::proof::{ProofScope, Settlement, SettlementKind};
-use crate::region::Region;
+use crate::region::{MemoryKind, Region};
 use crate::sync::{lock, Mutex, MutexGuard};
 use smallvec::SmallVec;
 use std::fmt;
@@ -276,6 +276,9 @@ impl PoolState {
 pub(crate) struct PoolInner {
     pub(crate) id: PoolId,
     pub(crate) region: Arc<dyn Region>,
+    /// The region's kind and base address, read once (a descriptor names them).
+    pub(crate) memory: MemoryKind,
+    pub(crate) base: u64,
     pub(crate) slot_size: usize,
     pub(crate) capacity: u32,
     pub(crate) ladder: EscalationLadder,
@@ -394,6 +397,8 @@ impl SlotPool {
         };
         let inner = PoolInner {
             id: fresh_pool_id(),
+            memory: region.kind(),
+            base: region.addr(),
             region,
             slot_size: config.slot_size,
             capacity,
@@ -422,13 +427,17 @@ impl SlotPool {
     pub fn region(&self) -> &Arc<dyn Region> {
         &self.inner.region
     }
+    /// Where the slots live (host memory or a device's).
+    pub fn memory(&self) -> MemoryKind {
+        self.inner.memory
+    }
     /// Address of a slot as the NIC sees it, if the slot exists.
     pub fn slot_addr(&self, slot: SlotId) -> Option<u64> {
-        (slot.0 < self.inner.capacity).then(|| self.inner.region.addr() + slot.0 as u64 * self.inner.slot_size as u64)
+        (slot.0 < self.inner.capacity).then(|| self.inner.base + slot.0 as u64 * self.inner.slot_size as u64)
     }
     /// The slot holding address `addr`, if any.
     pub fn slot_at(&self, addr: u64) -> Option<SlotId> {
-        let off = addr.checked_sub(self.inner.region.addr())?;
+        let off = addr.checked_sub(self.inner.base)?;
         let idx = off / self.inner.slot_size as u64;
         (idx < self.inner.capacity as u64).then_some(SlotId(idx as u32))
     }

@@ -52,6 +52,10 @@ pub struct RemoteSlots {
     pub key: u64,
     /// Bytes per slot.
     pub slot_size: u64,
+    /// Where the slots live (host memory, or a device's: NIXL types its
+    /// transfers by it). Absent in a descriptor from an older peer: host.
+    #[serde(default)]
+    pub memory: crate::MemoryKind,
     /// The exposure's unguessable token: a DONE or ABORT_ACK for these
     /// tenancies settles them only if it carries it (DESIGN rule 8). Keep it
     /// as secret as the data.

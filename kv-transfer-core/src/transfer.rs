@@ -247,7 +247,7 @@ pub trait PostNow: Send + Sync {
 /// kv_transfer_core::impl_transfer_via_post_now!(Closed, "closed");
 ///
 /// let (pool, _authority) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(4096)).unwrap();
-/// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, token: Default::default(), slots: vec![] };
+/// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, memory: Default::default(), token: Default::default(), slots: vec![] };
 /// assert_eq!(Closed.backend(), "closed");
 /// let refused = block_on(Closed.write(pool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap_err();
 /// assert!(matches!(refused.kind, PostErrorKind::ShuttingDown));
@@ -338,7 +338,7 @@ impl<'a> PostFuture<'a> {
     ///     }
     /// }
     /// let (pool, _authority) = SlotPool::new(Arc::new(HostRegion::new(4096).unwrap()), PoolConfig::new(4096)).unwrap();
-    /// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, token: Default::default(), slots: vec![] };
+    /// let remote = RemoteSlots { endpoint: "peer".into(), pool: pool.id(), key: 0, slot_size: 4096, memory: Default::default(), token: Default::default(), slots: vec![] };
     /// let post = PostFuture::deferred(&Refuse, Op::Write, pool.reserve(1).unwrap(), &remote, TransferOptions::default());
     /// assert_eq!(pool.metrics().free, 0); // nothing happened yet: the lease waits in the future
     /// let refused = block_on(post).unwrap_err();

@@ -693,6 +693,7 @@ fn rule3_a_deferred_post_posts_at_its_first_poll_and_an_unpolled_one_hands_the_l
         pool: PoolId(0),
         key: 0,
         slot_size: SLOT as u64,
+        memory: Default::default(),
         token: Default::default(),
         slots: vec![],
     };
@@ -940,6 +941,7 @@ fn rule8_remote_sizes_use_checked_arithmetic() {
         pool: PoolId(1),
         key: 0,
         slot_size: u64::MAX,
+        memory: Default::default(),
         token: Default::default(),
         slots: vec![
             RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0, key: None },

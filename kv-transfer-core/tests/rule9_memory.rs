@@ -22,6 +22,7 @@ fn remote() -> RemoteSlots {
         pool: PoolId(7),
         key: 0,
         slot_size: 4096,
+        memory: Default::default(),
         token: ExposureToken::from_bytes([9; 16]),
         slots: vec![RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0, key: None }],
     }

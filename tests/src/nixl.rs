@@ -205,10 +205,10 @@ impl NixlEngine for GatedEngine {
     fn agent_name(&self) -> String {
         self.inner.agent_name()
     }
-    unsafe fn register_dram(&self, regions: &[MemRegion]) -> Result<RegId, EngineError> {
-        // SAFETY: the caller keeps the contract of `NixlEngine::register_dram`,
+    unsafe fn register_mem(&self, regions: &[MemRegion]) -> Result<RegId, EngineError> {
+        // SAFETY: the caller keeps the contract of `NixlEngine::register_mem`,
         // which is passed on unchanged.
-        unsafe { self.inner.register_dram(regions) }
+        unsafe { self.inner.register_mem(regions) }
     }
     fn deregister(&self, id: RegId) -> Result<(), EngineError> {
         self.inner.deregister(id)

@@ -17,8 +17,8 @@ use crate::sim::post_tagged;
 use backend_verbs::{FakeFabric, LabEnv, VerbsConfig, VerbsTransfer};
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
-    Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
-    TransferError, TransferHandle,
+    Exposed, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer, TransferError,
+    TransferHandle,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -153,7 +153,14 @@ impl Backend for VerbsBackend {
             stalled_peer: false,
             // The side channel refuses a bad hello before any frame.
             malformed_frames: false,
-            device_memory: Err(DMABUF),
+            // The software NIC moves bytes through the region's copies, as
+            // a GPUDirect NIC's DMA reaches device memory; a real NIC needs
+            // the device memory registered through a dma-buf.
+            device_memory: match self.nic {
+                #[cfg(feature = "verbs")]
+                Nic::Device => Err(DMABUF),
+                Nic::Fake => Ok(()),
+            },
             ..Provides::default()
         }
     }
@@ -179,9 +186,7 @@ impl Backend for VerbsBackend {
             Nic::Fake => Engines::Fake(FakeFabric::new(0x5eed ^ RIGS.load(Ordering::Relaxed))),
         };
         let (decode, _) = adapter(&engines, "decode", cfg)?;
-        let region = |n: usize| -> Result<Arc<HostRegion>, Failure> {
-            HostRegion::new(n * cfg.slot_size).map(Arc::new).map_err(|e| fail("region")(&e))
-        };
+        let region = |n: usize| cfg.region(n);
         let dpool = decode
             .register_pool(region(cfg.decode_slots)?, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
             .map_err(|e| fail("decode pool")(&e))?;

@@ -91,6 +91,7 @@ fn remote(n: usize) -> RemoteSlots {
         pool: PoolId(77),
         key: 0,
         slot_size: SLOT as u64,
+        memory: Default::default(),
         token: Default::default(),
         slots: (0..n)
             .map(|i| kv_transfer_core::RemoteSlot {

@@ -245,9 +245,10 @@ pub enum AdapterError {
     /// The pool could not be built.
     #[error(transparent)]
     Pool(#[from] PoolError),
-    /// Only host memory with a host pointer can be registered.
-    #[error("only host memory can be registered with this adapter")]
-    NotHostMemory,
+    /// Memory NIXL cannot register: device memory that is not a CUDA
+    /// device's (core's fake device, which only staging can reach).
+    #[error("NIXL registers host memory (DRAM) and CUDA device memory (VRAM), not {0:?}")]
+    UnsupportedMemory(MemoryKind),
     /// No such peer.
     #[error("unknown peer {0:?}")]
     UnknownPeer(PeerId),
@@ -438,20 +439,24 @@ impl NixlTransfer {
     /// authority stays inside the adapter; the region is kept alive (and leaked if
     /// it can never be safely deregistered).
     pub fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, AdapterError> {
-        if region.kind() != MemoryKind::Host || region.host_ptr().is_none() {
-            return Err(AdapterError::NotHostMemory);
-        }
+        let mr = match region.kind() {
+            MemoryKind::Host if region.host_ptr().is_some() => MemRegion::new(region.addr() as usize, region.len()),
+            k @ MemoryKind::Device { ordinal } if k != MemoryKind::FAKE_DEVICE => {
+                MemRegion::vram(region.addr() as usize, region.len(), ordinal)
+            }
+            k => return Err(AdapterError::UnsupportedMemory(k)),
+        };
         if self.inner.state().closing {
             return Err(AdapterError::ShuttingDown);
         }
         let (pool, authority) = SlotPool::new(Arc::clone(&region), config.with_capabilities(CAPABILITIES))?;
-        let mr = MemRegion::new(region.addr() as usize, region.len());
-        // SAFETY: the region is host memory of this process (checked above). The
+        // SAFETY: the region is host memory of this process, or a CUDA
+        // device's memory, the kind it says (checked above). The
         // adapter keeps an `Arc` to it until it deregisters it, which it does only
         // when no request of ours and no exposure of it is outstanding; otherwise
         // it leaks the `Arc`, so the memory is never freed while registered. Rust
         // code reaches the bytes only through `Region`'s raw copies.
-        let reg = unsafe { self.inner.engine.register_dram(&[mr]) }?;
+        let reg = unsafe { self.inner.engine.register_mem(&[mr]) }?;
         let wake = Arc::clone(&self.inner.wake);
         authority.on_quarantine(move || wake.wake());
         let mut st = self.inner.state();
@@ -671,7 +676,7 @@ impl Target for NixlTransfer {
     fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, BackendError> {
         NixlTransfer::register_pool(self, region, config).map_err(|e| match e {
             AdapterError::Pool(p) => BackendError::Pool(p),
-            AdapterError::NotHostMemory => BackendError::Unsupported(e.to_string()),
+            AdapterError::UnsupportedMemory(_) => BackendError::Unsupported(e.to_string()),
             AdapterError::ShuttingDown => BackendError::ShuttingDown,
             e => BackendError::Engine { backend: BACKEND, message: e.to_string() },
         })

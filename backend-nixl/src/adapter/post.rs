@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
-    check_shapes, Completed, Exposed, Op, PeerId, PoolId, PostError, PostErrorKind, PostNow, RemoteSlot, RemoteSlots,
-    Reserved, SlotLease, TransferHandle, TransferOptions,
+    check_shapes, Completed, Exposed, MemoryKind, Op, PeerId, PoolId, PostError, PostErrorKind, PostNow, RemoteSlot,
+    RemoteSlots, Reserved, SlotLease, TransferHandle, TransferOptions,
 };
 
 use super::lifecycle::{terminal, InFlight, Phase};
@@ -36,11 +36,23 @@ struct Descriptors<I: Iterator<Item = (u64, u64)>> {
     pairs: I,
     slot: u64,
     next: Option<(u64, u64)>,
+    /// The memory each side's descriptors name (DRAM, or a GPU's VRAM).
+    local: MemRegion,
+    remote: MemRegion,
 }
 
 impl<I: Iterator<Item = (u64, u64)>> Descriptors<I> {
-    fn new(pairs: I, slot: u64) -> Self {
-        Self { pairs, slot, next: None }
+    fn new(pairs: I, slot: u64, local: MemRegion, remote: MemRegion) -> Self {
+        Self { pairs, slot, next: None, local, remote }
+    }
+}
+
+/// A descriptor of `kind` memory (its address and length set later).
+#[inline]
+fn memory(kind: MemoryKind) -> MemRegion {
+    match kind {
+        MemoryKind::Device { ordinal } => MemRegion::vram(0, 0, ordinal),
+        _ => MemRegion::new(0, 0),
     }
 }
 
@@ -50,7 +62,7 @@ fn descriptors<'a>(
     remote: &'a RemoteSlots,
 ) -> Descriptors<impl Iterator<Item = (u64, u64)> + 'a> {
     let pairs = (0..local.len()).filter_map(|i| local.slot_addr(i)).zip(remote.slots.iter().map(|s| s.addr));
-    Descriptors::new(pairs, remote.slot_size)
+    Descriptors::new(pairs, remote.slot_size, memory(local.pool().memory()), memory(remote.memory))
 }
 
 impl<I: Iterator<Item = (u64, u64)>> Iterator for Descriptors<I> {
@@ -68,7 +80,7 @@ impl<I: Iterator<Item = (u64, u64)>> Iterator for Descriptors<I> {
                 break;
             }
         }
-        Some((MemRegion::new(la as usize, len as usize), MemRegion::new(ra as usize, len as usize)))
+        Some((self.local.like(la as usize, len as usize), self.remote.like(ra as usize, len as usize)))
     }
 }
 

@@ -140,7 +140,7 @@ fn sim_status(s: &Shared, name: &'static str, id: ReqId) -> Result<XferState, En
 fn mock(sim: &Shared, name: &'static str, peer: &'static str) -> MockNixlEngine {
     let mut m = MockNixlEngine::new();
     m.expect_agent_name().return_const(name.to_string());
-    m.expect_register_dram().returning(|_| Ok(RegId(1)));
+    m.expect_register_mem().returning(|_| Ok(RegId(1)));
     m.expect_local_metadata().returning(move || Ok(name.as_bytes().to_vec()));
     m.expect_load_remote_metadata().returning(move |_| Ok(peer.to_string()));
     let s = sim.clone();
@@ -415,7 +415,7 @@ fn create_failure_returns_lease_unexposed_and_post_failure_waits_for_terminal() 
 fn unknown_status_codes_and_notif_errors_are_errors_not_success() {
     let mut m = MockNixlEngine::new();
     m.expect_agent_name().return_const("ini".to_string());
-    m.expect_register_dram().returning(|_| Ok(RegId(1)));
+    m.expect_register_mem().returning(|_| Ok(RegId(1)));
     m.expect_load_remote_metadata().returning(|_| Ok("tgt".into()));
     m.expect_create_xfer().returning(|_| Ok(ReqId(1)));
     m.expect_post_xfer().returning(|_| Ok(XferState::InProgress));
@@ -433,6 +433,7 @@ fn unknown_status_codes_and_notif_errors_are_errors_not_success() {
         pool: PoolId(999_999),
         key: 1,
         slot_size: SLOT as u64,
+        memory: Default::default(),
         token: Default::default(),
         slots: vec![kv_transfer_core::RemoteSlot {
             slot: SlotId(0),
@@ -994,5 +995,115 @@ mod hostile_aborts {
         // also gives its request up at the ABORT, so its acks are withheld).
         let (_, waiting) = repeated_abort(ReleasePolicy::Naive);
         assert_eq!(waiting, 10_000, "positive control: every repeat waits apart");
+    }
+}
+
+/// A region that says it is CUDA device 2's memory (backed by host memory
+/// the test never touches through its address): what the adapter registers
+/// and describes is typed by the region's kind.
+#[derive(Debug)]
+struct GpuLike(HostRegion);
+
+impl kv_transfer_core::Region for GpuLike {
+    fn kind(&self) -> kv_transfer_core::MemoryKind {
+        kv_transfer_core::MemoryKind::Device { ordinal: 2 }
+    }
+    fn addr(&self) -> u64 {
+        self.0.addr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), kv_transfer_core::RegionError> {
+        self.0.read(offset, dst)
+    }
+    fn write(&self, offset: usize, src: &[u8]) -> Result<(), kv_transfer_core::RegionError> {
+        self.0.write(offset, src)
+    }
+    fn host_ptr(&self) -> Option<std::ptr::NonNull<u8>> {
+        None
+    }
+}
+
+/// Device memory is registered as VRAM of its device, and a post's
+/// descriptors name each side's memory: the local pool's (VRAM, device 2)
+/// and the one the remote descriptor says (DRAM here). Core's fake device,
+/// which only staging can reach, is refused by name.
+#[test]
+fn device_memory_is_registered_and_described_as_vram_of_its_device() {
+    use crate::engine::MemType;
+    let specs: Arc<Mutex<Vec<crate::engine::XferSpec>>> = Arc::default();
+    let mut m = MockNixlEngine::new();
+    m.expect_agent_name().return_const("ini".to_string());
+    m.expect_register_mem()
+        .withf(|r| r.len() == 1 && r[0].mem == MemType::Vram && r[0].dev_id == 2)
+        .times(1)
+        .returning(|_| Ok(RegId(1)));
+    m.expect_load_remote_metadata().returning(|_| Ok("tgt".into()));
+    let s = specs.clone();
+    m.expect_create_xfer().returning(move |spec| {
+        s.lock().unwrap_or_else(|p| p.into_inner()).push(spec.clone());
+        Ok(ReqId(1))
+    });
+    m.expect_post_xfer().returning(|_| Ok(XferState::Done));
+    m.expect_post_xfer_polled().returning(|_, _| (Ok(XferState::Done), None));
+    m.expect_xfer_status().returning(|_| Ok(XferState::Done));
+    m.expect_release_xfer().returning(|_| Ok(()));
+    m.expect_get_notifs().returning(|| Ok(Vec::new()));
+    m.expect_gen_notif().returning(|_, _| Ok(()));
+    m.expect_deregister().returning(|_| Ok(()));
+    let ini = NixlTransfer::new(Arc::new(m), fast()).expect("ini");
+    let region = Arc::new(GpuLike(HostRegion::new(2 * SLOT).expect("r")));
+    let pool = ini.register_pool(region, PoolConfig::new(SLOT)).expect("a device pool");
+    assert_eq!(pool.memory(), kv_transfer_core::MemoryKind::Device { ordinal: 2 });
+    ini.add_peer(b"tgt").expect("peer");
+    let remote = RemoteSlots {
+        endpoint: "tgt".into(),
+        pool: PoolId(7),
+        key: 1,
+        slot_size: SLOT as u64,
+        memory: kv_transfer_core::MemoryKind::Host,
+        token: Default::default(),
+        slots: vec![kv_transfer_core::RemoteSlot {
+            slot: SlotId(0),
+            generation: Generation(1),
+            addr: 0x10000,
+            key: None,
+        }],
+    };
+    let h = futures::executor::block_on(ini.write(pool.reserve(1).expect("r"), &remote, TransferOptions::default()))
+        .expect("post");
+    let _ = futures::executor::block_on(h);
+    let specs = specs.lock().unwrap_or_else(|p| p.into_inner());
+    let spec = specs.first().expect("a request was created");
+    assert!(spec.local.iter().all(|d| d.mem == MemType::Vram && d.dev_id == 2), "{:?}", spec.local);
+    assert!(spec.remote.iter().all(|d| d.mem == MemType::Dram && d.dev_id == 0), "{:?}", spec.remote);
+    drop(specs);
+    let fake = Arc::new(GpuLikeFake(HostRegion::new(SLOT).expect("r")));
+    assert!(matches!(ini.register_pool(fake, PoolConfig::new(SLOT)), Err(AdapterError::UnsupportedMemory(_))));
+}
+
+/// Reports core's fake-device kind.
+#[derive(Debug)]
+struct GpuLikeFake(HostRegion);
+
+impl kv_transfer_core::Region for GpuLikeFake {
+    fn kind(&self) -> kv_transfer_core::MemoryKind {
+        kv_transfer_core::MemoryKind::FAKE_DEVICE
+    }
+    fn addr(&self) -> u64 {
+        self.0.addr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), kv_transfer_core::RegionError> {
+        self.0.read(offset, dst)
+    }
+    fn write(&self, offset: usize, src: &[u8]) -> Result<(), kv_transfer_core::RegionError> {
+        self.0.write(offset, src)
+    }
+    fn host_ptr(&self) -> Option<std::ptr::NonNull<u8>> {
+        None
     }
 }

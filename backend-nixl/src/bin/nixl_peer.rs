@@ -151,7 +151,7 @@ fn decode_raw(dir: &Path, len: usize) -> Res<()> {
     let mut slot = HostBuffer::new(len)?;
     // SAFETY: `slot` is leaked below together with the registration (never freed
     // while the peer may write it).
-    let reg = unsafe { tgt.register_dram(&[slot.region()], Some(&tb)) }?;
+    let reg = unsafe { tgt.register_mem(&[slot.region()], Some(&tb)) }?;
     put(dir, "decode.md", &tgt.local_metadata()?)?;
     let ini = tgt.load_remote_metadata(&get(dir, "prefill.md")?)?;
     put(dir, "remote.txt", format!("{} {}", slot.addr(), slot.len()).as_bytes())?;
@@ -185,7 +185,7 @@ fn prefill_raw(dir: &Path, len: usize) -> Res<()> {
     let mut src = HostBuffer::new(len)?;
     src.fill(OLD);
     // SAFETY: leaked below with the buffer.
-    let reg = unsafe { ini.register_dram(&[src.region()], Some(&ib)) }?;
+    let reg = unsafe { ini.register_mem(&[src.region()], Some(&ib)) }?;
     let name = ini.load_remote_metadata(&get(dir, "decode.md")?)?;
     put(dir, "prefill.md", &ini.local_metadata()?)?;
     let remote = String::from_utf8(get(dir, "remote.txt")?)?;

@@ -12,8 +12,18 @@ use super::error::LoadError;
 /// `nixl_capi_status_t` (a C enum, `int`-sized).
 pub(crate) type RawStatus = c_int;
 
-/// `nixl_capi_mem_type_t`: only DRAM is used by this crate.
+/// `nixl_capi_mem_type_t`: host memory.
 pub(crate) const MEM_DRAM: c_int = 0;
+/// `nixl_capi_mem_type_t`: GPU memory.
+pub(crate) const MEM_VRAM: c_int = 1;
+
+/// The C value of a descriptor list's memory type.
+pub(crate) fn mem_type(m: super::types::MemType) -> c_int {
+    match m {
+        super::types::MemType::Dram => MEM_DRAM,
+        super::types::MemType::Vram => MEM_VRAM,
+    }
+}
 
 /// `nixl_capi_xfer_op_t`.
 pub(crate) const XFER_OP_READ: c_int = 0;

@@ -18,7 +18,7 @@ pub use error::{xfer_state, EngineError, LoadError, NixlError, NixlOp, RegId, Re
 pub use raw::{Agent, AgentConfig, Backend, HostBuffer, NixlLibrary, Registration, ThreadSync, XferRequest};
 pub use real::{EngineConfig, RealNixlEngine};
 pub(crate) use types::IdMap;
-pub use types::{validate_descs, MemRegion, Notification, XferOp, XferSpec};
+pub use types::{validate_descs, MemRegion, MemType, Notification, XferOp, XferSpec};
 
 /// NIXL's API, one agent's worth, with opaque ids instead of handles.
 ///
@@ -44,7 +44,7 @@ pub trait NixlEngine: Send + Sync {
     /// Rust reference aliases while a NIC may write it, until
     /// [`deregister`](Self::deregister) succeeded and no request or peer can touch
     /// it any more.
-    unsafe fn register_dram(&self, regions: &[MemRegion]) -> Result<RegId, EngineError>;
+    unsafe fn register_mem(&self, regions: &[MemRegion]) -> Result<RegId, EngineError>;
 
     /// Deregisters (`deregister_mem`). The real engine refuses while any of its
     /// requests is unreleased ([`EngineError::Busy`]).

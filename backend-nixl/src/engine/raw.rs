@@ -237,7 +237,7 @@ impl Agent {
     /// returned [`Registration`] is dropped and every request and peer that could
     /// touch it has reached a terminal state or been fenced. NIXL and the NIC read
     /// and write it outside Rust's control.
-    pub unsafe fn register_dram(
+    pub unsafe fn register_mem(
         self: &Arc<Self>,
         regions: &[MemRegion],
         backend: Option<&Backend>,
@@ -499,6 +499,13 @@ impl Drop for OptArgs {
     }
 }
 
+/// A list's one memory type, or why the regions have none.
+fn mem_of(regions: &[MemRegion]) -> Result<super::types::MemType, EngineError> {
+    super::types::list_mem_type(regions).ok_or_else(|| {
+        EngineError::InvalidArgument("a descriptor list needs at least one region, all of one memory type".into())
+    })
+}
+
 struct RegDlist {
     lib: NixlLibrary,
     h: ffi::RegDlistH,
@@ -507,8 +514,9 @@ struct RegDlist {
 impl RegDlist {
     fn new(lib: NixlLibrary, regions: &[MemRegion]) -> Result<Self, EngineError> {
         let mut h: ffi::RegDlistH = ptr::null_mut();
+        let mem = ffi::mem_type(mem_of(regions)?);
         // SAFETY: valid out-pointer.
-        let rc = unsafe { (lib.api().create_reg_dlist)(ffi::MEM_DRAM, &mut h) };
+        let rc = unsafe { (lib.api().create_reg_dlist)(mem, &mut h) };
         NixlError::check(NixlOp::CreateRegDlist, rc)?;
         let me = Self { lib, h };
         for r in regions {
@@ -535,8 +543,9 @@ struct XferDlist {
 impl XferDlist {
     fn new(lib: NixlLibrary, regions: &[MemRegion]) -> Result<Self, EngineError> {
         let mut h: ffi::XferDlistH = ptr::null_mut();
+        let mem = ffi::mem_type(mem_of(regions)?);
         // SAFETY: valid out-pointer.
-        let rc = unsafe { (lib.api().create_xfer_dlist)(ffi::MEM_DRAM, &mut h) };
+        let rc = unsafe { (lib.api().create_xfer_dlist)(mem, &mut h) };
         NixlError::check(NixlOp::CreateXferDlist, rc)?;
         let me = Self { lib, h };
         for r in regions {

@@ -151,9 +151,9 @@ impl NixlEngine for RealNixlEngine {
         self.agent.name().to_owned()
     }
 
-    unsafe fn register_dram(&self, regions: &[MemRegion]) -> Result<RegId, EngineError> {
+    unsafe fn register_mem(&self, regions: &[MemRegion]) -> Result<RegId, EngineError> {
         // SAFETY: forwarded: the caller upholds the same contract.
-        let reg = unsafe { self.agent.register_dram(regions, Some(&self.backend)) }?;
+        let reg = unsafe { self.agent.register_mem(regions, Some(&self.backend)) }?;
         let mut t = self.tables();
         t.next += 1;
         let id = RegId(t.next);

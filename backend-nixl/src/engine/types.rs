@@ -45,23 +45,52 @@ impl Hasher for IdHasher {
 /// A `HashMap` keyed by small integer ids, hashed with [`IdHasher`].
 pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
-/// One contiguous host-memory range: a registration or transfer descriptor.
+/// The memory a descriptor list names (`nixl_capi_mem_type_t`); a list
+/// holds one type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum MemType {
+    /// Host memory (`NIXL_CAPI_MEM_DRAM` = 0).
+    #[default]
+    Dram,
+    /// GPU memory (`NIXL_CAPI_MEM_VRAM` = 1); the descriptor's `dev_id` is
+    /// the CUDA device.
+    Vram,
+}
+
+/// One contiguous range of host or GPU memory: a registration or transfer
+/// descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MemRegion {
-    /// Start address (in the owning process).
+    /// Start address (in the owning process; a device pointer for VRAM).
     pub addr: usize,
     /// Length in bytes.
     pub len: usize,
     /// Device id; 0 for host memory. Remote descriptors must carry the id the peer
     /// registered with.
     pub dev_id: u64,
+    /// Host or GPU memory.
+    pub mem: MemType,
 }
 
 impl MemRegion {
     /// A host region with device id 0.
     pub fn new(addr: usize, len: usize) -> Self {
-        Self { addr, len, dev_id: 0 }
+        Self { addr, len, dev_id: 0, mem: MemType::Dram }
     }
+    /// A range of GPU `device`'s memory.
+    pub fn vram(addr: usize, len: usize, device: u32) -> Self {
+        Self { addr, len, dev_id: u64::from(device), mem: MemType::Vram }
+    }
+    /// This range as the same kind of memory at another address and length.
+    pub fn like(self, addr: usize, len: usize) -> Self {
+        Self { addr, len, ..self }
+    }
+}
+
+/// The one memory type of a descriptor list; `None` for an empty or mixed list.
+pub(crate) fn list_mem_type(regions: &[MemRegion]) -> Option<MemType> {
+    let first = regions.first()?.mem;
+    regions.iter().all(|r| r.mem == first).then_some(first)
 }
 
 /// Direction of a transfer, seen from the initiator.

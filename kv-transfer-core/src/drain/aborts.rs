@@ -527,6 +527,7 @@ mod tests {
             pool: PoolId(1),
             key: 0,
             slot_size: 64,
+            memory: Default::default(),
             token: ExposureToken([1; 16]),
             slots: slots
                 .iter()

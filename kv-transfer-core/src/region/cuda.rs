@@ -207,6 +207,9 @@ impl Region for CudaRegion {
     fn host_ptr(&self) -> Option<NonNull<u8>> {
         None
     }
+    fn dmabuf(&self) -> Option<Result<std::os::fd::OwnedFd, RegionError>> {
+        Some(self.dmabuf_fd())
+    }
 }
 
 #[cfg(test)]

@@ -55,7 +55,7 @@ unsafe impl Sync for FakeDeviceRegion {}
 impl FakeDeviceRegion {
     /// The ordinal [`Region::kind`] reports, chosen so that no real device
     /// has it: `MemoryKind::Device { ordinal: u32::MAX }`.
-    pub const ORDINAL: u32 = u32::MAX;
+    pub const ORDINAL: u32 = u32::MAX; // MemoryKind::FAKE_DEVICE
 
     /// Maps `len` zeroed bytes twice (see the module documentation).
     pub fn new(len: usize) -> Result<Self, RegionError> {

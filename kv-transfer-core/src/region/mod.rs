@@ -30,17 +30,29 @@ use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
 
-/// Where a region's memory lives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Where a region's memory lives. Descriptors carry it
+/// ([`RemoteSlots::memory`](crate::RemoteSlots::memory)): a peer whose engine
+/// types its transfers by memory (NIXL's DRAM and VRAM) needs to know.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 #[non_exhaustive]
 pub enum MemoryKind {
     /// Ordinary host memory (DRAM).
+    #[default]
     Host,
     /// Device memory of the accelerator with this ordinal.
     Device {
         /// The device's ordinal (CUDA device index).
         ordinal: u32,
     },
+}
+
+impl MemoryKind {
+    /// What [`FakeDeviceRegion`](crate::FakeDeviceRegion) reports: device
+    /// memory with an ordinal no real device has. A backend that registers
+    /// device memory with a GPU-aware engine (NIXL's VRAM) refuses it: only
+    /// staging through the region's copies can reach it.
+    pub const FAKE_DEVICE: Self = Self::Device { ordinal: u32::MAX };
 }
 
 /// Errors of region access.
@@ -142,6 +154,12 @@ pub trait Region: Send + Sync + fmt::Debug + 'static {
     /// A host pointer to the first byte, for backends that move host memory
     /// themselves (the TCP simulator's NIC). `None` for device memory.
     fn host_ptr(&self) -> Option<NonNull<u8>>;
+    /// A dma-buf file descriptor exporting the whole region, for a NIC that
+    /// registers device memory itself (GPUDirect RDMA: `ibv_reg_dmabuf_mr`).
+    /// `None`: this memory has no dma-buf (host memory, core's fake device).
+    fn dmabuf(&self) -> Option<Result<std::os::fd::OwnedFd, RegionError>> {
+        None
+    }
 }
 
 std::thread_local! {

@@ -213,9 +213,9 @@ fn raw_nixl(size: usize, total: u64) -> anyhow::Result<()> {
     src.fill(0x11);
     // SAFETY: the buffers outlive the registrations (dropped after the
     // request is released, at the end of this function).
-    let sreg = unsafe { ini.register_dram(&[src.region()], Some(&ib)) }?;
+    let sreg = unsafe { ini.register_mem(&[src.region()], Some(&ib)) }?;
     // SAFETY: as above.
-    let treg = unsafe { tgt.register_dram(&[dst.region()], Some(&tb)) }?;
+    let treg = unsafe { tgt.register_mem(&[dst.region()], Some(&tb)) }?;
     let remote = ini.load_remote_metadata(&tgt.local_metadata()?)?;
     let mut req = ini.create_xfer(XferOp::Write, &[src.region()], &[dst.region()], &remote, None, Some(&ib))?;
     let res = (|| -> anyhow::Result<()> {

@@ -61,6 +61,7 @@ pub(super) fn across_the_veth() -> Result<(), Failed> {
         pool: PoolId(0),
         key: 0,
         slot_size: MC_SLOT as u64,
+        memory: Default::default(),
         token: Default::default(),
         slots: slots
             .iter()
