@@ -98,7 +98,7 @@ pub use proof::{Completed, Fenced, Revoked, Settlement, SettlementAuthority, Set
 #[cfg(all(feature = "fake-device", target_os = "linux"))]
 pub use region::FakeDeviceRegion;
 #[cfg(feature = "cuda")]
-pub use region::{cuda_device_count, cuda_driver_present, CudaRegion};
+pub use region::{cuda_device_count, cuda_device_of, cuda_driver_present, CudaRegion};
 pub use region::{
     with_staging_buffer, DeviceError, HostRegion, MemoryKind, Region, RegionError, SlotMemory, UnknownMemory,
 };

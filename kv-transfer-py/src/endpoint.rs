@@ -5,7 +5,7 @@
 use crate::errors::{self, BackendUnavailable, KvTransferError};
 use crate::lease::PageLease;
 use crate::pool::PagePool;
-use crate::region::ForeignRegion;
+use crate::region;
 use crate::remote::RemotePages;
 use crate::transfer::Transfer as PyTransfer;
 use backend_tcp_sim::{FaultPlan, Gate, NicConfig, SimNic};
@@ -186,13 +186,19 @@ impl Endpoint {
     /// layer's K and V); page `i` of buffer `b` is `address_b + i *
     /// page_bytes_b`. Every buffer has the same number of pages (the
     /// smallest `length // page_bytes`). `owner` is kept alive as long as
-    /// the memory is registered (pass the tensors).
-    #[pyo3(signature = (buffers, owner = None))]
+    /// the memory is registered (pass the tensors). `device`: the CUDA
+    /// device the buffers are on; by default each address is asked of the
+    /// CUDA driver, if one is loaded (a `cuda:N` tensor's `data_ptr()` is
+    /// device memory of N), and is host memory otherwise. Device memory is
+    /// never touched through its address: socket backends stage it, NIXL
+    /// registers it as VRAM, verbs through a dma-buf.
+    #[pyo3(signature = (buffers, owner = None, device = None))]
     fn register(
         &self,
         py: Python<'_>,
         buffers: Vec<(usize, usize, usize)>,
         owner: Option<Py<PyAny>>,
+        device: Option<u32>,
     ) -> PyResult<PagePool> {
         if buffers.is_empty() {
             return Err(PyValueError::new_err("register needs at least one buffer"));
@@ -204,7 +210,10 @@ impl Endpoint {
         let mut regions: Vec<Arc<dyn Region>> = Vec::with_capacity(buffers.len());
         for &(addr, _, page) in &buffers {
             let owner = owner.as_ref().map(|o| o.clone_ref(py));
-            regions.push(Arc::new(ForeignRegion::new(addr, pages * page, owner).map_err(PyValueError::new_err)?));
+            regions.push(region::foreign(addr, pages * page, owner, device).map_err(|e| match e {
+                region::RegionFailure::Buffer(m) => PyValueError::new_err(m),
+                region::RegionFailure::Device(m) => BackendUnavailable::new_err(m),
+            })?);
         }
         let backend = self.backend.clone();
         let pools = py.allow_threads(|| {

@@ -53,6 +53,46 @@ impl fmt::Debug for ForeignRegion {
     }
 }
 
+/// The region of `len` bytes at `addr`, owned by `owner`: device memory of
+/// CUDA device `device` (checked with the driver), or, with `device` `None`,
+/// of whatever device the driver says `addr` is on, host memory if none.
+/// Device memory needs the package built with the feature `cuda`.
+pub fn foreign(
+    addr: usize,
+    len: usize,
+    owner: Option<Py<PyAny>>,
+    device: Option<u32>,
+) -> Result<std::sync::Arc<dyn Region>, RegionFailure> {
+    #[cfg(feature = "cuda")]
+    {
+        if let Some(ordinal) = device.or_else(|| kv_transfer_core::cuda_device_of(addr as u64)) {
+            let owner: Box<dyn std::any::Any + Send + Sync> = match owner {
+                Some(o) => Box::new(o),
+                None => Box::new(()),
+            };
+            return kv_transfer_core::CudaRegion::borrowed(ordinal, addr as u64, len, owner)
+                .map(|r| std::sync::Arc::new(r) as std::sync::Arc<dyn Region>)
+                .map_err(|e| RegionFailure::Device(e.to_string()));
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    if let Some(ordinal) = device {
+        return Err(RegionFailure::Device(format!(
+            "CUDA device {ordinal}: this build of kv_transfer has no CUDA support (build it with the feature `cuda`)"
+        )));
+    }
+    Ok(std::sync::Arc::new(ForeignRegion::new(addr, len, owner).map_err(RegionFailure::Buffer)?))
+}
+
+/// Why a buffer could not become a region.
+#[derive(Debug)]
+pub enum RegionFailure {
+    /// The buffer itself is unusable (null, empty, wrapping).
+    Buffer(String),
+    /// Device memory that this build or host cannot reach.
+    Device(String),
+}
+
 fn check(offset: usize, len: usize, region_len: usize) -> Result<(), RegionError> {
     match offset.checked_add(len) {
         Some(end) if end <= region_len => Ok(()),

@@ -114,3 +114,16 @@ def test_metrics_come_as_dicts_and_through_logging(caplog):
         m = kv_transfer.log_metrics(dpool, decode)
     assert m["capacity"] == 8 and m["free"] == 8 and m["backend_counters"]["backend"] == "tcp-sim"
     assert any("kv_transfer metrics" in r.message for r in caplog.records)
+
+
+def test_cuda_device_memory_is_refused_by_name_without_a_driver_or_device():
+    """Asking for CUDA memory on a host without a GPU (or a build without the
+    feature `cuda`) is a typed refusal that says what is missing, never a
+    crash: the address is never touched from the CPU."""
+    buf = ctypes.create_string_buffer(4 * 64)
+    ep = kv_transfer.Endpoint("tcp-sim", f"cuda-{id(buf)}")
+    with pytest.raises(kv_transfer.BackendUnavailable, match="CUDA"):
+        ep.register([(ctypes.addressof(buf), 4 * 64, 64)], owner=buf, device=0)
+    # By default the driver is asked, and host memory stays host memory.
+    pool = ep.register([(ctypes.addressof(buf), 4 * 64, 64)], owner=buf)
+    pool.reserve([0]).release()

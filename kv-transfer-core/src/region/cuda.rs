@@ -24,7 +24,9 @@ use cudarc::driver::{result, sys};
 use std::fmt;
 use std::ptr::NonNull;
 
-/// Device memory on one CUDA device, owned by the region.
+/// Device memory on one CUDA device: allocated by the region
+/// ([`CudaRegion::new`]) or someone else's, kept alive by its owner
+/// ([`CudaRegion::borrowed`]: a torch tensor's memory).
 pub struct CudaRegion {
     ordinal: u32,
     dev: sys::CUdevice,
@@ -32,6 +34,15 @@ pub struct CudaRegion {
     stream: sys::CUstream,
     dptr: sys::CUdeviceptr,
     len: usize,
+    memory: Allocation,
+}
+
+/// Who frees the device memory.
+enum Allocation {
+    /// The region allocated it and frees it on drop.
+    Owned,
+    /// Someone else did; the owner (dropped with the region) keeps it alive.
+    Borrowed(#[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>),
 }
 
 // SAFETY: the handles are process-wide driver objects, usable from any thread
@@ -68,12 +79,16 @@ pub fn cuda_device_count() -> Result<u32, RegionError> {
     Ok(u32::try_from(n).unwrap_or(0))
 }
 
-impl CudaRegion {
-    /// Allocates `len` zeroed bytes on device `ordinal`, in its primary context.
-    pub fn new(ordinal: u32, len: usize) -> Result<Self, RegionError> {
-        if len == 0 {
-            return Err(RegionError::Allocation { len, align: 256 });
-        }
+/// The device a CUDA context, its stream and nothing else yet: what both
+/// constructors start from. Dropped on a failure, it releases what it holds.
+struct Device {
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+}
+
+impl Device {
+    fn open(ordinal: u32) -> Result<Self, RegionError> {
         let count = cuda_device_count()?;
         if ordinal >= count {
             return Err(RegionError::Device(DeviceError::NoDevice { ordinal, count }));
@@ -81,31 +96,108 @@ impl CudaRegion {
         let dev = result::device::get(ordinal as i32).map_err(driver_err("cuDeviceGet"))?;
         // SAFETY: `dev` came from `device::get`.
         let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
-        let release = |e| {
-            // SAFETY: retained above, released once on this failure path.
-            let _ = unsafe { result::primary_ctx::release(dev) };
-            e
-        };
+        let mut d = Self { dev, ctx, stream: std::ptr::null_mut() };
         // SAFETY: a context retained above.
-        unsafe { result::ctx::set_current(ctx) }.map_err(driver_err("cuCtxSetCurrent")).map_err(release)?;
-        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-            .map_err(driver_err("cuStreamCreate"))
-            .map_err(release)?;
-        // SAFETY: the context is current; the pointer is freed in `Drop`.
-        let dptr = match unsafe { result::malloc_sync(len) } {
-            Ok(p) => p,
-            Err(e) => {
-                // SAFETY: created above, destroyed once.
-                let _ = unsafe { result::stream::destroy(stream) };
-                return Err(release(driver_err("cuMemAlloc")(e)));
+        unsafe { result::ctx::set_current(ctx) }.map_err(driver_err("cuCtxSetCurrent"))?;
+        d.stream =
+            result::stream::create(result::stream::StreamKind::NonBlocking).map_err(driver_err("cuStreamCreate"))?;
+        Ok(d)
+    }
+
+    fn into_region(self, ordinal: u32, dptr: sys::CUdeviceptr, len: usize, memory: Allocation) -> CudaRegion {
+        let this = std::mem::ManuallyDrop::new(self);
+        CudaRegion { ordinal, dev: this.dev, ctx: this.ctx, stream: this.stream, dptr, len, memory }
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: created and retained in `open`, each released once.
+        unsafe {
+            if !self.stream.is_null() {
+                let _ = result::stream::destroy(self.stream);
             }
-        };
-        let r = Self { ordinal, dev, ctx, stream, dptr, len };
+            let _ = result::primary_ctx::release(self.dev);
+        }
+    }
+}
+
+/// The CUDA device whose memory `addr` is, if it is device memory (a torch
+/// tensor's `data_ptr()` on `cuda:N`); `None` for host memory, or where no
+/// CUDA driver is loaded.
+pub fn cuda_device_of(addr: u64) -> Option<u32> {
+    if cuda_device_count().ok()? == 0 {
+        return None;
+    }
+    let mut kind: u32 = 0;
+    // SAFETY: `kind` is a valid out-pointer for the attribute's 4 bytes; the
+    // driver answers for any address (an error for one it does not know).
+    unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut kind as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            addr,
+        )
+        .result()
+        .ok()?
+    };
+    if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return None;
+    }
+    let mut ordinal: i32 = -1;
+    // SAFETY: as above, for the ordinal's 4 bytes.
+    unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut ordinal as *mut i32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            addr,
+        )
+        .result()
+        .ok()?
+    };
+    u32::try_from(ordinal).ok()
+}
+
+impl CudaRegion {
+    /// Allocates `len` zeroed bytes on device `ordinal`, in its primary context.
+    pub fn new(ordinal: u32, len: usize) -> Result<Self, RegionError> {
+        if len == 0 {
+            return Err(RegionError::Allocation { len, align: 256 });
+        }
+        let device = Device::open(ordinal)?;
+        // SAFETY: the context is current; the pointer is freed in `Drop`.
+        let dptr = unsafe { result::malloc_sync(len) }.map_err(driver_err("cuMemAlloc"))?;
+        let r = device.into_region(ordinal, dptr, len, Allocation::Owned);
         // Device memory is not zeroed by the allocator; slots start zeroed
         // as `HostRegion`'s do.
         // SAFETY: `dptr` holds `len` bytes; the context is current.
         unsafe { result::memset_d8_sync(dptr, 0, len) }.map_err(driver_err("cuMemsetD8"))?;
         Ok(r)
+    }
+
+    /// A region over `len` bytes of device `ordinal`'s memory at `dptr` that
+    /// someone else allocated (a torch tensor), kept alive by `owner` for as
+    /// long as the region lives. The range is checked with the driver: it
+    /// must be device memory of that device.
+    pub fn borrowed(
+        ordinal: u32,
+        dptr: u64,
+        len: usize,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Self, RegionError> {
+        if len == 0 || dptr.checked_add(len as u64).is_none() {
+            return Err(RegionError::Allocation { len, align: 1 });
+        }
+        let device = Device::open(ordinal)?;
+        let last = dptr + len as u64 - 1;
+        if cuda_device_of(dptr) != Some(ordinal) || cuda_device_of(last) != Some(ordinal) {
+            return Err(RegionError::Device(DeviceError::Driver {
+                call: "cuPointerGetAttribute",
+                code: 0,
+                message: format!("{dptr:#x}+{len} is not memory of CUDA device {ordinal}"),
+            }));
+        }
+        Ok(device.into_region(ordinal, dptr, len, Allocation::Borrowed(owner)))
     }
 
     /// The device's ordinal.
@@ -163,10 +255,13 @@ impl fmt::Debug for CudaRegion {
 impl Drop for CudaRegion {
     fn drop(&mut self) {
         let _ = self.make_current();
-        // SAFETY: allocated, created and retained in `new`, each released once.
+        // SAFETY: allocated (if owned), created and retained in the
+        // constructor, each released once.
         unsafe {
             let _ = result::stream::synchronize(self.stream);
-            let _ = result::free_sync(self.dptr);
+            if let Allocation::Owned = self.memory {
+                let _ = result::free_sync(self.dptr);
+            }
             let _ = result::stream::destroy(self.stream);
             let _ = result::primary_ctx::release(self.dev);
         }
@@ -233,6 +328,24 @@ mod tests {
         assert!(matches!(r.write(3 << 20, &[1]), Err(RegionError::OutOfBounds { .. })));
     }
 
+    /// A borrowed region copies into memory allocated elsewhere and does
+    /// not free it; the pointer query tells device from host memory.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU and its driver (scripts/device-check.sh)"]
+    fn borrowed_device_memory_is_found_copied_and_not_freed() {
+        let owner = std::sync::Arc::new(CudaRegion::new(0, 1 << 16).expect("a CUDA device"));
+        assert_eq!(cuda_device_of(owner.addr()), Some(0));
+        let host = vec![0u8; 16];
+        assert_eq!(cuda_device_of(host.as_ptr() as u64), None);
+        let b = CudaRegion::borrowed(0, owner.addr() + 4096, 4096, Box::new(owner.clone())).expect("borrowed");
+        b.write(0, &[9; 4096]).expect("write");
+        drop(b);
+        let mut back = [0u8; 4096];
+        owner.read(4096, &mut back).expect("the owner's memory is still there");
+        assert_eq!(back, [9; 4096]);
+        assert!(CudaRegion::borrowed(0, host.as_ptr() as u64, 16, Box::new(())).is_err(), "host memory refused");
+    }
+
     /// Without a driver the error is typed, not a panic.
     #[test]
     fn no_driver_or_no_device_is_a_typed_error() {
@@ -243,6 +356,9 @@ mod tests {
             }
         } else {
             assert_eq!(CudaRegion::new(0, 4096).unwrap_err(), RegionError::Device(DeviceError::NoDriver));
+            assert_eq!(cuda_device_of(0x1000), None);
+            let e = CudaRegion::borrowed(0, 0x1000, 16, Box::new(())).unwrap_err();
+            assert_eq!(e, RegionError::Device(DeviceError::NoDriver));
         }
     }
 }

@@ -21,7 +21,7 @@ mod fake_device;
 mod memory;
 
 #[cfg(feature = "cuda")]
-pub use cuda::{cuda_device_count, cuda_driver_present, CudaRegion};
+pub use cuda::{cuda_device_count, cuda_device_of, cuda_driver_present, CudaRegion};
 #[cfg(all(feature = "fake-device", target_os = "linux"))]
 pub use fake_device::FakeDeviceRegion;
 pub use memory::{SlotMemory, UnknownMemory};

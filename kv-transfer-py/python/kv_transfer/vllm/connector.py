@@ -129,15 +129,30 @@ class Settings:
         return self.role in ("kv_consumer", "kv_both")
 
 
+def kv_device(kv_caches: Dict[str, "torch.Tensor"]) -> Optional[int]:
+    """The CUDA device every KV tensor is on (``None``: host memory). Tensors
+    on several devices, or on another kind of device, are refused."""
+    devices = {(t.device.type, t.device.index) for t in kv_caches.values()}
+    if len(devices) > 1:
+        raise kv_transfer.DescriptorError(f"KV tensors on several devices: {sorted(map(str, devices))}")
+    kind, index = next(iter(devices), ("cpu", None))
+    if kind == "cpu":
+        return None
+    if kind != "cuda":
+        raise kv_transfer.DescriptorError(f"KV on {kind}: kv_transfer registers host and CUDA memory")
+    return int(index or 0)
+
+
 def kv_buffers(kv_caches: Dict[str, "torch.Tensor"], num_blocks: int) -> List[Tuple[int, int, int]]:
     """vLLM's KV tensors as kv_transfer buffers ``(address, bytes, block bytes)``,
-    one per layer (CPU layout ``[blocks, heads, block, 2*head]``: block dim 0),
-    or two (K, V) for a ``[2, blocks, ...]`` layout. Anything else is refused:
-    a block must be one contiguous run of bytes."""
+    one per layer (block dim 0: the CPU layout ``[blocks, heads, block, 2*head]``),
+    or two (K, V) for a ``[2, blocks, ...]`` layout (the CUDA backends'). The
+    tensors may be on the host or on one CUDA device (:func:`kv_device`): the
+    address is then a device pointer, which kv_transfer never touches from the
+    CPU. Anything else is refused: a block must be one contiguous run of bytes."""
     out = []
+    kv_device(kv_caches)
     for name, t in kv_caches.items():
-        if t.device.type != "cpu":
-            raise kv_transfer.DescriptorError(f"{name}: KV on {t.device}; this build registers host memory only")
         parts = [t] if t.shape[0] == num_blocks else (list(t.unbind(0)) if t.shape[0] == 2 and t.shape[1] == num_blocks else None)
         if parts is None:
             raise kv_transfer.DescriptorError(f"{name}: shape {tuple(t.shape)} has no block dimension of {num_blocks}")
@@ -229,7 +244,7 @@ class KvTransferConnector(KVConnectorBase_V1):
         self.kv_caches = kv_caches
         for b in self.settings.backends:
             ep = kv_transfer.Endpoint(b, f"vllm-{self.settings.engine_id[:12]}-{os.getpid()}-{b}", host=self.settings.host)
-            self.sides[b] = (ep, ep.register(buffers, owner=owners))
+            self.sides[b] = (ep, ep.register(buffers, owner=owners, device=kv_device(kv_caches)))
         if self.settings.producer:
             self.offers = prefill.PrefillOffers(self.sides, self.settings.limits)
         if self.settings.consumer:
