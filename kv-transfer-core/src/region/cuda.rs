@@ -335,7 +335,7 @@ mod tests {
     fn borrowed_device_memory_is_found_copied_and_not_freed() {
         let owner = std::sync::Arc::new(CudaRegion::new(0, 1 << 16).expect("a CUDA device"));
         assert_eq!(cuda_device_of(owner.addr()), Some(0));
-        let host = vec![0u8; 16];
+        let host = [0u8; 16];
         assert_eq!(cuda_device_of(host.as_ptr() as u64), None);
         let b = CudaRegion::borrowed(0, owner.addr() + 4096, 4096, Box::new(owner.clone())).expect("borrowed");
         b.write(0, &[9; 4096]).expect("write");
