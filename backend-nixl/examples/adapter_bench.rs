@@ -5,7 +5,12 @@
 //! ```sh
 //! CARGO_TARGET_DIR=/work/main/tgt/nixl cargo run --release -p backend-nixl --example adapter_bench
 //! UCX_TLS=tcp CARGO_TARGET_DIR=/work/main/tgt/nixl cargo run --release -p backend-nixl --example adapter_bench
+//! KVT_BENCH_DEVICE=cuda:0 cargo run --release -p backend-nixl --features cuda --example adapter_bench
 //! ```
+//!
+//! `KVT_BENCH_DEVICE` puts every buffer of both rigs in that memory (`cuda:N`:
+//! VRAM, device to device); `KVT_BENCH_SOURCE_DEVICE` the source's alone
+//! (`host` with `KVT_BENCH_DEVICE=cuda:0`: host to device).
 //!
 //! - raw/repost: one request created once and re-posted (the cheapest raw loop);
 //! - raw/fresh: a request created, posted, polled, released per transfer (what an
@@ -31,27 +36,46 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend_nixl::adapter::{AdapterConfig, NixlTransfer, Progress};
-use backend_nixl::engine::{Agent, AgentConfig, HostBuffer, NixlLibrary, XferOp, XferState};
+use backend_nixl::engine::{Agent, AgentConfig, MemRegion, NixlLibrary, XferOp, XferState};
 
 use kv_transfer_core::{
-    block_on, Exposed, HostRegion, PoolConfig, RemoteSlots, Reserved, SlotLease, Transfer, TransferHandle,
+    block_on, Exposed, PoolConfig, Region, RemoteSlots, Reserved, SlotLease, SlotMemory, Transfer, TransferHandle,
     TransferOptions,
 };
+
+/// Where the source's and the destination's buffers live.
+#[derive(Clone, Copy)]
+struct Memory {
+    src: SlotMemory,
+    dst: SlotMemory,
+}
+
+impl Memory {
+    fn from_env() -> Res<Self> {
+        let get = |k: &str| std::env::var(k).ok().map(|v| v.parse::<SlotMemory>()).transpose();
+        let dst = get("KVT_BENCH_DEVICE")?.unwrap_or_default();
+        Ok(Self { src: get("KVT_BENCH_SOURCE_DEVICE")?.unwrap_or(dst), dst })
+    }
+}
+
+fn descriptor(r: &dyn Region) -> Res<MemRegion> {
+    MemRegion::of(r).ok_or_else(|| format!("NIXL cannot register {}", r.kind()).into())
+}
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 struct RawRig {
     ini: Arc<Agent>,
     ib: backend_nixl::engine::Backend,
-    src: HostBuffer,
-    dst: HostBuffer,
+    src: Arc<dyn Region>,
+    dst: Arc<dyn Region>,
     remote: String,
     _regs: Vec<backend_nixl::engine::Registration>,
     _keep: (Arc<Agent>, backend_nixl::engine::Backend),
 }
 
 impl RawRig {
-    fn new(lib: &NixlLibrary, block: usize) -> Res<Self> {
+    fn new(lib: &NixlLibrary, block: usize, mem: Memory) -> Res<Self> {
         let pid = std::process::id();
         let no_thread = AgentConfig { progress_thread: false, ..Default::default() };
         let ini = Agent::new(lib, &format!("rb-ini-{pid}-{block}"), &no_thread)?;
@@ -62,14 +86,14 @@ impl RawRig {
         let tgt = Agent::new(lib, &format!("rb-tgt-{pid}-{block}"), &tgt_cfg)?;
         let ib = ini.create_backend("UCX", &[])?;
         let tb = tgt.create_backend("UCX", &[])?;
-        let mut src = HostBuffer::new(block)?;
-        let dst = HostBuffer::new(block)?;
-        src.fill(0x11);
+        let src = mem.src.allocate(block)?;
+        let dst = mem.dst.allocate(block)?;
+        src.write(0, &vec![0x11; block])?;
         // SAFETY: the buffers are fields of the rig, dropped after the
         // registrations (field order) and after every request was released.
-        let sreg = unsafe { ini.register_mem(&[src.region()], Some(&ib)) }?;
+        let sreg = unsafe { ini.register_mem(&[descriptor(src.as_ref())?], Some(&ib)) }?;
         // SAFETY: as above.
-        let treg = unsafe { tgt.register_mem(&[dst.region()], Some(&tb)) }?;
+        let treg = unsafe { tgt.register_mem(&[descriptor(dst.as_ref())?], Some(&tb)) }?;
         let remote = ini.load_remote_metadata(&tgt.local_metadata()?)?;
         Ok(Self { ini, ib, src, dst, remote, _regs: vec![sreg, treg], _keep: (tgt, tb) })
     }
@@ -77,6 +101,7 @@ impl RawRig {
     /// One WRITE at a time for `budget`: a request re-posted, or created per transfer.
     fn run(&mut self, budget: Duration, repost: bool) -> Res<f64> {
         let block = self.src.len();
+        let (s, d) = (descriptor(self.src.as_ref())?, descriptor(self.dst.as_ref())?);
         let mut req = None;
         let mut n = 0u64;
         let start = Instant::now();
@@ -85,7 +110,6 @@ impl RawRig {
                 if let Some(r) = req.take() {
                     backend_nixl::engine::XferRequest::release(r).map_err(|(_, e)| e)?;
                 }
-                let (s, d) = (self.src.region(), self.dst.region());
                 req = Some(self.ini.create_xfer(XferOp::Write, &[s], &[d], &self.remote, None, Some(&self.ib))?);
             }
             let Some(r) = req.as_mut() else { break };
@@ -102,7 +126,9 @@ impl RawRig {
         if let Some(r) = req.take() {
             r.release().map_err(|(_, e)| e)?;
         }
-        if self.dst.to_vec()[block - 1] != 0x11 {
+        let mut last = [0u8; 1];
+        self.dst.read(block - 1, &mut last)?;
+        if last[0] != 0x11 {
             return Err("raw: data did not arrive".into());
         }
         Ok(n as f64 * block as f64 / secs / 1e9)
@@ -118,15 +144,15 @@ struct AdapterRig {
 }
 
 impl AdapterRig {
-    fn new(block: usize, qd: usize, request_cache: usize) -> Res<Self> {
+    fn new(block: usize, qd: usize, request_cache: usize, mem: Memory) -> Res<Self> {
         let pid = std::process::id();
         let ini = NixlTransfer::new_real(
             &format!("ab-ini-{pid}-{block}-{request_cache}"),
             AdapterConfig { progress: Progress::Driver, request_cache, ..AdapterConfig::default() },
         )?;
         let tgt = NixlTransfer::new_real(&format!("ab-tgt-{pid}-{block}-{request_cache}"), AdapterConfig::default())?;
-        let src = ini.register_pool(Arc::new(HostRegion::new(qd * block)?), PoolConfig::new(block))?;
-        let dst = tgt.register_pool(Arc::new(HostRegion::new(qd * block)?), PoolConfig::new(block))?;
+        let src = ini.register_pool(mem.src.allocate(qd * block)?, PoolConfig::new(block))?;
+        let dst = tgt.register_pool(mem.dst.allocate(qd * block)?, PoolConfig::new(block))?;
         ini.add_peer(&tgt.local_metadata()?)?;
         let peer = tgt.add_peer(&ini.local_metadata()?)?;
         let (mut remotes, mut exposures, mut leases) = (Vec::new(), Vec::new(), Vec::new());
@@ -201,15 +227,18 @@ fn main() -> Res<()> {
     let secs: f64 = std::env::var("KVT_BENCH_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(0.5);
     let rounds: usize = std::env::var("KVT_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(6);
     let budget = Duration::from_secs_f64(secs);
+    let mem = Memory::from_env()?;
     println!(
-        "library: {}  UCX_TLS={}  {rounds} alternating rounds of {secs} s per case; medians",
+        "library: {}  UCX_TLS={}  memory {} -> {}  {rounds} alternating rounds of {secs} s per case; medians",
         lib.path().display(),
-        std::env::var("UCX_TLS").unwrap_or_else(|_| "(default)".into())
+        std::env::var("UCX_TLS").unwrap_or_else(|_| "(default)".into()),
+        mem.src,
+        mem.dst
     );
     for block in [64usize << 10, 16 << 20] {
-        let mut raw = RawRig::new(&lib, block)?;
-        let mut ad = AdapterRig::new(block, 4, AdapterConfig::default().request_cache)?;
-        let mut adc = AdapterRig::new(block, 1, 0)?;
+        let mut raw = RawRig::new(&lib, block, mem)?;
+        let mut ad = AdapterRig::new(block, 4, AdapterConfig::default().request_cache, mem)?;
+        let mut adc = AdapterRig::new(block, 1, 0, mem)?;
         let (mut rr, mut rf, mut a1, mut ac, mut a4, mut ratio, mut ratio_c) =
             (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
         for round in 0..rounds {

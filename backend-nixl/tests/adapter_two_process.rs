@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{fields, run_pair};
+use common::{fields, run_pair, run_pair_in};
 use std::collections::HashMap;
 
 #[test]
@@ -33,7 +33,24 @@ fn hazard_two_processes_raw_lands_late_bytes_adapter_lands_none() {
     if common::library_or_skip("hazard_two_processes").is_none() {
         return;
     }
+    hazard("host");
+}
+
+/// The same hazard with both sides' slots in GPU memory (NIXL's VRAM): the
+/// raw path's late bytes land in the reassigned device slot, the adapter's
+/// none. Needs a CUDA device and NIXL with CUDA: `scripts/device-check.sh`.
+#[test]
+#[ignore = "needs an NVIDIA GPU, its driver and NIXL's CUDA plugins (scripts/device-check.sh)"]
+fn hazard_two_processes_on_device_memory_raw_lands_late_bytes_adapter_lands_none() {
+    if common::library_or_skip("hazard_two_processes_on_device_memory").is_none() {
+        return;
+    }
+    hazard(&std::env::var("KVT_DEVICE").unwrap_or_else(|_| "cuda:0".into()));
+}
+
+fn hazard(memory: &str) {
     let mib: usize = std::env::var("KVT_HAZARD_MIB").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+    let run_pair = |mode: &str, mib: usize, _: Option<()>, _: Option<()>| run_pair_in(mode, mib, None, None, memory);
 
     // Positive control: raw NIXL, released while IN_PROG. Whether the release
     // catches the write in flight and the late bytes land after the slot
@@ -60,7 +77,7 @@ fn hazard_two_processes_raw_lands_late_bytes_adapter_lands_none() {
     let ad = fields(&dec, "RESULT");
     let ad_late: u64 = ad["late_old_bytes"].parse().expect("number");
     eprintln!(
-        "HAZARD {mib} MiB, two processes, UCX_TLS={}: raw release-while-IN_PROG: {raw_late} stale bytes landed in the \
+        "HAZARD {mib} MiB of {memory} memory, two processes, UCX_TLS={}: raw release-while-IN_PROG: {raw_late} stale bytes landed in the \
          new tenant's slot (prefill {}); through the adapter: {ad_late} (slot back after {} ms)",
         std::env::var("UCX_TLS").unwrap_or_else(|_| "tcp".into()),
         raw["prefill"],

@@ -46,8 +46,8 @@ pub struct Params {
     pub duration: Duration,
     /// Unmeasured time before it.
     pub warmup: Duration,
-    /// The memory both sides' slots live in (`--device`).
-    pub memory: SlotMemory,
+    /// Where each side's slots live (`--device`, `--source-device`).
+    pub placement: crate::backends::Placement,
 }
 
 impl Params {
@@ -72,6 +72,8 @@ pub struct Outcome {
     pub backend: String,
     /// `loopback` or `initiator`.
     pub mode: String,
+    /// Where the slots lived: `host`, `cuda:0`, `host->cuda:0` (initiator->target).
+    pub memory: String,
     /// `read` or `write`.
     pub op: String,
     /// Bytes per operation.
@@ -175,6 +177,7 @@ fn outcome(backend: &str, mode: &str, p: &Params, bytes: u64, elapsed: Duration,
     Outcome {
         backend: backend.into(),
         mode: mode.into(),
+        memory: p.placement.to_string(),
         op: op_name(p.op).into(),
         block_size: p.block_size,
         batch: p.batch,
@@ -339,7 +342,7 @@ pub fn initiator(target: &str, p: &Params) -> anyhow::Result<Outcome> {
         .map(str::to_string)
         .ok_or_else(|| anyhow!("target sent no NIC endpoint"))?;
     let init = SimNic::start(NicConfig::new(name))?;
-    let ipool = register(&init, slots, p.block_size, p.memory)?;
+    let ipool = register(&init, slots, p.block_size, p.placement.initiator)?;
     init.connect(&nic_ep)?;
     let remote: RemoteSlots = serde_json::from_value(
         recv(&mut r)?.get("remote").cloned().ok_or_else(|| anyhow!("target sent no descriptor"))?,
@@ -359,6 +362,7 @@ mod tests {
         Outcome {
             backend: backend.into(),
             mode: "loopback".into(),
+            memory: "host".into(),
             op: "write".into(),
             block_size,
             batch: 1,

@@ -151,9 +151,14 @@ struct BenchArgs {
     json: bool,
     /// Where the slots live: `host`, `fake-device` (device-like memory that
     /// faults on any CPU access) or `cuda[:N]` (a GPU; kvt built with the
-    /// feature `cuda`). Device memory: tcp-sim and mooncake (staged).
+    /// feature `cuda`). tcp-sim and mooncake stage device memory, NIXL
+    /// registers a GPU's as VRAM, verbs through a dma-buf.
     #[arg(long, default_value = "host")]
     device: SlotMemory,
+    /// The initiator's (the WRITE's source) memory, if not --device's:
+    /// `--source-device host --device cuda` measures host to device.
+    #[arg(long)]
+    source_device: Option<SlotMemory>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -362,7 +367,7 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
             threads: a.threads,
             duration: a.duration,
             warmup: a.warmup,
-            memory: a.device,
+            placement: backends::Placement { initiator: a.source_device.unwrap_or(a.device), target: a.device },
         };
         let total = (a.duration + a.warmup).as_millis() as u64;
         let pb = bar(total.max(1), a.json, "{msg} [{bar:40}] {elapsed_precise}");
@@ -378,7 +383,7 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
         let (target, p2) = (target.clone(), p.clone());
         let job = std::thread::spawn(move || match target {
             Some(t) => bench::initiator(&t, &p2),
-            None => backends::loopback_rig(backend, p2.slots()?, p2.block_size, p2.memory)
+            None => backends::loopback_rig(backend, p2.slots()?, p2.block_size, p2.placement)
                 .and_then(|r| bench::loopback(r, &p2)),
         });
         let t0 = std::time::Instant::now();
@@ -437,6 +442,9 @@ fn bench_cmd(a: BenchArgs) -> anyhow::Result<()> {
             );
         }
     } else {
+        if let Some(r) = results.iter().find(|r| r.memory != "host") {
+            println!("slots in {} memory", r.memory);
+        }
         println!(
             "{:<9} {:<9} {:<5} {:>8} {:>5} {:>7} {:>9} {:>12} {:>12} {:>8}",
             "backend", "mode", "op", "block", "batch", "threads", "GB/s", "p50 µs/batch", "p99 µs/batch", "batches"

@@ -165,22 +165,25 @@ pub trait Backend {
     }
 }
 
-/// A backend whose rigs put every slot in device-like memory that faults on
-/// the CPU ([`SlotMemory::FakeDevice`]): its cells are named
-/// `<scenario>::<backend>_device`. A backend that cannot register device
-/// memory ([`Provides::device_memory`] is `None`) has them listed as ignored,
-/// with why.
+/// A backend whose rigs put every slot in device memory: device-like memory
+/// that faults on the CPU ([`SlotMemory::FakeDevice`], cells named
+/// `<scenario>::<backend>_device`), or a CUDA device's (cells named
+/// `<scenario>::<backend>_cuda`, run where a GPU is). A backend that cannot
+/// take that memory ([`Provides::fake_device`], [`Provides::cuda`]) has them
+/// listed as ignored, with why.
 pub struct OnDevice {
     inner: Box<dyn Backend>,
     name: &'static str,
+    memory: SlotMemory,
 }
 
 impl OnDevice {
-    /// `inner`, on device memory.
-    pub fn new(inner: Box<dyn Backend>) -> Self {
+    /// `inner`, with its slots in `memory` (a device's).
+    pub fn new(inner: Box<dyn Backend>, memory: SlotMemory) -> Self {
         // Interned: the matrix builds its backends once per test.
         static NAMES: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
-        let want = format!("{}_device", inner.name());
+        let suffix = if let SlotMemory::Cuda { .. } = memory { "cuda" } else { "device" };
+        let want = format!("{}_{suffix}", inner.name());
         let mut names = NAMES.lock().unwrap_or_else(|p| p.into_inner());
         let name = match names.iter().find(|n| **n == want) {
             Some(n) => *n,
@@ -190,7 +193,7 @@ impl OnDevice {
                 n
             }
         };
-        Self { inner, name }
+        Self { inner, name, memory }
     }
 }
 
@@ -202,7 +205,7 @@ impl Backend for OnDevice {
         self.inner.available()
     }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
-        self.inner.rig(&RigConfig { memory: SlotMemory::FakeDevice, ..cfg.clone() })
+        self.inner.rig(&RigConfig { memory: self.memory, ..cfg.clone() })
     }
     fn provides(&self) -> Provides {
         self.inner.provides()
@@ -211,7 +214,7 @@ impl Backend for OnDevice {
         self.inner.runs_elsewhere_in_ci()
     }
     fn memory(&self) -> SlotMemory {
-        SlotMemory::FakeDevice
+        self.memory
     }
     fn race(&self) -> Option<RaceRunner> {
         self.inner.race()
@@ -238,9 +241,12 @@ pub struct Provides {
     pub raw_peer: bool,
     /// A peer that stalls mid-payload ([`Rig::expose_to_stalled_peer`]).
     pub stalled_peer: bool,
-    /// Slots in device memory ([`RigConfig::memory`]): `Ok` when the rigs
-    /// take it, or what the backend lacks for it.
-    pub device_memory: Result<(), &'static str>,
+    /// Slots in core's fake device memory ([`RigConfig::memory`]): `Ok`
+    /// when the rigs take it, or what the backend lacks for it.
+    pub fake_device: Result<(), &'static str>,
+    /// Slots in a CUDA device's memory: `Ok` when the rigs take it (the
+    /// `_cuda` columns then run where a GPU is), or what the backend lacks.
+    pub cuda: Result<(), &'static str>,
 }
 
 impl Default for Provides {
@@ -255,7 +261,8 @@ impl Default for Provides {
             malformed_frames: true,
             raw_peer: true,
             stalled_peer: true,
-            device_memory: Err("device memory in this backend's rigs"),
+            fake_device: Err("device memory in this backend's rigs"),
+            cuda: Err("device memory in this backend's rigs"),
         }
     }
 }

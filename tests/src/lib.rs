@@ -106,11 +106,29 @@ pub fn backends(prefill_worker: Option<std::path::PathBuf>) -> Vec<Box<dyn Backe
 
 /// The conformance matrix's columns: every backend compiled in ([`backends`]),
 /// then each again with its slots in device-like memory ([`OnDevice`],
-/// `<backend>_device`).
+/// `<backend>_device`), then in a CUDA device's (`<backend>_cuda`: the
+/// device `KVT_DEVICE` names, default `cuda:0`; run where a GPU is).
 pub fn matrix_backends(prefill_worker: Option<std::path::PathBuf>) -> Vec<Box<dyn Backend>> {
-    let host = backends(prefill_worker.clone());
-    let device = backends(prefill_worker).into_iter().map(|b| Box::new(OnDevice::new(b)) as Box<dyn Backend>);
-    host.into_iter().chain(device).collect()
+    let cuda = std::env::var("KVT_DEVICE")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .filter(|m| matches!(m, kv_transfer_core::SlotMemory::Cuda { .. }))
+        .unwrap_or(kv_transfer_core::SlotMemory::Cuda { ordinal: 0 });
+    let mut all = backends(prefill_worker.clone());
+    for memory in [kv_transfer_core::SlotMemory::FakeDevice, cuda] {
+        all.extend(
+            backends(prefill_worker.clone())
+                .into_iter()
+                .map(|b| Box::new(OnDevice::new(b, memory)) as Box<dyn Backend>),
+        );
+    }
+    all
+}
+
+/// Whether a CUDA device is here (the `_cuda` columns run only then; they
+/// are ignored elsewhere, `CI=true` included: CI has no GPU).
+pub fn cuda_device_present() -> bool {
+    kv_transfer_core::cuda_device_count().is_ok_and(|n| n > 0)
 }
 
 /// Whether `CI=true` is set: a backend whose engine is missing then fails

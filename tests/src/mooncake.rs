@@ -300,7 +300,8 @@ impl Backend for MooncakeBackend {
             stalled_peer: !self.wire.keyed(),
             // TCP stages device slots through host buffers; an RDMA NIC
             // needs them registered (dma-buf).
-            device_memory: if self.wire.keyed() { Err(crate::verbs::DMABUF) } else { Ok(()) },
+            fake_device: if self.wire.keyed() { Err(crate::verbs::DMABUF) } else { Ok(()) },
+            cuda: if self.wire.keyed() { Err(crate::verbs::DMABUF) } else { Ok(()) },
             ..Provides::default()
         }
     }

@@ -42,7 +42,7 @@ impl Backend for MoriBackend {
     }
     fn provides(&self) -> crate::harness::Provides {
         crate::harness::Provides {
-            device_memory: Err("device memory in MORI's engine (its registered buffers are host memory)"),
+            fake_device: Err("device memory in MORI's engine (its registered buffers are host memory)"),
             ..Default::default()
         }
     }

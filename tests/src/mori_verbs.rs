@@ -105,7 +105,7 @@ impl Backend for MoriVerbsBackend {
             // NIC's whole message: it cannot be stalled half sent.
             raw_access: false,
             stalled_peer: false,
-            device_memory: Err(crate::verbs::DMABUF),
+            fake_device: Err(crate::verbs::DMABUF),
             ..Provides::default()
         }
     }

@@ -120,7 +120,8 @@ impl Backend for NixlBackend {
             // The wire is UCX's.
             raw_access: false,
             malformed_frames: false,
-            device_memory: Err("VRAM registration, which needs a GPU (scripts/device-check.sh)"),
+            fake_device: Err("VRAM registration of real GPU memory (the `_cuda` column: scripts/device-check.sh)"),
+            cuda: Ok(()),
             ..Provides::default()
         }
     }

@@ -89,7 +89,12 @@ impl Backend for SimBackend {
     }
     fn provides(&self) -> Provides {
         // Device slots are staged through host buffers by the NIC.
-        Provides { prefill_process: self.prefill_worker.is_some(), device_memory: Ok(()), ..Provides::default() }
+        Provides {
+            prefill_process: self.prefill_worker.is_some(),
+            fake_device: Ok(()),
+            cuda: Ok(()),
+            ..Provides::default()
+        }
     }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
         let n = RIGS.fetch_add(1, Ordering::Relaxed);

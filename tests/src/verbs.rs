@@ -156,7 +156,12 @@ impl Backend for VerbsBackend {
             // The software NIC moves bytes through the region's copies, as
             // a GPUDirect NIC's DMA reaches device memory; a real NIC needs
             // the device memory registered through a dma-buf.
-            device_memory: match self.nic {
+            fake_device: match self.nic {
+                #[cfg(feature = "verbs")]
+                Nic::Device => Err(DMABUF),
+                Nic::Fake => Ok(()),
+            },
+            cuda: match self.nic {
                 #[cfg(feature = "verbs")]
                 Nic::Device => Err(DMABUF),
                 Nic::Fake => Ok(()),

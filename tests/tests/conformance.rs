@@ -57,9 +57,13 @@ impl Need {
             Need::Revoke => (p.revoke, "revocation (a key per tenancy)"),
             Need::Fence => (p.fence, "a fence (a connection the decode side can tear down with confirmation)"),
             Need::NoFence => (!p.fence, "a backend without a fence (this one settles by its fence)"),
-            Need::DeviceMemory => match p.device_memory {
-                Ok(()) => (true, ""),
-                Err(why) => (false, why),
+            Need::DeviceMemory => match (b.memory(), p.fake_device, p.cuda) {
+                (kv_transfer_core::SlotMemory::Cuda { .. }, _, Err(why)) => (false, why),
+                (kv_transfer_core::SlotMemory::Cuda { .. }, _, Ok(())) => {
+                    (kv_transfer_tests::cuda_device_present(), "a CUDA device (scripts/device-check.sh runs these)")
+                }
+                (_, Err(why), _) => (false, why),
+                _ => (true, ""),
             },
             Need::RawAccess => (p.raw_access, "raw one-sided accesses (a software NIC)"),
             Need::MalformedFrames => (p.malformed_frames, "a wire the test can put malformed frames on"),

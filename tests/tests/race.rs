@@ -59,6 +59,34 @@ fn s2_safe_policy_zero_foreign_bytes_on_device_memory() {
     }
 }
 
+/// The CUDA device the `_on_cuda_memory` races use (`KVT_DEVICE`, default `cuda:0`).
+fn cuda() -> SlotMemory {
+    std::env::var("KVT_DEVICE").ok().and_then(|d| d.parse().ok()).unwrap_or(SlotMemory::Cuda { ordinal: 0 })
+}
+
+/// The positive control with every slot in GPU memory (the simulator stages
+/// through host buffers and the device's copies).
+#[test]
+#[ignore = "needs an NVIDIA GPU and its driver (scripts/device-check.sh)"]
+fn s2_naive_policy_shows_corruption_on_cuda_memory() {
+    let cfg = RaceConfig { memory: cuda(), ..config(ReleasePolicy::Naive) };
+    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
+    if let Err(f) = race_positive_control(&r, cfg.requests) {
+        panic!("{}", f.0);
+    }
+}
+
+/// The contract with every slot in GPU memory.
+#[test]
+#[ignore = "needs an NVIDIA GPU and its driver (scripts/device-check.sh)"]
+fn s2_safe_policy_zero_foreign_bytes_on_cuda_memory() {
+    let cfg = RaceConfig { memory: cuda(), ..config(ReleasePolicy::Safe) };
+    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
+    if let Err(f) = race_safe(&r, cfg.requests) {
+        panic!("{}", f.0);
+    }
+}
+
 /// Integrity on consume, as a second line: under the naive policy alone
 /// (slots freed without a proof), DONE digests (and READs' own digests) still
 /// catch every corruption when the consumer reads: the hazard happens, no

@@ -600,8 +600,12 @@ impl MooncakeTransfer {
         // The trust is fixed now: a v1 peer's exposure is never upgraded by a
         // later refresh of the peer (it settles only by a proof its word is not).
         let trust = if v1 { Trust::Unproving } else { Trust::Proving };
-        let token = lock(&self.inner.drain).expose(lease.pool().id(), lease.tenancies(), peer, trust);
+        // The pool's mark first, the drain table's record after
+        // (`Driver::expose_with`): a loss of this peer handled in between
+        // then fences the mark, or finds the record.
+        let token = kv_transfer_core::drain::ExposureToken::random();
         let (exposed, mut remote) = entry.authority.expose(lease, peer, 0, self.inner.segment_name.clone(), token);
+        lock(&self.inner.drain).expose_with(pool_id, exposed.tenancies(), peer, trust, token);
         drop(pools);
         if let Some(k) = slot_keys {
             // The peer checks its copy of our metadata against these.

@@ -247,7 +247,7 @@ pub enum AdapterError {
     Pool(#[from] PoolError),
     /// Memory NIXL cannot register: device memory that is not a CUDA
     /// device's (core's fake device, which only staging can reach).
-    #[error("NIXL registers host memory (DRAM) and CUDA device memory (VRAM), not {0:?}")]
+    #[error("NIXL registers host memory (DRAM) and CUDA device memory (VRAM), not {0}")]
     UnsupportedMemory(MemoryKind),
     /// No such peer.
     #[error("unknown peer {0:?}")]
@@ -439,13 +439,7 @@ impl NixlTransfer {
     /// authority stays inside the adapter; the region is kept alive (and leaked if
     /// it can never be safely deregistered).
     pub fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, AdapterError> {
-        let mr = match region.kind() {
-            MemoryKind::Host if region.host_ptr().is_some() => MemRegion::new(region.addr() as usize, region.len()),
-            k @ MemoryKind::Device { ordinal } if k != MemoryKind::FAKE_DEVICE => {
-                MemRegion::vram(region.addr() as usize, region.len(), ordinal)
-            }
-            k => return Err(AdapterError::UnsupportedMemory(k)),
-        };
+        let mr = MemRegion::of(region.as_ref()).ok_or(AdapterError::UnsupportedMemory(region.kind()))?;
         if self.inner.state().closing {
             return Err(AdapterError::ShuttingDown);
         }
@@ -510,10 +504,13 @@ impl NixlTransfer {
             return Err(ExposeError { lease, kind: ExposeErrorKind::UnknownPeer(peer) });
         }
         let (key, authority) = (entry.reg.0, entry.authority.clone());
-        let token = st.drain.expose(pool, lease.tenancies(), peer, Trust::Proving);
-        st.m.exposed_slots = st.drain.exposures().len();
-        // Under the lock: a message for these tenancies waits until they are recorded.
+        // Under the lock: a message for these tenancies waits until they are
+        // recorded. The pool's mark first, the record after, as every
+        // backend does (`Driver::expose_with`).
+        let token = kv_transfer_core::drain::ExposureToken::random();
         let (exposed, remote) = authority.expose(lease, peer, key, self.inner.name.to_string(), token);
+        st.drain.expose_with(pool, exposed.tenancies(), peer, Trust::Proving, token);
+        st.m.exposed_slots = st.drain.exposures().len();
         drop(st);
         self.inner.wake.wake();
         Ok((exposed, remote))

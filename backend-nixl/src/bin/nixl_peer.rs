@@ -1,8 +1,13 @@
 //! One side of a prefill/decode pair over NIXL, for the two-process tests.
 //!
 //! ```text
-//! nixl_peer <decode|prefill> <dir> <raw|adapter|cut|roundtrip> <MiB>
+//! nixl_peer <decode|prefill> <dir> <raw|adapter|cut|roundtrip> <MiB> [host|cuda[:N]]
 //! ```
+//!
+//! The last argument says where both sides' memory lives (default host):
+//! `cuda:N` puts the slots and the source in GPU N's memory (NIXL's VRAM),
+//! read and filled only through the region's copies (the build needs the
+//! feature `cuda`; `scripts/device-check.sh` runs it).
 //!
 //! The two processes meet through files in `<dir>` (written to a temporary name,
 //! then renamed): `decode.md` and `prefill.md` (NIXL metadata), `remote.txt` (the
@@ -35,8 +40,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend_nixl::adapter::{AdapterConfig, NixlTransfer};
-use backend_nixl::engine::{Agent, AgentConfig, HostBuffer, MemRegion, NixlLibrary, XferOp, XferState};
-use kv_transfer_core::{HostRegion, PoolConfig, Region, RemoteSlots, Transfer, TransferOptions};
+use backend_nixl::engine::{Agent, AgentConfig, MemRegion, NixlLibrary, XferOp, XferState};
+use kv_transfer_core::{
+    HostRegion, MemoryKind, PoolConfig, Region, RemoteSlots, SlotMemory, Transfer, TransferOptions,
+};
 
 const OLD: u8 = 0xA5;
 const NEW: u8 = 0x5A;
@@ -135,6 +142,23 @@ fn watch(read: &dyn Fn(usize, &mut [u8]), len: usize, t0: Instant) -> (Duration,
     (last_change, true)
 }
 
+/// The raw API's descriptor of a whole region: DRAM, or VRAM of its device.
+fn mem_region(r: &dyn Region) -> Res<MemRegion> {
+    MemRegion::of(r).ok_or_else(|| format!("NIXL cannot register {}", r.kind()).into())
+}
+
+/// Fills a region with `byte` through its copies, 1 MiB at a time.
+fn fill(r: &dyn Region, byte: u8) -> Res<()> {
+    let chunk = vec![byte; 1 << 20];
+    let mut off = 0;
+    while off < r.len() {
+        let k = chunk.len().min(r.len() - off);
+        r.write(off, &chunk[..k])?;
+        off += k;
+    }
+    Ok(())
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add((i >> 12) as u8)).collect()
 }
@@ -144,21 +168,26 @@ fn adapter(role: &str) -> Res<NixlTransfer> {
     Ok(NixlTransfer::new_real(&name, AdapterConfig::default())?)
 }
 
-fn decode_raw(dir: &Path, len: usize) -> Res<()> {
+fn decode_raw(dir: &Path, len: usize, memory: SlotMemory) -> Res<()> {
     let lib = NixlLibrary::load()?;
     let tgt = Agent::new(&lib, &format!("decode-{}", std::process::id()), &AgentConfig::default())?;
     let tb = tgt.create_backend("UCX", &[])?;
-    let mut slot = HostBuffer::new(len)?;
+    let slot = memory.allocate(len)?;
+    let desc = mem_region(slot.as_ref())?;
     // SAFETY: `slot` is leaked below together with the registration (never freed
     // while the peer may write it).
-    let reg = unsafe { tgt.register_mem(&[slot.region()], Some(&tb)) }?;
+    let reg = unsafe { tgt.register_mem(&[desc], Some(&tb)) }?;
     put(dir, "decode.md", &tgt.local_metadata()?)?;
     let ini = tgt.load_remote_metadata(&get(dir, "prefill.md")?)?;
-    put(dir, "remote.txt", format!("{} {}", slot.addr(), slot.len()).as_bytes())?;
+    let device = match slot.kind() {
+        MemoryKind::Device { ordinal } => ordinal.to_string(),
+        _ => "host".into(),
+    };
+    put(dir, "remote.txt", format!("{} {} {device}", slot.addr(), slot.len()).as_bytes())?;
     let how = get(dir, "released")?;
     let t0 = Instant::now();
     // The slot goes back to the pool at once; a new tenant fills it.
-    slot.fill(NEW);
+    fill(slot.as_ref(), NEW)?;
     let read = |off: usize, out: &mut [u8]| {
         let _ = slot.read(off, out);
     };
@@ -178,25 +207,31 @@ fn decode_raw(dir: &Path, len: usize) -> Res<()> {
     Ok(())
 }
 
-fn prefill_raw(dir: &Path, len: usize) -> Res<()> {
+fn prefill_raw(dir: &Path, len: usize, memory: SlotMemory) -> Res<()> {
     let lib = NixlLibrary::load()?;
     let ini = Agent::new(&lib, &format!("prefill-{}", std::process::id()), &AgentConfig::default())?;
     let ib = ini.create_backend("UCX", &[])?;
-    let mut src = HostBuffer::new(len)?;
-    src.fill(OLD);
+    let src = memory.allocate(len)?;
+    fill(src.as_ref(), OLD)?;
     // SAFETY: leaked below with the buffer.
-    let reg = unsafe { ini.register_mem(&[src.region()], Some(&ib)) }?;
+    let reg = unsafe { ini.register_mem(&[mem_region(src.as_ref())?], Some(&ib)) }?;
     let name = ini.load_remote_metadata(&get(dir, "decode.md")?)?;
     put(dir, "prefill.md", &ini.local_metadata()?)?;
     let remote = String::from_utf8(get(dir, "remote.txt")?)?;
-    let mut it = remote.split(' ').map(str::parse::<usize>);
-    let (Some(Ok(addr)), Some(Ok(rlen))) = (it.next(), it.next()) else {
+    let mut it = remote.split(' ');
+    let (Some(Ok(addr)), Some(Ok(rlen)), Some(device)) =
+        (it.next().map(str::parse::<usize>), it.next().map(str::parse::<usize>), it.next())
+    else {
         return Err("bad remote".into());
+    };
+    let target = match device.parse::<u32>() {
+        Ok(ordinal) => MemRegion::vram(addr, rlen.min(len), ordinal),
+        Err(_) => MemRegion::new(addr, rlen.min(len)),
     };
     let mut req = ini.create_xfer(
         XferOp::Write,
-        &[src.region()],
-        &[MemRegion::new(addr, rlen.min(len))],
+        &[mem_region(src.as_ref())?],
+        &[target],
         &name,
         Some(b"old tenant done"),
         Some(&ib),
@@ -218,9 +253,9 @@ fn prefill_raw(dir: &Path, len: usize) -> Res<()> {
     Ok(())
 }
 
-fn decode_adapter(dir: &Path, len: usize, cut: bool) -> Res<()> {
+fn decode_adapter(dir: &Path, len: usize, cut: bool, memory: SlotMemory) -> Res<()> {
     let t = adapter("decode")?;
-    let region = Arc::new(HostRegion::new(len)?);
+    let region = memory.allocate(len)?;
     let mut cfg = PoolConfig::new(len);
     if cut {
         let d = Duration::from_millis(300);
@@ -296,9 +331,9 @@ fn decode_adapter(dir: &Path, len: usize, cut: bool) -> Res<()> {
     Ok(())
 }
 
-fn prefill_adapter(dir: &Path, len: usize, cut: bool) -> Res<()> {
+fn prefill_adapter(dir: &Path, len: usize, cut: bool, memory: SlotMemory) -> Res<()> {
     let t = adapter("prefill")?;
-    let pool = t.register_pool(Arc::new(HostRegion::new(len)?), PoolConfig::new(len))?;
+    let pool = t.register_pool(memory.allocate(len)?, PoolConfig::new(len))?;
     let mut lease = pool.reserve(1)?;
     let chunk = vec![OLD; 1 << 20];
     let mut off = 0;
@@ -443,21 +478,28 @@ fn futures_lite_block_on<F: std::future::Future>(f: F) -> F::Output {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let usage = "usage: nixl_peer <decode|prefill> <dir> <raw|adapter|cut|roundtrip> <MiB>";
+    let usage = "usage: nixl_peer <decode|prefill> <dir> <raw|adapter|cut|roundtrip> <MiB> [host|cuda[:N]]";
     let (Some(role), Some(dir), Some(mode)) = (args.get(1), args.get(2), args.get(3)) else {
         eprintln!("{usage}");
         std::process::exit(2);
     };
     let mib: usize = args.get(4).and_then(|m| m.parse().ok()).unwrap_or(256);
+    let memory = match args.get(5).map(|m| m.parse::<SlotMemory>()).transpose() {
+        Ok(m) => m.unwrap_or_default(),
+        Err(e) => {
+            eprintln!("{e}\n{usage}");
+            std::process::exit(2);
+        }
+    };
     let dir = Path::new(dir);
     let len = mib << 20;
     let r = match (role.as_str(), mode.as_str()) {
-        ("decode", "raw") => decode_raw(dir, len),
-        ("prefill", "raw") => prefill_raw(dir, len),
-        ("decode", "adapter") => decode_adapter(dir, len, false),
-        ("prefill", "adapter") => prefill_adapter(dir, len, false),
-        ("decode", "cut") => decode_adapter(dir, len, true),
-        ("prefill", "cut") => prefill_adapter(dir, len, true),
+        ("decode", "raw") => decode_raw(dir, len, memory),
+        ("prefill", "raw") => prefill_raw(dir, len, memory),
+        ("decode", "adapter") => decode_adapter(dir, len, false, memory),
+        ("prefill", "adapter") => prefill_adapter(dir, len, false, memory),
+        ("decode", "cut") => decode_adapter(dir, len, true, memory),
+        ("prefill", "cut") => prefill_adapter(dir, len, true, memory),
         ("decode", "roundtrip") => decode_roundtrip(dir),
         ("prefill", "roundtrip") => prefill_roundtrip(dir),
         _ => Err(usage.into()),

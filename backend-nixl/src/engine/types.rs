@@ -81,6 +81,18 @@ impl MemRegion {
     pub fn vram(addr: usize, len: usize, device: u32) -> Self {
         Self { addr, len, dev_id: u64::from(device), mem: MemType::Vram }
     }
+    /// The descriptor of a whole region: DRAM for host memory, VRAM of its
+    /// device for a CUDA device's; `None` for memory NIXL cannot register
+    /// (core's fake device, which only staging through its copies reaches).
+    pub fn of(r: &dyn kv_transfer_core::Region) -> Option<Self> {
+        use kv_transfer_core::MemoryKind;
+        match r.kind() {
+            MemoryKind::Host => r.host_ptr().map(|_| Self::new(r.addr() as usize, r.len())),
+            MemoryKind::FAKE_DEVICE => None,
+            MemoryKind::Device { ordinal } => Some(Self::vram(r.addr() as usize, r.len(), ordinal)),
+            _ => None,
+        }
+    }
     /// This range as the same kind of memory at another address and length.
     pub fn like(self, addr: usize, len: usize) -> Self {
         Self { addr, len, ..self }

@@ -81,6 +81,17 @@ pub fn run_pair(
     places: Option<[Place<'_>; 2]>,
     driver: Option<&dyn Fn(&std::path::Path)>,
 ) -> (String, String) {
+    run_pair_in(mode, mib, places, driver, "host")
+}
+
+/// [`run_pair`] with both sides' memory in `memory` (`host`, `cuda:N`).
+pub fn run_pair_in(
+    mode: &str,
+    mib: usize,
+    places: Option<[Place<'_>; 2]>,
+    driver: Option<&dyn Fn(&std::path::Path)>,
+    memory: &str,
+) -> (String, String) {
     use std::io::Read;
     use std::process::{Command, Stdio};
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -99,7 +110,7 @@ pub fn run_pair(
             }
             None => Command::new(peer),
         };
-        cmd.args([role, dir.to_str().expect("utf-8 temp dir"), mode, &mib.to_string()])
+        cmd.args([role, dir.to_str().expect("utf-8 temp dir"), mode, &mib.to_string(), memory])
             .env("UCX_TLS", &tls)
             .env("KVT_PEER_TIMEOUT_S", "60")
             .stdout(Stdio::piped())

@@ -382,8 +382,13 @@ impl SimNic {
                 b.gen.store(t.generation.0, Ordering::SeqCst);
             }
         }
-        let token = lock(&self.inner.drain).expose(reg.pool.id(), lease.tenancies(), peer, Trust::Proving);
+        // The pool's mark first, the drain table's record after
+        // (`Driver::expose_with`): a loss of this peer handled in between
+        // then fences the mark, or finds the record.
+        let token = kv_transfer_core::drain::ExposureToken::random();
+        let pool = reg.pool.id();
         let out = reg.authority.expose(lease, peer, reg.key, self.inner.endpoint.clone(), token);
+        lock(&self.inner.drain).expose_with(pool, out.0.tenancies(), peer, Trust::Proving, token);
         drop(conns);
         tracing::trace!(peer = peer.0, slots = out.0.len(), "exposed at NIC");
         Ok(out)

@@ -676,9 +676,13 @@ impl Inner {
             drop(st);
             return fail(lease, ExposeErrorKind::ForeignPool);
         };
-        let token = lock(&self.drain).expose(pool_id, lease.tenancies(), peer, Trust::Proving);
+        // The pool's mark first, the drain table's record after
+        // (`Driver::expose_with`): a loss of this peer handled in between
+        // then fences the mark, or finds the record.
+        let token = kv_transfer_core::drain::ExposureToken::random();
         let key = if naive { u64::from(entry.mr.rkey) } else { 0 };
         let (exposed, mut remote) = entry.authority.expose(lease, peer, key, self.descriptor.clone(), token);
+        lock(&self.drain).expose_with(pool_id, exposed.tenancies(), peer, Trust::Proving, token);
         for (s, k) in remote.slots.iter_mut().zip(keys) {
             s.key = k;
         }

@@ -29,7 +29,7 @@
 //! ladder is exhausted the slots stay quarantined and are reported stuck.
 //!
 //! ```
-//! use kv_transfer_core::drain::{Action, Capabilities, ControlKind, ControlMessage, Driver, ReleasePolicy, Trust};
+//! use kv_transfer_core::drain::{Action, Capabilities, ControlKind, ControlMessage, Driver, ExposureToken, ReleasePolicy, Trust};
 //! use kv_transfer_core::*;
 //! use std::sync::Arc;
 //! use std::time::Duration;
@@ -48,8 +48,10 @@
 //! // the peer to drain.
 //! let lease = pool.reserve(1).unwrap();
 //! let tenancies = lease.tenancies().to_vec();
-//! let token = driver.expose(pool.id(), &tenancies, PeerId(7), Trust::Proving);
-//! let exposed = authority.expose_local(lease, PeerId(7));
+//! let token = ExposureToken::random();
+//! let exposed = authority.expose_local(lease, PeerId(7)); // the pool's mark first,
+//! driver.expose_with(pool.id(), &tenancies, PeerId(7), Trust::Proving, token); // the record after
+
 //! exposed.abort();
 //! let asks: Vec<Action> = driver.poll();
 //! assert!(matches!(&asks[..], [Action::SendAbort { peer: PeerId(7), .. }]));
@@ -409,19 +411,14 @@ impl Driver {
     }
 
     /// The exposure table (read-only: exposures are made with
-    /// [`Driver::expose`] and ended by the driver).
+    /// [`Driver::expose_with`] and ended by the driver).
     pub fn exposures(&self) -> &ExposureTable {
         &self.exposures
     }
 
-    /// Records an exposure of `tenancies` of `pool` to `peer` and returns
-    /// its fresh token ([`ExposureTable::expose`]).
-    pub fn expose(&mut self, pool: PoolId, tenancies: &[Tenancy], peer: PeerId, trust: Trust) -> ExposureToken {
-        self.exposures.expose(pool, tenancies, peer, trust)
-    }
-
     /// Records an exposure the pool already marked, under the token it was
-    /// marked with. The order matters where the driver can run
+    /// marked with (a fresh [`ExposureToken::random`]), the only way a
+    /// backend records one. The order matters where the driver can run
     /// [`Driver::lost`] or [`Driver::fenced`] for `peer` between the two
     /// steps (a posting thread exposes while the driver handles the peer's
     /// loss): recorded first and marked after, the loss would forget the
@@ -610,8 +607,9 @@ mod tests {
     fn aborted(w: &mut World, peer: PeerId) -> (Vec<Tenancy>, ExposureToken) {
         let lease = w.pool.reserve(1).expect("reserve");
         let ts = lease.tenancies().to_vec();
-        let token = w.driver.expose(w.pool.id(), &ts, peer, Trust::Proving);
+        let token = ExposureToken::random();
         w.authority.expose_local(lease, peer).abort();
+        w.driver.expose_with(w.pool.id(), &ts, peer, Trust::Proving, token);
         (ts, token)
     }
 

@@ -55,6 +55,16 @@ impl MemoryKind {
     pub const FAKE_DEVICE: Self = Self::Device { ordinal: u32::MAX };
 }
 
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Self::Host => f.write_str("host memory"),
+            Self::FAKE_DEVICE => f.write_str("fake device memory"),
+            Self::Device { ordinal } => write!(f, "device {ordinal}'s memory"),
+        }
+    }
+}
+
 /// Errors of region access.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]

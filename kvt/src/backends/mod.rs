@@ -37,31 +37,55 @@ pub fn allocate(memory: SlotMemory, slots: usize, block: usize) -> anyhow::Resul
     memory.allocate(len).map_err(|e| anyhow!("cannot allocate {len} B of {memory} memory: {e}"))
 }
 
-/// Builds `backend`'s loopback rig with `slots` slots of `block` bytes a
-/// side, in `memory`. The socket backends take device memory (they stage it
-/// through host buffers); the others refuse it by name.
-pub fn loopback_rig(backend: Backend, slots: usize, block: usize, memory: SlotMemory) -> anyhow::Result<Rig> {
-    if memory.is_device() && !matches!(backend, Backend::TcpSim | Backend::Mooncake) {
-        bail!(
-            "--device {memory}: `{}` takes host memory only here (device slots: tcp-sim and mooncake stage them; \
-             NIXL's VRAM and verbs' dma-buf registrations need a GPU, see scripts/device-check.sh)",
-            backend.name()
-        );
+/// Where each side's slots live: the initiator's (the source of a WRITE)
+/// and the target's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// The initiator's pool.
+    pub initiator: SlotMemory,
+    /// The target's pool.
+    pub target: SlotMemory,
+}
+
+impl Placement {
+    /// Whether either side is device memory.
+    pub fn is_device(self) -> bool {
+        self.initiator.is_device() || self.target.is_device()
     }
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.initiator == self.target {
+            write!(f, "{}", self.target)
+        } else {
+            write!(f, "{}->{}", self.initiator, self.target)
+        }
+    }
+}
+
+/// Builds `backend`'s loopback rig with `slots` slots of `block` bytes a
+/// side, each side's in the memory `placement` says. Device memory: the
+/// socket backends stage it through host buffers, NIXL registers a GPU's as
+/// VRAM, verbs through a dma-buf; each refuses, by name, what it cannot reach.
+pub fn loopback_rig(backend: Backend, slots: usize, block: usize, placement: Placement) -> anyhow::Result<Rig> {
     match backend {
-        Backend::TcpSim => sim::rig(slots, block, memory),
+        Backend::TcpSim => sim::rig(slots, block, placement),
         #[cfg(feature = "nixl")]
-        Backend::Nixl => nixl::rig(slots, block),
+        Backend::Nixl => nixl::rig(slots, block, placement),
         #[cfg(feature = "mooncake")]
-        Backend::Mooncake => mooncake::rig(slots, block, memory),
+        Backend::Mooncake => mooncake::rig(slots, block, placement),
         #[cfg(feature = "mori")]
+        Backend::Mori if placement.is_device() => {
+            bail!("--device {placement}: MORI's engine here registers host buffers only")
+        }
         Backend::Mori => mori::rig(slots, block),
         Backend::MooncakeRdma => bail!(
             "mooncake-rdma runs `kvt race` only here (its NIC is a software one: speed means nothing); Mooncake over \
              RDMA is measured in the lab's guest (scripts/rdma-lab test)"
         ),
         #[cfg(feature = "verbs")]
-        Backend::Verbs => verbs::rig(slots, block),
+        Backend::Verbs => verbs::rig(slots, block, placement),
         #[allow(unreachable_patterns)]
         other => bail!("backend `{}` is not compiled into this kvt", other.name()),
     }
@@ -83,18 +107,21 @@ pub struct Pair {
 }
 
 /// Connects `init` and `target` the one way every backend is driven.
-/// Both pools' slots live in `memory`.
+/// Each pool's slots live where `placement` says.
 pub fn connect(
     init: &dyn Target,
     target: &dyn Target,
     slots: usize,
     block: usize,
-    memory: SlotMemory,
+    placement: Placement,
 ) -> anyhow::Result<Pair> {
-    let region = || allocate(memory, slots, block);
-    let pool = init.register_pool(region()?, PoolConfig::new(block)).context("registering the initiator's pool")?;
-    let target_pool =
-        target.register_pool(region()?, PoolConfig::new(block)).context("registering the target's pool")?;
+    let region = |memory| allocate(memory, slots, block);
+    let pool = init
+        .register_pool(region(placement.initiator)?, PoolConfig::new(block))
+        .context("registering the initiator's pool")?;
+    let target_pool = target
+        .register_pool(region(placement.target)?, PoolConfig::new(block))
+        .context("registering the target's pool")?;
     // Descriptors after registration, so each side knows the other's memory.
     init.add_peer(&target.local_descriptor()?).context("the initiator adding the target")?;
     let peer = target.add_peer(&init.local_descriptor()?).context("the target adding the initiator")?;

@@ -28,14 +28,14 @@ fn side(workers: usize, drivers: usize) -> anyhow::Result<MooncakeTransfer> {
     Ok(MooncakeTransfer::new(Arc::new(engine), AdapterConfig { drivers, ..AdapterConfig::default() })?)
 }
 
-pub fn rig(slots: usize, block: usize, memory: kv_transfer_core::SlotMemory) -> anyhow::Result<Rig> {
+pub fn rig(slots: usize, block: usize, placement: super::Placement) -> anyhow::Result<Rig> {
     if slots == 0 || block == 0 {
         bail!("the mooncake rig needs at least one slot of at least one byte");
     }
     // The initiator's shape as the adapter's own bench runs it.
     let init = side(8, 4)?;
     let target = side(2, 1)?;
-    let Pair { pool, target_pool: tpool, exposed, remote } = connect(&init, &target, slots, block, memory)?;
+    let Pair { pool, target_pool: tpool, exposed, remote } = connect(&init, &target, slots, block, placement)?;
     if exposed.peer().and_then(|p| target.peer_proto(p)) != Some(ProtoVersion::V2) {
         bail!("the initiator does not speak Mooncake TCP protocol v2");
     }

@@ -24,7 +24,7 @@ const TEARDOWN: Duration = Duration::from_secs(5);
 /// target's exposure of exactly `slots` slots of `block` bytes to the initiator.
 ///
 /// A missing library is an error naming what to install.
-pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
+pub fn rig(slots: usize, block: usize, placement: super::Placement) -> anyhow::Result<Rig> {
     static N: AtomicU32 = AtomicU32::new(0);
     let n = N.fetch_add(1, Ordering::Relaxed);
     let tag = format!("{}-{n}", std::process::id());
@@ -36,7 +36,7 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
             .context("kvt bench --backend nixl: cannot start the initiator agent")?,
     );
     let Pair { pool: ipool, target_pool: tpool, exposed, remote } =
-        connect(init.as_ref(), &target, slots, block, kv_transfer_core::SlotMemory::Host)?;
+        connect(init.as_ref(), &target, slots, block, placement)?;
     let transfer: Arc<dyn Transfer> = init.clone();
     let teardown = Box::new(move || {
         // The loop posts without notifications, so no WRITE settles the exposure:

@@ -10,7 +10,7 @@ use backend_verbs::{LabEnv, VerbsConfig, VerbsTransfer};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
+pub fn rig(slots: usize, block: usize, placement: super::Placement) -> anyhow::Result<Rig> {
     let env = LabEnv::from_env();
     let side = |name: &str| {
         VerbsTransfer::new(VerbsConfig::new(format!("kvt-{name}-{}", std::process::id()), &env.device, env.gid_index))
@@ -18,8 +18,7 @@ pub fn rig(slots: usize, block: usize) -> anyhow::Result<Rig> {
     };
     let init = side("initiator")?;
     let target = side("target")?;
-    let Pair { pool, target_pool: tpool, exposed, remote } =
-        connect(&init, &target, slots, block, kv_transfer_core::SlotMemory::Host)?;
+    let Pair { pool, target_pool: tpool, exposed, remote } = connect(&init, &target, slots, block, placement)?;
     let transfer: Arc<VerbsTransfer> = Arc::new(init);
     let keep = transfer.clone();
     let teardown = Box::new(move || {

@@ -41,20 +41,20 @@ pub(super) fn run(b: CostBackend, path: Path, size: usize, count: u64) -> anyhow
     let total = WARMUP + count;
     match (b, path) {
         (CostBackend::TcpSim, Path::Adapter) => adapter(
-            crate::backends::loopback_rig(crate::Backend::TcpSim, 1, size, kv_transfer_core::SlotMemory::Host)?,
+            crate::backends::loopback_rig(crate::Backend::TcpSim, 1, size, crate::backends::Placement::default())?,
             total,
         ),
         (CostBackend::TcpSim, Path::Raw) => raw_sim(size, total),
         #[cfg(feature = "mooncake")]
         (CostBackend::Mooncake, Path::Adapter) => adapter(
-            crate::backends::loopback_rig(crate::Backend::Mooncake, 1, size, kv_transfer_core::SlotMemory::Host)?,
+            crate::backends::loopback_rig(crate::Backend::Mooncake, 1, size, crate::backends::Placement::default())?,
             total,
         ),
         #[cfg(feature = "mooncake")]
         (CostBackend::Mooncake, Path::Raw) => raw_mooncake(size, total),
         #[cfg(feature = "nixl")]
         (CostBackend::Nixl, Path::Adapter) => adapter(
-            crate::backends::loopback_rig(crate::Backend::Nixl, 1, size, kv_transfer_core::SlotMemory::Host)?,
+            crate::backends::loopback_rig(crate::Backend::Nixl, 1, size, crate::backends::Placement::default())?,
             total,
         ),
         #[cfg(feature = "nixl")]
@@ -117,7 +117,7 @@ fn raw_sim(size: usize, total: u64) -> anyhow::Result<()> {
     let target = SimNic::start(NicConfig::new("cost-target"))?;
     let init = SimNic::start(NicConfig::new("cost-initiator"))?;
     let crate::backends::Pair { pool, exposed, remote, .. } =
-        crate::backends::connect(&init, &target, 1, size, kv_transfer_core::SlotMemory::Host)?;
+        crate::backends::connect(&init, &target, 1, size, crate::backends::Placement::default())?;
     let key = init.key_of(&pool).ok_or_else(|| anyhow!("the initiator's pool has no key"))?;
     let access = RawAccess::of(&remote, 0).ok_or_else(|| anyhow!("no slot exposed"))?;
     let peer =
@@ -245,7 +245,7 @@ fn verbs_rig(size: usize) -> anyhow::Result<crate::backends::Rig> {
     let init = side("cost-initiator")?;
     let target = side("cost-target")?;
     let crate::backends::Pair { pool, target_pool, exposed, remote } =
-        crate::backends::connect(&init, &target, 1, size, kv_transfer_core::SlotMemory::Host)?;
+        crate::backends::connect(&init, &target, 1, size, crate::backends::Placement::default())?;
     let transfer: Arc<VerbsTransfer> = Arc::new(init);
     let keep = transfer.clone();
     let teardown = Box::new(move || {
