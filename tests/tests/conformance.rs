@@ -21,7 +21,12 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 fn worker() -> Option<PathBuf> {
-    Some(PathBuf::from(env!("CARGO_BIN_EXE_prefill-worker")))
+    // `KVT_PREFILL_WORKER`: where the binary is when this test binary runs
+    // on another machine than it was built on (scripts/device-check.sh --prebuilt).
+    Some(
+        std::env::var_os("KVT_PREFILL_WORKER")
+            .map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_prefill-worker")), PathBuf::from),
+    )
 }
 
 /// A scenario of the matrix.

@@ -101,14 +101,16 @@ pub fn run_pair_in(
     std::fs::create_dir_all(&dir).expect("temp dir");
     let tls = std::env::var("UCX_TLS").unwrap_or_else(|_| "tcp".into());
     let spawn = |role: &str, place: Option<Place<'_>>| {
-        let peer = env!("CARGO_BIN_EXE_nixl_peer");
+        // `KVT_NIXL_PEER`: where the binary is when this test binary runs on
+        // another machine than it was built on (scripts/device-check.sh --prebuilt).
+        let peer = std::env::var("KVT_NIXL_PEER").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nixl_peer").to_string());
         let mut cmd = match place {
             Some(p) => {
                 let mut c = Command::new("ip");
-                c.args(["netns", "exec", p.ns, peer]).env("UCX_NET_DEVICES", p.dev);
+                c.args(["netns", "exec", p.ns, &peer]).env("UCX_NET_DEVICES", p.dev);
                 c
             }
-            None => Command::new(peer),
+            None => Command::new(&peer),
         };
         cmd.args([role, dir.to_str().expect("utf-8 temp dir"), mode, &mib.to_string(), memory])
             .env("UCX_TLS", &tls)
