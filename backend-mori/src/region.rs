@@ -23,6 +23,8 @@ enum Mem {
         _owner: Option<crate::types::Owner>,
     },
     Host(HostBuffer),
+    /// A core region reached through its own copies (device memory).
+    Core(Arc<dyn Region>),
 }
 
 /// Registered memory as a core [`Region`], for a NIC that takes one (the
@@ -39,9 +41,10 @@ impl SimMem {
     /// The host memory of `region` (and its length).
     pub(crate) fn of(region: &MemoryRegion) -> Result<(Arc<Self>, usize), TransportError> {
         let len = usize::try_from(region.len()).map_err(|_| TransportError::OutOfBounds)?;
-        let mem = match region.host_buffer() {
-            Some(b) => Mem::Host(b.clone()),
-            None => Mem::External { addr: region.addr(), len, _owner: region.owner().cloned() },
+        let mem = match (region.host_buffer(), region.core_region()) {
+            (Some(b), _) => Mem::Host(b.clone()),
+            (None, Some(r)) => Mem::Core(r.clone()),
+            (None, None) => Mem::External { addr: region.addr(), len, _owner: region.owner().cloned() },
         };
         Ok((Arc::new(SimMem(mem)), len))
     }
@@ -56,18 +59,23 @@ impl SimMem {
 
 impl Region for SimMem {
     fn kind(&self) -> MemoryKind {
-        MemoryKind::Host
+        match &self.0 {
+            Mem::Core(r) => r.kind(),
+            _ => MemoryKind::Host,
+        }
     }
     fn addr(&self) -> u64 {
         match &self.0 {
             Mem::External { addr, .. } => *addr,
             Mem::Host(b) => b.addr(),
+            Mem::Core(r) => r.addr(),
         }
     }
     fn len(&self) -> usize {
         match &self.0 {
             Mem::External { len, .. } => *len,
             Mem::Host(b) => b.len() as usize,
+            Mem::Core(r) => r.len(),
         }
     }
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), RegionError> {
@@ -83,6 +91,7 @@ impl Region for SimMem {
                 Ok(())
             }
             Mem::Host(b) => b.read_at(offset as u64, dst).map_err(|e| RegionError::Access(e.to_string())),
+            Mem::Core(r) => r.read(offset, dst),
         }
     }
     fn write(&self, offset: usize, src: &[u8]) -> Result<(), RegionError> {
@@ -94,12 +103,20 @@ impl Region for SimMem {
                 Ok(())
             }
             Mem::Host(b) => b.write_at(offset as u64, src).map_err(|e| RegionError::Access(e.to_string())),
+            Mem::Core(r) => r.write(offset, src),
         }
     }
     fn host_ptr(&self) -> Option<NonNull<u8>> {
         match &self.0 {
             Mem::External { addr, .. } => NonNull::new(*addr as usize as *mut u8),
             Mem::Host(_) => None,
+            Mem::Core(r) => r.host_ptr(),
+        }
+    }
+    fn dmabuf(&self) -> Option<Result<std::os::fd::OwnedFd, RegionError>> {
+        match &self.0 {
+            Mem::Core(r) => r.dmabuf(),
+            _ => None,
         }
     }
 }

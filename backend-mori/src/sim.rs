@@ -501,8 +501,12 @@ impl MoriTransport for SimTransport {
 
     fn register_memory(&self, id: MemoryId, region: &MemoryRegion) -> Result<u64, TransportError> {
         let att = self.att()?;
-        if region.location() != MemoryLocation::Cpu {
-            return Err(TransportError::Unsupported("the simulator reaches host memory only".to_owned()));
+        // Device memory only through a core region's copies (the NIC
+        // stages it); GPU memory known only by address is out of its reach.
+        if region.location() != MemoryLocation::Cpu && region.core_region().is_none() {
+            return Err(TransportError::Unsupported(
+                "the simulator reaches GPU memory only through its copies".to_owned(),
+            ));
         }
         let (mem, len) = SimMem::of(region)?;
         let slot_size = match region.slot_size() {

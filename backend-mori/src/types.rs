@@ -293,7 +293,14 @@ fn range_in(offset: u64, len: u64, total: usize) -> Result<std::ops::Range<usize
 #[derive(Clone, Debug)]
 enum RegionKind {
     Host(HostBuffer),
-    External { addr: u64, len: u64, loc: MemoryLocation, device_id: i32 },
+    External {
+        addr: u64,
+        len: u64,
+        loc: MemoryLocation,
+        device_id: i32,
+    },
+    /// A core region reached only through its own copies (device memory).
+    Core(std::sync::Arc<dyn kv_transfer_core::Region>),
 }
 
 /// Memory handed to [`crate::IoEngine::register_memory`]: an owned
@@ -339,6 +346,23 @@ impl MemoryRegion {
         Self { kind: RegionKind::External { addr, len, loc, device_id }, slot_size: None, owner: None }
     }
 
+    /// A core region whose bytes a transport reaches only through
+    /// [`Region::read`](kv_transfer_core::Region::read) and `write` (device
+    /// memory: a GPU's, or core's fake device): safe, since no address of it
+    /// is dereferenced. The simulator and the verbs software NIC copy
+    /// through it; the loopback transport refuses it.
+    pub fn of_region(region: std::sync::Arc<dyn kv_transfer_core::Region>) -> Self {
+        Self { kind: RegionKind::Core(region), slot_size: None, owner: None }
+    }
+
+    /// The core region of [`MemoryRegion::of_region`], if this is one.
+    pub fn core_region(&self) -> Option<&std::sync::Arc<dyn kv_transfer_core::Region>> {
+        match &self.kind {
+            RegionKind::Core(r) => Some(r),
+            _ => None,
+        }
+    }
+
     /// Hands the registration something that keeps external memory
     /// allocated (the `Arc` of the region it lies in): a transport that binds
     /// the memory at its NIC keeps the owner for as long as the binding
@@ -371,7 +395,7 @@ impl MemoryRegion {
     pub fn host_buffer(&self) -> Option<&HostBuffer> {
         match &self.kind {
             RegionKind::Host(buffer) => Some(buffer),
-            RegionKind::External { .. } => None,
+            RegionKind::External { .. } | RegionKind::Core(_) => None,
         }
     }
 
@@ -380,6 +404,7 @@ impl MemoryRegion {
         match &self.kind {
             RegionKind::Host(buffer) => buffer.addr(),
             RegionKind::External { addr, .. } => *addr,
+            RegionKind::Core(r) => r.addr(),
         }
     }
 
@@ -388,6 +413,7 @@ impl MemoryRegion {
         match &self.kind {
             RegionKind::Host(buffer) => buffer.len(),
             RegionKind::External { len, .. } => *len,
+            RegionKind::Core(r) => r.len() as u64,
         }
     }
 
@@ -401,6 +427,10 @@ impl MemoryRegion {
         match &self.kind {
             RegionKind::Host(_) => MemoryLocation::Cpu,
             RegionKind::External { loc, .. } => *loc,
+            RegionKind::Core(r) => match r.kind() {
+                kv_transfer_core::MemoryKind::Host => MemoryLocation::Cpu,
+                _ => MemoryLocation::Gpu,
+            },
         }
     }
 
@@ -409,6 +439,10 @@ impl MemoryRegion {
         match &self.kind {
             RegionKind::Host(_) => -1,
             RegionKind::External { device_id, .. } => *device_id,
+            RegionKind::Core(r) => match r.kind() {
+                kv_transfer_core::MemoryKind::Device { ordinal } => i32::try_from(ordinal).unwrap_or(-1),
+                _ => -1,
+            },
         }
     }
 }

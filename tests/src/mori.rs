@@ -11,15 +11,15 @@ use backend_mori::harness::{raw_sim_peer_desc, settle_tag, MoriSide, RawMoriPeer
 use backend_mori::{EngineConfig, IoEngine, SimTransportConfig, StatusCode};
 use backend_tcp_sim::{Gate, RawAccess};
 use kv_transfer_core::{
-    Exposed, Generation, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy,
-    Transfer, TransferError, TransferHandle,
+    Exposed, Generation, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy, Transfer,
+    TransferError, TransferHandle,
 };
 use kv_transfer_testkit::wait::wait_until;
 use std::any::Any;
 use std::io::Write;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// The MORI backend (engine + adapter) on the TCP simulator's fabric. Always available.
@@ -42,7 +42,9 @@ impl Backend for MoriBackend {
     }
     fn provides(&self) -> crate::harness::Provides {
         crate::harness::Provides {
-            fake_device: Err("device memory in MORI's engine (its registered buffers are host memory)"),
+            // The simulated NIC copies device memory through the region.
+            fake_device: Ok(()),
+            cuda: Ok(()),
             ..Default::default()
         }
     }
@@ -57,9 +59,7 @@ impl Backend for MoriBackend {
         dt.nic.max_wr_bytes = (cfg.slot_size * 4).min(u32::MAX as usize) as u32;
         dt.nic.revoke_wait = Duration::from_millis(200);
         dt.nic.policy = cfg.policy;
-        let region = |slots: usize| -> Result<Arc<HostRegion>, Failure> {
-            HostRegion::new(slots * cfg.slot_size).map(Arc::new).map_err(|e| fail("region")(&e))
-        };
+        let region = |slots: usize| cfg.region(slots);
         // Keys: the decode side sorts first, so it opens the simulator connection.
         let decode = MoriSide::on_sim(
             &format!("a-decode-{n}"),

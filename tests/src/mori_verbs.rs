@@ -27,7 +27,7 @@ use backend_mori::{EngineConfig, EngineKey, IoEngine, MoriTransport, Notificatio
 use backend_verbs::{Engine, FakeFabric};
 use kv_transfer_core::drain::ReleasePolicy;
 use kv_transfer_core::{
-    Exposed, HostRegion, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
+    Exposed, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotMemory, SlotPool, Tenancy, Transfer,
     TransferError, TransferHandle,
 };
 use kv_transfer_testkit::wait::wait_until;
@@ -79,11 +79,17 @@ impl Nics {
     }
 
     /// An engine named `key` with an adapter and a pool of `slots` slots.
-    fn side(&self, key: &str, slots: usize, pool: PoolConfig, policy: ReleasePolicy) -> Result<Side, Failure> {
-        let region = HostRegion::new(slots.max(1) * pool.slot_size).map_err(|e| fail("region")(&e))?;
+    fn side(
+        &self,
+        key: &str,
+        slots: usize,
+        pool: PoolConfig,
+        policy: ReleasePolicy,
+        memory: SlotMemory,
+    ) -> Result<Side, Failure> {
+        let region = RigConfig { slot_size: pool.slot_size, memory, ..RigConfig::default() }.region(slots)?;
         let cfg = VerbsTransportConfig { policy, ..VerbsTransportConfig::default() };
-        MoriSide::on_verbs(key, Arc::new(region), pool, cfg, self.nic()?, EngineConfig::default())
-            .map_err(|e| fail(key)(&e))
+        MoriSide::on_verbs(key, region, pool, cfg, self.nic()?, EngineConfig::default()).map_err(|e| fail(key)(&e))
     }
 }
 
@@ -105,7 +111,18 @@ impl Backend for MoriVerbsBackend {
             // NIC's whole message: it cannot be stalled half sent.
             raw_access: false,
             stalled_peer: false,
-            fake_device: Err(crate::verbs::DMABUF),
+            // MORI registers device memory through the region's copies: the
+            // software NIC reaches it; a real NIC needs a dma-buf.
+            fake_device: match self.nic {
+                #[cfg(feature = "verbs")]
+                Nic::Device => Err(crate::verbs::DMABUF),
+                Nic::Fake => Ok(()),
+            },
+            cuda: match self.nic {
+                #[cfg(feature = "verbs")]
+                Nic::Device => Err(crate::verbs::DMABUF),
+                Nic::Fake => Ok(()),
+            },
             ..Provides::default()
         }
     }
@@ -128,12 +145,14 @@ impl Backend for MoriVerbsBackend {
             cfg.decode_slots,
             PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder),
             cfg.policy,
+            cfg.memory,
         )?;
         let prefill = nics.side(
             &format!("b-prefill-{tag}"),
             cfg.prefill_slots,
             PoolConfig::new(cfg.slot_size),
             Default::default(),
+            cfg.memory,
         )?;
         // The decode side dials (its add_peer goes first).
         let (peer, _) = decode.connect(&prefill).map_err(|e| fail("connect")(&e))?;
@@ -144,6 +163,7 @@ impl Backend for MoriVerbsBackend {
             prefill: Some(prefill),
             peer,
             raw: Mutex::new(None),
+            memory: cfg.memory,
         }))
     }
 }
@@ -160,6 +180,8 @@ pub struct MoriVerbsRig {
     peer: PeerId,
     /// The last raw peer's engine key and the decode side's id for it.
     raw: Mutex<Option<(String, PeerId)>>,
+    /// Where every side's slots live.
+    memory: SlotMemory,
 }
 
 /// A third (or, as an impostor, fourth) engine under the test's control:
@@ -206,7 +228,8 @@ impl MoriVerbsRig {
 
     /// A raw engine named `key`, connected to the decode side.
     fn raw_side(&self, key: &str) -> Result<MoriVerbsRawPeer, Failure> {
-        let side = self.nics.side(key, 1, PoolConfig::new(self.decode.pool.slot_size()), Default::default())?;
+        let side =
+            self.nics.side(key, 1, PoolConfig::new(self.decode.pool.slot_size()), Default::default(), self.memory)?;
         let desc = self.decode.transfer.memory_desc(&self.decode.pool).ok_or_else(|| Failure("no memory".into()))?;
         Ok(MoriVerbsRawPeer { side, decode: self.decode.engine.key(), mem: desc.id, key: desc.rkey, seq: 0 })
     }

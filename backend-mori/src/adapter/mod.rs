@@ -260,25 +260,28 @@ impl MoriTransfer {
         &self.inner.engine
     }
 
-    /// Registers host memory `region` with the engine (external memory, with
-    /// the slot size declared) and builds its pool. The adapter keeps the
-    /// pool's settlement authority.
+    /// Registers `region` with the engine (host memory as external memory,
+    /// device memory through its own copies, with the slot size declared)
+    /// and builds its pool. The adapter keeps the pool's settlement
+    /// authority. A transport that cannot reach device memory (the loopback)
+    /// refuses it.
     pub fn register_pool(&self, region: Arc<dyn Region>, config: PoolConfig) -> Result<SlotPool, AdapterError> {
-        if region.host_ptr().is_none() {
-            return Err(AdapterError::Region("only host memory with a host pointer is supported".into()));
-        }
         let slot_size = config.slot_size as u64;
         let (pool, authority) = SlotPool::new(region.clone(), config.with_capabilities(self.inner.caps))?;
-        // SAFETY: `region` is kept alive by the pool, which this adapter
-        // keeps while the memory is registered (registrations are never
-        // removed while the adapter lives), and the pool's leases keep the
-        // application away from bytes an operation may touch.
-        // The registration keeps the region allocated for as long as a NIC
-        // binds it, whatever is dropped first (rule 8).
-        let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::new(region.clone());
-        let mem = unsafe { MemoryRegion::external(region.addr(), region.len() as u64, MemoryLocation::Cpu, -1) }
-            .with_slot_size(slot_size)
-            .with_owner(owner);
+        let mem = if region.host_ptr().is_some() {
+            // SAFETY: `region` is kept alive by the pool, which this adapter
+            // keeps while the memory is registered (registrations are never
+            // removed while the adapter lives), and the pool's leases keep the
+            // application away from bytes an operation may touch.
+            // The registration keeps the region allocated for as long as a NIC
+            // binds it, whatever is dropped first (rule 8).
+            let owner: Arc<dyn std::any::Any + Send + Sync> = Arc::new(region.clone());
+            unsafe { MemoryRegion::external(region.addr(), region.len() as u64, MemoryLocation::Cpu, -1) }
+                .with_owner(owner)
+        } else {
+            MemoryRegion::of_region(region.clone())
+        }
+        .with_slot_size(slot_size);
         let desc = self.inner.engine.register_memory(mem)?;
         let jobs = self.inner.hub.jobs.clone();
         authority.on_quarantine(move || jobs.kick());

@@ -88,8 +88,13 @@ impl MoriTransport for VerbsTransport {
     }
 
     fn register_memory(&self, id: MemoryId, region: &MemoryRegion) -> Result<u64, TransportError> {
-        if region.location() != MemoryLocation::Cpu {
-            return Err(TransportError::Unsupported("this transport registers host memory".to_owned()));
+        // Device memory only as a core region: the NIC registers it through
+        // its dma-buf (a software NIC through its copies); GPU memory known
+        // only by address is out of reach.
+        if region.location() != MemoryLocation::Cpu && region.core_region().is_none() {
+            return Err(TransportError::Unsupported(
+                "this transport registers host memory, or device memory as a core region".to_owned(),
+            ));
         }
         let (mem, len) = SimMem::of(region)?;
         let access = match self.shared.cfg.access {
