@@ -140,3 +140,27 @@ def test_hostile_unclaimed_rooms_expire_and_a_room_is_filled_once():
     naive.commit(1, naive.reserve(1, "a", 10), "real")
     naive.commit(1, naive.reserve(1, "b", 10), "impostor")
     assert naive.get(1) == "impostor"  # the positive control: the later claimant replaced the first
+
+
+def test_metadata_for_a_room_whose_sender_failed_is_refused_and_the_memory_is_bounded():
+    """A router that aborts a request's prefill half but whose abort of the
+    decode half is lost (sent before the decode knew the request): the
+    decode's metadata, arriving after the prefill's sender failed, is refused
+    at once, so the decode fails instead of waiting for a sender that will
+    never come. Only failed rooms are remembered, and only so many."""
+    from kv_transfer.sglang.control import RoomLimits, RoomRefused, RoomTable
+
+    t = RoomTable(RoomLimits(max_failed_rooms=2))
+    t.expect(7)
+    t.forget(7, failed=True)
+    with pytest.raises(RoomRefused) as e:
+        t.reserve(7, "a", 10)
+    assert e.value.kind == "failed" and t.stats()["refused_failed_room"] == 1
+    t.expect(8)
+    t.forget(8)  # concluded, not failed: nothing remembered
+    t.commit(8, t.reserve(8, "a", 10), "pending again")
+    for room in (20, 21):
+        t.forget(room, failed=True)
+    t.commit(7, t.reserve(7, "a", 10), "7 was forgotten")  # the oldest went first
+    with pytest.raises(RoomRefused):
+        t.reserve(21, "a", 10)

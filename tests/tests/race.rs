@@ -14,49 +14,49 @@ fn config(policy: ReleasePolicy) -> RaceConfig {
     race_config(policy)
 }
 
-/// The positive control: with the naive policy the race must show
-/// corruption, or the test proves nothing.
+/// The positive control on `memory`: with the naive policy the race must
+/// show corruption, or the test proves nothing.
+fn naive_shows_corruption(memory: SlotMemory) {
+    let cfg = RaceConfig { memory, ..config(ReleasePolicy::Naive) };
+    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
+    if let Err(f) = race_positive_control(&r, cfg.requests) {
+        panic!("{}", f.0);
+    }
+}
+
+/// The contract on `memory`: with the safe policy no consumer reads a
+/// foreign byte, and the pool comes back whole.
+fn safe_has_zero_foreign_bytes(memory: SlotMemory) {
+    let cfg = RaceConfig { memory, ..config(ReleasePolicy::Safe) };
+    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
+    if let Err(f) = race_safe(&r, cfg.requests) {
+        panic!("{}", f.0);
+    }
+}
+
+/// The positive control, on host memory.
 #[test]
 fn s2_naive_policy_shows_corruption() {
-    let cfg = config(ReleasePolicy::Naive);
-    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
-    if let Err(f) = race_positive_control(&r, cfg.requests) {
-        panic!("{}", f.0);
-    }
+    naive_shows_corruption(SlotMemory::Host);
 }
 
-/// The contract: with the safe policy no consumer reads a foreign byte, and
-/// the pool comes back whole.
+/// The contract, on host memory.
 #[test]
 fn s2_safe_policy_zero_foreign_bytes() {
-    let cfg = config(ReleasePolicy::Safe);
-    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
-    if let Err(f) = race_safe(&r, cfg.requests) {
-        panic!("{}", f.0);
-    }
+    safe_has_zero_foreign_bytes(SlotMemory::Host);
 }
 
-/// The positive control on device-like memory (slots whose address faults on
-/// the CPU; the simulator stages them through host buffers): the hazard is
-/// the same, so the naive policy must still show corruption.
+/// On device-like memory (slots whose address faults on the CPU; the
+/// simulator stages them through host buffers): the hazard is the same, and
+/// no path touched a slot through its address (that would have crashed).
 #[test]
 fn s2_naive_policy_shows_corruption_on_device_memory() {
-    let cfg = RaceConfig { memory: SlotMemory::FakeDevice, ..config(ReleasePolicy::Naive) };
-    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
-    if let Err(f) = race_positive_control(&r, cfg.requests) {
-        panic!("{}", f.0);
-    }
+    naive_shows_corruption(SlotMemory::FakeDevice);
 }
 
-/// The contract on device-like memory: zero foreign bytes, the pool whole,
-/// and no path touched a slot through its address (that would have crashed).
 #[test]
 fn s2_safe_policy_zero_foreign_bytes_on_device_memory() {
-    let cfg = RaceConfig { memory: SlotMemory::FakeDevice, ..config(ReleasePolicy::Safe) };
-    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
-    if let Err(f) = race_safe(&r, cfg.requests) {
-        panic!("{}", f.0);
-    }
+    safe_has_zero_foreign_bytes(SlotMemory::FakeDevice);
 }
 
 /// The CUDA device the `_on_cuda_memory` races use (`KVT_DEVICE`, default `cuda:0`).
@@ -64,27 +64,18 @@ fn cuda() -> SlotMemory {
     std::env::var("KVT_DEVICE").ok().and_then(|d| d.parse().ok()).unwrap_or(SlotMemory::Cuda { ordinal: 0 })
 }
 
-/// The positive control with every slot in GPU memory (the simulator stages
-/// through host buffers and the device's copies).
+/// On a GPU's memory (the simulator stages through host buffers and the
+/// device's copies).
 #[test]
 #[ignore = "needs an NVIDIA GPU and its driver (scripts/device-check.sh)"]
 fn s2_naive_policy_shows_corruption_on_cuda_memory() {
-    let cfg = RaceConfig { memory: cuda(), ..config(ReleasePolicy::Naive) };
-    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
-    if let Err(f) = race_positive_control(&r, cfg.requests) {
-        panic!("{}", f.0);
-    }
+    naive_shows_corruption(cuda());
 }
 
-/// The contract with every slot in GPU memory.
 #[test]
 #[ignore = "needs an NVIDIA GPU and its driver (scripts/device-check.sh)"]
 fn s2_safe_policy_zero_foreign_bytes_on_cuda_memory() {
-    let cfg = RaceConfig { memory: cuda(), ..config(ReleasePolicy::Safe) };
-    let r = run_race(&cfg, &mut |_, _| {}).expect("race runs");
-    if let Err(f) = race_safe(&r, cfg.requests) {
-        panic!("{}", f.0);
-    }
+    safe_has_zero_foreign_bytes(cuda());
 }
 
 /// Integrity on consume, as a second line: under the naive policy alone

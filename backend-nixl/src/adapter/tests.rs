@@ -998,15 +998,15 @@ mod hostile_aborts {
     }
 }
 
-/// A region that says it is CUDA device 2's memory (backed by host memory
-/// the test never touches through its address): what the adapter registers
-/// and describes is typed by the region's kind.
+/// Host memory that says it is of another kind (CUDA device 2's, or core's
+/// fake device): what the adapter registers and describes is typed by the
+/// region's kind, and the test never touches it through its address.
 #[derive(Debug)]
-struct GpuLike(HostRegion);
+struct KindOf(HostRegion, kv_transfer_core::MemoryKind);
 
-impl kv_transfer_core::Region for GpuLike {
+impl kv_transfer_core::Region for KindOf {
     fn kind(&self) -> kv_transfer_core::MemoryKind {
-        kv_transfer_core::MemoryKind::Device { ordinal: 2 }
+        self.1
     }
     fn addr(&self) -> u64 {
         self.0.addr()
@@ -1053,7 +1053,8 @@ fn device_memory_is_registered_and_described_as_vram_of_its_device() {
     m.expect_gen_notif().returning(|_, _| Ok(()));
     m.expect_deregister().returning(|_| Ok(()));
     let ini = NixlTransfer::new(Arc::new(m), fast()).expect("ini");
-    let region = Arc::new(GpuLike(HostRegion::new(2 * SLOT).expect("r")));
+    let region =
+        Arc::new(KindOf(HostRegion::new(2 * SLOT).expect("r"), kv_transfer_core::MemoryKind::Device { ordinal: 2 }));
     let pool = ini.register_pool(region, PoolConfig::new(SLOT)).expect("a device pool");
     assert_eq!(pool.memory(), kv_transfer_core::MemoryKind::Device { ordinal: 2 });
     ini.add_peer(b"tgt").expect("peer");
@@ -1079,31 +1080,6 @@ fn device_memory_is_registered_and_described_as_vram_of_its_device() {
     assert!(spec.local.iter().all(|d| d.mem == MemType::Vram && d.dev_id == 2), "{:?}", spec.local);
     assert!(spec.remote.iter().all(|d| d.mem == MemType::Dram && d.dev_id == 0), "{:?}", spec.remote);
     drop(specs);
-    let fake = Arc::new(GpuLikeFake(HostRegion::new(SLOT).expect("r")));
+    let fake = Arc::new(KindOf(HostRegion::new(SLOT).expect("r"), kv_transfer_core::MemoryKind::FAKE_DEVICE));
     assert!(matches!(ini.register_pool(fake, PoolConfig::new(SLOT)), Err(AdapterError::UnsupportedMemory(_))));
-}
-
-/// Reports core's fake-device kind.
-#[derive(Debug)]
-struct GpuLikeFake(HostRegion);
-
-impl kv_transfer_core::Region for GpuLikeFake {
-    fn kind(&self) -> kv_transfer_core::MemoryKind {
-        kv_transfer_core::MemoryKind::FAKE_DEVICE
-    }
-    fn addr(&self) -> u64 {
-        self.0.addr()
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), kv_transfer_core::RegionError> {
-        self.0.read(offset, dst)
-    }
-    fn write(&self, offset: usize, src: &[u8]) -> Result<(), kv_transfer_core::RegionError> {
-        self.0.write(offset, src)
-    }
-    fn host_ptr(&self) -> Option<std::ptr::NonNull<u8>> {
-        None
-    }
 }

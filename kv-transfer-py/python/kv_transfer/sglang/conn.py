@@ -234,9 +234,9 @@ class KvTransferManager(BaseKVManager):
     def target_of(self, room: int) -> Optional[Target]:
         return None if self.control is None else self.control.target_of(room)
 
-    def forget_room(self, room: int) -> None:
+    def forget_room(self, room: int, failed: bool = False) -> None:
         if self.control is not None:
-            self.control.forget_room(room)
+            self.control.forget_room(room, failed)
         else:
             with self._lock:
                 self.rooms.pop(room, None)
@@ -445,7 +445,7 @@ class KvTransferSender(BaseKVSender):
         self.transfers = []
         if self.started_at is not None:
             self.latency_s = time.perf_counter() - self.started_at
-        self.kv_mgr.forget_room(self.bootstrap_room)
+        self.kv_mgr.forget_room(self.bootstrap_room, failed=bool(failed or self.aborted))
         if failed or self.aborted:
             self.error = self.error or (failed[0] if failed else "aborted")
             self.conclude_state = KVPoll.Failed

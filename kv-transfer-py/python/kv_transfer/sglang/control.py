@@ -28,6 +28,7 @@ import logging
 import socketserver
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -56,6 +57,11 @@ class RoomLimits:
     max_pending_bytes: int = 1 << 30
     #: How long unclaimed metadata waits for its sender.
     pending_ttl_s: float = 120.0
+    #: Rooms whose sender failed (aborted) remembered, so that a decode's
+    #: metadata arriving after the failure is refused at once instead of
+    #: waiting for a sender that will never come (the oldest is forgotten
+    #: first: that costs the late decode its waiting timeout, never safety).
+    max_failed_rooms: int = 4096
     #: False: the old behaviour, for positive controls only.
     enforce: bool = True
 
@@ -66,7 +72,7 @@ SWEEP_EVERY_S = 1.0
 
 class RoomRefused(wire.ProtocolError):
     """Metadata refused by the room table (``kind``: ``duplicate``,
-    ``peer_rooms``, ``peer_bytes``, ``total``)."""
+    ``peer_rooms``, ``peer_bytes``, ``total``, ``failed``)."""
 
     def __init__(self, kind: str, msg: str):
         super().__init__(msg)
@@ -93,6 +99,8 @@ class RoomTable:
         self._lock = threading.Lock()
         self._expected: Set[int] = set()
         self._entries: Dict[int, _Entry] = {}
+        # Rooms whose sender failed, oldest first (bounded: max_failed_rooms).
+        self._failed: "OrderedDict[int, None]" = OrderedDict()
         # peer -> (pending rooms, pending bytes)
         self._pending: Dict[str, List[int]] = {}
         self._pending_rooms = 0
@@ -106,6 +114,7 @@ class RoomTable:
             "refused_peer_rooms": 0,
             "refused_peer_bytes": 0,
             "refused_pending_total": 0,
+            "refused_failed_room": 0,
         }
 
     # --- pending accounting (under the lock) ------------------------------
@@ -151,13 +160,20 @@ class RoomTable:
             e = self._entries.get(room)
             return None if e is None else e.value
 
-    def forget(self, room: int) -> None:
-        """The sender concluded: the room and its expectation go."""
+    def forget(self, room: int, failed: bool = False) -> None:
+        """The sender concluded: the room and its expectation go. ``failed``:
+        it failed (aborted), and metadata for the room arriving later is
+        refused (``RoomRefused("failed")``) so the decode stops waiting."""
         with self._lock:
             self._expected.discard(room)
             e = self._entries.pop(room, None)
             if e is not None:
                 self._unpend(e)
+            if failed and self.limits.enforce and self.limits.max_failed_rooms > 0:
+                self._failed[room] = None
+                self._failed.move_to_end(room)
+                while len(self._failed) > self.limits.max_failed_rooms:
+                    self._failed.popitem(last=False)
 
     # --- the peer's side ---------------------------------------------------
     def reserve(self, room: int, peer: str, nbytes: int) -> _Entry:
@@ -168,6 +184,9 @@ class RoomTable:
         with self._lock:
             now = self._clock()
             self._sweep(now)
+            if room in self._failed:
+                self.counters["refused_failed_room"] += 1
+                raise RoomRefused("failed", f"room {room}'s sender failed (aborted) on this prefill")
             old = self._entries.get(room)
             if old is not None and lim.enforce:
                 self.counters["refused_duplicate_room"] += 1
@@ -348,9 +367,9 @@ class PrefillControlPlane:
         """The room's validated exposure, or None (not arrived yet)."""
         return self.rooms.get(room)
 
-    def forget_room(self, room: int) -> None:
-        """The room's sender concluded."""
-        self.rooms.forget(room)
+    def forget_room(self, room: int, failed: bool = False) -> None:
+        """The room's sender concluded (``failed``: it failed or was aborted)."""
+        self.rooms.forget(room, failed)
 
     def stats(self) -> Dict[str, int]:
         """The port's and the room table's counters (refusals, cuts, load)."""
