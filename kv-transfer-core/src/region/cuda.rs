@@ -1,32 +1,34 @@
-//! Slots in CUDA device memory (feature `cuda`).
-//!
-//! The driver is loaded at run time (`cudarc` with dynamic loading), so a
-//! workspace built with this feature builds and passes its tests on a host
-//! with no CUDA toolkit and no driver: [`CudaRegion::new`] then returns
-//! [`DeviceError::NoDriver`]. The driver library is probed before any driver
-//! call, because `cudarc` panics on a missing library.
-//!
-//! The region's copies ([`Region::read`], [`Region::write`]) are
-//! host-to-device and device-to-host copies on the region's own stream, each
-//! synchronised before it returns: a backend that stages through host memory
-//! reports a completion only after its copy into the slot finished.
-//!
-//! ```no_run
-//! use kv_transfer_core::{CudaRegion, MemoryKind, Region};
-//! let r = CudaRegion::new(0, 1 << 20)?; // 1 MiB on GPU 0
-//! assert_eq!(r.kind(), MemoryKind::Device { ordinal: 0 });
-//! r.write(0, b"kv")?;
-//! # Ok::<(), kv_transfer_core::RegionError>(())
-//! ```
+//! Slots in CUDA device memory (`CudaRegion`, feature `cuda`).
 
 use super::{check_range, DeviceError, MemoryKind, Region, RegionError};
 use cudarc::driver::{result, sys};
 use std::fmt;
 use std::ptr::NonNull;
 
-/// Device memory on one CUDA device: allocated by the region
-/// ([`CudaRegion::new`]) or someone else's, kept alive by its owner
-/// ([`CudaRegion::borrowed`]: a torch tensor's memory).
+/// Slots in CUDA device memory (feature `cuda`).
+///
+/// The driver is loaded at run time (`cudarc` with dynamic loading), so a
+/// workspace built with this feature builds and passes its tests on a host
+/// with no CUDA toolkit and no driver: [`CudaRegion::new`] then returns
+/// [`DeviceError::NoDriver`]. The driver library is probed before any driver
+/// call, because `cudarc` panics on a missing library.
+///
+/// The region's copies ([`Region::read`], [`Region::write`]) are
+/// host-to-device and device-to-host copies on the region's own stream, each
+/// synchronised before it returns: a backend that stages through host memory
+/// reports a completion only after its copy into the slot finished.
+///
+/// ```no_run
+/// use kv_transfer_core::{CudaRegion, MemoryKind, Region};
+/// let r = CudaRegion::new(0, 1 << 20)?; // 1 MiB on GPU 0
+/// assert_eq!(r.kind(), MemoryKind::Device { ordinal: 0 });
+/// r.write(0, b"kv")?;
+/// # Ok::<(), kv_transfer_core::RegionError>(())
+/// ```
+///
+/// The memory is allocated by the region ([`CudaRegion::new`]) or someone
+/// else's, kept alive by its owner ([`CudaRegion::borrowed`]: a torch
+/// tensor's memory).
 pub struct CudaRegion {
     ordinal: u32,
     dev: sys::CUdevice,

@@ -1,40 +1,39 @@
-//! Device-like memory on any host: a region whose "device" mapping faults on
-//! every CPU access.
-//!
-//! On a GPU, a slot's address is a device pointer: the NIC (or the GPU's copy
-//! engine) can reach it, the CPU cannot. Code that reads a slot through its
-//! address instead of through [`Region::read`] works on host memory and
-//! crashes (or reads garbage) on a GPU. This region makes that mistake crash
-//! on a laptop: one `memfd` is mapped twice,
-//!
-//! - once `PROT_NONE`: [`Region::addr`] is this mapping's address, the
-//!   "device pointer" that pools, descriptors and NICs see, and any load or
-//!   store through it is a `SIGSEGV`;
-//! - once read-write, private to the region: only [`Region::read`] and
-//!   [`Region::write`] (the region's "device copies") use it.
-//!
-//! [`Region::host_ptr`] is `None` and [`Region::kind`] is
-//! [`MemoryKind::Device`], so backends take their device path (staging, or a
-//! typed refusal). Running the conformance suite and the race with slots here
-//! proves no path dereferences a slot's address on the CPU.
-//!
-//! ```
-//! use kv_transfer_core::{FakeDeviceRegion, MemoryKind, Region};
-//! let r = FakeDeviceRegion::new(1 << 16).unwrap();
-//! assert_eq!(r.kind(), MemoryKind::Device { ordinal: FakeDeviceRegion::ORDINAL });
-//! assert!(r.host_ptr().is_none());
-//! r.write(100, b"kv").unwrap();
-//! let mut back = [0u8; 2];
-//! r.read(100, &mut back).unwrap();
-//! assert_eq!(&back, b"kv");
-//! ```
+//! Device-like memory on any host (`FakeDeviceRegion`).
 
 use super::{check_range, MemoryKind, Region, RegionError};
 use std::fmt;
 use std::ptr::NonNull;
 
-/// Host memory dressed as device memory: its address faults on the CPU.
-/// See the [module documentation](self).
+/// Device-like memory on any host: a region whose "device" mapping faults on
+/// every CPU access.
+///
+/// On a GPU, a slot's address is a device pointer: the NIC (or the GPU's copy
+/// engine) can reach it, the CPU cannot. Code that reads a slot through its
+/// address instead of through [`Region::read`] works on host memory and
+/// crashes (or reads garbage) on a GPU. This region makes that mistake crash
+/// on a laptop: one `memfd` is mapped twice,
+///
+/// - once `PROT_NONE`: [`Region::addr`] is this mapping's address, the
+///   "device pointer" that pools, descriptors and NICs see, and any load or
+///   store through it is a `SIGSEGV`;
+/// - once read-write, private to the region: only [`Region::read`] and
+///   [`Region::write`] (the region's "device copies") use it.
+///
+/// [`Region::host_ptr`] is `None` and [`Region::kind`] is
+/// [`MemoryKind::Device`], so backends take their device path (staging, or a
+/// typed refusal). Running the conformance suite and the race with slots here
+/// proves no path dereferences a slot's address on the CPU.
+///
+/// ```
+/// use kv_transfer_core::{FakeDeviceRegion, MemoryKind, Region};
+/// let r = FakeDeviceRegion::new(1 << 16).unwrap();
+/// assert_eq!(r.kind(), MemoryKind::Device { ordinal: FakeDeviceRegion::ORDINAL });
+/// assert!(r.host_ptr().is_none());
+/// r.write(100, b"kv").unwrap();
+/// let mut back = [0u8; 2];
+/// r.read(100, &mut back).unwrap();
+/// assert_eq!(&back, b"kv");
+/// ```
 pub struct FakeDeviceRegion {
     /// The `PROT_NONE` mapping: the address everyone else sees.
     device: NonNull<u8>,

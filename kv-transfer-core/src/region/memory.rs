@@ -39,7 +39,7 @@ impl SlotMemory {
     }
 
     /// Allocates a region of `len` bytes in this memory. A kind this build
-    /// lacks is [`DeviceError::NotBuilt`], naming the feature.
+    /// lacks is [`DeviceError::NotBuilt`](crate::DeviceError::NotBuilt), naming the feature.
     pub fn allocate(self, len: usize) -> Result<Arc<dyn Region>, RegionError> {
         match self {
             Self::Host => Ok(Arc::new(HostRegion::new(len)?)),
