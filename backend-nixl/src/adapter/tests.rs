@@ -428,20 +428,7 @@ fn unknown_status_codes_and_notif_errors_are_errors_not_success() {
     let ini = NixlTransfer::new(Arc::new(m), fast()).expect("ini");
     let pool = ini.register_pool(Arc::new(HostRegion::new(SLOT).expect("r")), PoolConfig::new(SLOT)).expect("pool");
     ini.add_peer(b"tgt").expect("peer");
-    let remote = RemoteSlots {
-        endpoint: "tgt".into(),
-        pool: PoolId(999_999),
-        key: 1,
-        slot_size: SLOT as u64,
-        memory: Default::default(),
-        token: Default::default(),
-        slots: vec![kv_transfer_core::RemoteSlot {
-            slot: SlotId(0),
-            generation: Generation(1),
-            addr: 0x10000,
-            key: None,
-        }],
-    };
+    let remote = one_remote_slot(PoolId(999_999), kv_transfer_core::MemoryKind::Host);
     let h = futures::executor::block_on(ini.write(pool.reserve(1).expect("r"), &remote, TransferOptions::default()))
         .expect("post");
     // An unknown status code is an error, never success, and proves nothing.
@@ -998,6 +985,25 @@ mod hostile_aborts {
     }
 }
 
+/// A peer's descriptor of one slot (slot 0, generation 1, at 0x10000) of
+/// `pool`, in `memory`.
+fn one_remote_slot(pool: PoolId, memory: kv_transfer_core::MemoryKind) -> RemoteSlots {
+    RemoteSlots {
+        endpoint: "tgt".into(),
+        pool,
+        key: 1,
+        slot_size: SLOT as u64,
+        memory,
+        token: Default::default(),
+        slots: vec![kv_transfer_core::RemoteSlot {
+            slot: SlotId(0),
+            generation: Generation(1),
+            addr: 0x10000,
+            key: None,
+        }],
+    }
+}
+
 /// Host memory that says it is of another kind (CUDA device 2's, or core's
 /// fake device): what the adapter registers and describes is typed by the
 /// region's kind, and the test never touches it through its address.
@@ -1027,7 +1033,7 @@ impl kv_transfer_core::Region for KindOf {
 
 /// Device memory is registered as VRAM of its device, and a post's
 /// descriptors name each side's memory: the local pool's (VRAM, device 2)
-/// and the one the remote descriptor says (DRAM here). Core's fake device,
+/// and the one the remote descriptor says (VRAM, device 3). Core's fake device,
 /// which only staging can reach, is refused by name.
 #[test]
 fn device_memory_is_registered_and_described_as_vram_of_its_device() {
@@ -1058,27 +1064,16 @@ fn device_memory_is_registered_and_described_as_vram_of_its_device() {
     let pool = ini.register_pool(region, PoolConfig::new(SLOT)).expect("a device pool");
     assert_eq!(pool.memory(), kv_transfer_core::MemoryKind::Device { ordinal: 2 });
     ini.add_peer(b"tgt").expect("peer");
-    let remote = RemoteSlots {
-        endpoint: "tgt".into(),
-        pool: PoolId(7),
-        key: 1,
-        slot_size: SLOT as u64,
-        memory: kv_transfer_core::MemoryKind::Host,
-        token: Default::default(),
-        slots: vec![kv_transfer_core::RemoteSlot {
-            slot: SlotId(0),
-            generation: Generation(1),
-            addr: 0x10000,
-            key: None,
-        }],
-    };
+    // The peer's slots are device 3's: the remote side is typed by the
+    // descriptor, the local one by the pool.
+    let remote = one_remote_slot(PoolId(7), kv_transfer_core::MemoryKind::Device { ordinal: 3 });
     let h = futures::executor::block_on(ini.write(pool.reserve(1).expect("r"), &remote, TransferOptions::default()))
         .expect("post");
     let _ = futures::executor::block_on(h);
     let specs = specs.lock().unwrap_or_else(|p| p.into_inner());
     let spec = specs.first().expect("a request was created");
     assert!(spec.local.iter().all(|d| d.mem == MemType::Vram && d.dev_id == 2), "{:?}", spec.local);
-    assert!(spec.remote.iter().all(|d| d.mem == MemType::Dram && d.dev_id == 0), "{:?}", spec.remote);
+    assert!(spec.remote.iter().all(|d| d.mem == MemType::Vram && d.dev_id == 3), "{:?}", spec.remote);
     drop(specs);
     let fake = Arc::new(KindOf(HostRegion::new(SLOT).expect("r"), kv_transfer_core::MemoryKind::FAKE_DEVICE));
     assert!(matches!(ini.register_pool(fake, PoolConfig::new(SLOT)), Err(AdapterError::UnsupportedMemory(_))));
