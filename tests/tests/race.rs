@@ -32,6 +32,9 @@ fn safe_has_zero_foreign_bytes(memory: SlotMemory) {
     if let Err(f) = race_safe(&r, cfg.requests) {
         panic!("{}", f.0);
     }
+    // The simulator fails no kept request's transfer (verbs may: a refused
+    // stale write puts its queue pair in ERR and flushes the kept ones).
+    assert_eq!(r.transfer_failures, 0, "a kept request's transfer failed: {r:#?}");
 }
 
 /// The positive control, on host memory.

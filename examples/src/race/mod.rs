@@ -1,52 +1,59 @@
-//! The randomized race of aborts, reassignments, held and delayed writes.
+//! The randomized race of aborts, reassignments, held and delayed writes
+//! (scenario 2), written once (`run.rs`) and run on each backend's rig: the
+//! TCP simulator ([`run_race`]), the Mooncake adapter (`mooncake`) and real
+//! verbs (`verbs`).
 //!
-//! One decode NIC with a pool, two prefill NICs on loopback (separate
-//! [`SimNic`]s, separate connections). The run goes in rounds; in each round,
-//! decided by the seed:
+//! One decode side with a pool twice a round's size, two prefill workers.
+//! The run goes in rounds; in each round, decided by the seed:
 //!
-//! 1. Some rounds are *held*: the decode NIC's [`Gate`] holds every incoming
-//!    WRITE, so the round's writes stay in flight past their aborts (the
-//!    "write survives the abort" of every engine's bug report).
-//! 2. `round` requests reserve slots, expose them to prefill worker 0, which
-//!    writes a [tagged](crate::payload) payload into them (with seeded
-//!    per-WR delays).
+//! 1. Some rounds are *held*: prefill 0's writes stay in flight past their
+//!    aborts (the "write survives the abort" of every engine's bug report).
+//!    How is the backend's: the simulator holds them at the decode NIC's
+//!    gate, Mooncake in prefill 0's transport, verbs behind a large WRITE
+//!    queued ahead of them on the same queue pair.
+//! 2. `round` requests reserve slots and expose them to prefill 0, which
+//!    writes a [tagged](crate::payload) payload into them.
 //! 3. A seeded share of them is aborted while their writes are in flight.
-//! 4. Once the aborted slots are reclaimed (immediately under `naive`, only
-//!    with a proof under `safe`), a next tenant reserves slots (the free list
-//!    is LIFO: the same slots) and gets its bytes from prefill worker 1,
-//!    either pulled (a READ by decode, which lands before the gate opens) or
-//!    pushed (a WRITE, which races the held ones at the gate); one path per
-//!    round.
-//! 5. The gate opens, every prefill operation is awaited (bounded), and
+//! 4. Once the aborted slots are reclaimed (at once under `naive`, only
+//!    with a proof under `safe`), next tenants reserve slots (the free list
+//!    is LIFO: the same slots) and get their bytes from prefill 1, pushed
+//!    (a WRITE) or, where the backend can, pulled (a READ by decode).
+//! 5. The hold ends, every prefill operation is awaited (bounded), and
 //!    every consumer checks every byte it reads against its own tag.
 //!
 //! Under [`ReleasePolicy::Naive`] the aborted requests' late writes land in
 //! the next tenants' slots and consumers read foreign bytes: the positive
-//! control. Under [`ReleasePolicy::Safe`] the same schedule yields zero
-//! foreign bytes: the late writes are rejected at the NIC (stale generation)
-//! or land before the slot is reclaimed.
+//! control ([`RaceReport::stale_writes_landed`]). Under
+//! [`ReleasePolicy::Safe`] the same schedule yields zero foreign bytes: the
+//! late writes are refused at the NIC (stale generation, an invalidated
+//! window, a revoked key), or, on a backend that cannot revoke, land in
+//! slots still quarantined ([`RaceReport::stale_writes_quarantined`]).
 //!
 //! The seed fixes the schedule (which rounds hold, which requests abort,
-//! which tenants pull or push, the per-WR delays); the interleaving of the
-//! NICs' threads is the race itself.
+//! which tenants pull or push, the simulator's per-WR delays); the
+//! interleaving of the NICs' threads is the race itself.
 
 #[cfg(feature = "mooncake")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mooncake")))]
 pub mod mooncake;
+mod run;
+mod sim;
 #[cfg(feature = "verbs")]
 #[cfg_attr(docsrs, doc(cfg(feature = "verbs")))]
 pub mod verbs;
 
+pub use sim::run_race;
+
 use crate::payload::{pattern, verify, SlotCheck, Tag};
 use crate::wait::{poll_until, wait_until};
-use backend_tcp_sim::{block_on, splitmix64, DelayDist, FaultPlan, Gate, NicConfig, ReleasePolicy, SimNic};
+use backend_tcp_sim::{splitmix64, ReleasePolicy};
 use kv_transfer_core::{
-    EscalationLadder, Exposed, LatencySummary, PeerId, PoolConfig, Region, RemoteSlots, Settled, SlotLease, SlotMemory,
-    SlotPool, Transfer, TransferError, TransferHandle, TransferOptions,
+    EscalationLadder, Exposed, LatencySummary, Region, RemoteSlots, Settled, SlotLease, SlotMemory, SlotPool,
+    TransferHandle,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What to run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -240,23 +247,6 @@ impl Rng {
     }
 }
 
-struct Rig {
-    decode: SimNic,
-    p0: SimNic,
-    p1: SimNic,
-    dpool: SlotPool,
-    p0pool: SlotPool,
-    p1pool: SlotPool,
-    gate: Gate,
-    /// Prefill 0 as decode numbers it.
-    p0_peer: PeerId,
-    /// Prefill 1 as decode numbers it.
-    p1_peer: PeerId,
-    /// Decode as prefill 1 numbers it.
-    decode_at_p1: PeerId,
-    p0name: String,
-}
-
 /// Memory for `slots` slots of `slot_size` bytes, in `memory`.
 pub(crate) fn pool_region(memory: SlotMemory, slots: usize, slot_size: usize) -> Result<Arc<dyn Region>, RaceError> {
     let bytes = slots.checked_mul(slot_size).ok_or_else(|| RaceError::Config("pool too large".into()))?;
@@ -284,85 +274,6 @@ pub(crate) fn race_ladder(cfg: &RaceConfig) -> EscalationLadder {
         revoke: Duration::from_secs(1),
         fence: Duration::from_secs(5),
     }
-}
-
-fn pool(nic: &SimNic, cfg: &RaceConfig, slots: usize, ladder: EscalationLadder) -> Result<SlotPool, RaceError> {
-    let region = pool_region(cfg.memory, slots, cfg.slot_size)?;
-    nic.register_pool(region, PoolConfig::new(cfg.slot_size).with_ladder(ladder)).map_err(setup_err)
-}
-
-impl Rig {
-    fn start(cfg: &RaceConfig) -> Result<Self, RaceError> {
-        let gate = Gate::new();
-        let k = cfg.slots_per_request;
-        let ladder = race_ladder(cfg);
-        let tag = splitmix64(cfg.seed) % 1_000_000;
-        let dname = format!("race-decode-{tag}");
-        let decode = SimNic::start(NicConfig::new(dname.clone()).with_policy(cfg.policy).with_faults(FaultPlan {
-            seed: cfg.seed,
-            gate: Some(gate.clone()),
-            ..FaultPlan::default()
-        }))
-        .map_err(setup_err)?;
-        let dpool = pool(&decode, cfg, cfg.round * k * 2, ladder)?;
-        let delay = if cfg.delay_max_us == 0 {
-            DelayDist::None
-        } else {
-            DelayDist::Uniform { min_us: 0, max_us: cfg.delay_max_us }
-        };
-        let p0name = format!("race-prefill0-{tag}");
-        let p0 = SimNic::start(NicConfig::new(p0name.clone()).with_faults(FaultPlan {
-            seed: cfg.seed,
-            delay,
-            ..FaultPlan::default()
-        }))
-        .map_err(setup_err)?;
-        let p0pool = pool(&p0, cfg, cfg.round * k, EscalationLadder::default())?;
-        let p1 = SimNic::start(NicConfig::new(format!("race-prefill1-{tag}"))).map_err(setup_err)?;
-        let p1pool = pool(&p1, cfg, cfg.round * k * 2, ladder)?;
-        p0.connect(decode.endpoint()).map_err(setup_err)?;
-        let wait = Duration::from_millis(cfg.timeout_ms);
-        let p0_peer = decode.wait_for_peer(&p0name, wait).ok_or_else(|| setup_err("prefill 0 did not connect"))?;
-        let p1_peer = decode.connect(p1.endpoint()).map_err(setup_err)?;
-        let decode_at_p1 = p1.wait_for_peer(&dname, wait).ok_or_else(|| setup_err("decode did not reach prefill 1"))?;
-        Ok(Self { decode, p0, p1, dpool, p0pool, p1pool, gate, p0_peer, p1_peer, decode_at_p1, p0name })
-    }
-
-    fn reconnect_p0(&mut self, wait: Duration) -> Result<(), RaceError> {
-        self.p0.connect_new(self.decode.endpoint()).map_err(setup_err)?;
-        let ok =
-            wait_until(wait, || self.decode.peers().iter().any(|p| p.name == self.p0name && p.peer != self.p0_peer));
-        let peer = self.decode.peers().into_iter().filter(|p| p.name == self.p0name).map(|p| p.peer).max();
-        match peer {
-            Some(p) if ok => {
-                self.p0_peer = p;
-                Ok(())
-            }
-            _ => Err(setup_err("prefill 0 could not reconnect")),
-        }
-    }
-}
-
-struct First {
-    id: u64,
-    exposed: Option<SlotLease<Exposed>>,
-    remote: RemoteSlots,
-    handle: TransferHandle,
-    aborted: bool,
-    /// Held round, aborted, and its slots handed to a new tenancy before the gate opened.
-    reassigned_before_landing: Vec<bool>,
-}
-
-enum NextData {
-    /// Pulled by decode: already settled; prefill 1's exposure waits for the notify.
-    Pulled { lease: Option<SlotLease<Settled>>, source: SlotLease<Exposed> },
-    /// Pushed by prefill 1.
-    Pushed { exposed: SlotLease<Exposed>, handle: TransferHandle },
-}
-
-struct Next {
-    tags: Vec<Tag>,
-    data: NextData,
 }
 
 pub(crate) fn tags_of(id: u64, remote: &RemoteSlots) -> Vec<Tag> {
@@ -395,20 +306,22 @@ pub(crate) fn check_lease(lease: &SlotLease<Settled>, tags: &[Tag], size: usize)
     Some(c)
 }
 
-#[cfg(any(feature = "verbs", feature = "mooncake"))]
-/// How many of `lease`'s slots hold bytes of another request.
-pub(crate) fn slots_with_foreign_bytes(lease: &SlotLease<kv_transfer_core::Settled>, tags: &[Tag], size: usize) -> u64 {
+/// How many of `lease`'s slots an old write changed: bytes of another
+/// request, or bytes that no longer match their digest (a read refused for
+/// integrity).
+pub(crate) fn stale_slots(lease: &SlotLease<Settled>, tags: &[Tag], size: usize) -> u64 {
     let mut buf = vec![0u8; size];
     let mut n = 0;
     for (i, t) in tags.iter().enumerate() {
-        if lease.read_at(i, 0, &mut buf).is_ok() && crate::payload::verify(&buf, *t).foreign_bytes > 0 {
-            n += 1;
-        }
+        n += match lease.read_at(i, 0, &mut buf) {
+            Ok(()) => u64::from(verify(&buf, *t).foreign_bytes > 0),
+            Err(kv_transfer_core::AccessError::Integrity { .. }) => 1,
+            Err(_) => 0,
+        };
     }
     n
 }
 
-#[cfg(any(feature = "verbs", feature = "mooncake"))]
 /// Waits (bounded by `wait`) for `exposed` to settle; a wait that gives up
 /// is counted in `rep.timeouts`.
 pub(crate) fn settle_within(
@@ -424,7 +337,6 @@ pub(crate) fn settle_within(
     out
 }
 
-#[cfg(any(feature = "verbs", feature = "mooncake"))]
 /// Waits (bounded by `wait`) for `h`; whether the operation succeeded. Its
 /// lease is released; an abandoned one comes back with its side's fence; a
 /// wait that gives up is counted in `rep.timeouts`.
@@ -458,224 +370,6 @@ pub(crate) fn record_consumed(rep: &mut RaceReport, c: Option<SlotCheck>) {
     }
 }
 
-struct Run<'a> {
-    cfg: &'a RaceConfig,
-    rig: Rig,
-    rng: Rng,
-    rep: RaceReport,
-    next_id: u64,
-    wait: Duration,
-}
-
-impl Run<'_> {
-    fn id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
-    }
-
-    fn consumed(&mut self, c: Option<SlotCheck>) {
-        record_consumed(&mut self.rep, c);
-    }
-
-    fn settle_exposed(&mut self, exposed: SlotLease<Exposed>) -> Option<SlotLease<Settled>> {
-        let mut fut = Box::pin(exposed.settled());
-        let out = poll_until(fut.as_mut(), self.wait);
-        if out.is_none() {
-            self.rep.timeouts += 1;
-        }
-        out
-    }
-
-    fn round(&mut self) -> Result<(), RaceError> {
-        let (cfg, k, size) = (self.cfg, self.cfg.slots_per_request, self.cfg.slot_size);
-        let held = self.rng.chance(cfg.hold_rate);
-        if held {
-            self.rep.held_rounds += 1;
-            self.rig.gate.hold();
-        }
-        // First tenants: reserve, expose to prefill 0, which writes.
-        let mut firsts = Vec::with_capacity(cfg.round);
-        for _ in 0..cfg.round {
-            let id = self.id();
-            let Ok(lease) = self.rig.dpool.reserve(k) else {
-                self.rep.admission_rejected += 1;
-                continue;
-            };
-            let (exposed, remote) = match self.rig.decode.expose(lease, self.rig.p0_peer) {
-                Ok(x) => x,
-                Err(e) => {
-                    // The connection was fenced (the ladder's last step):
-                    // reconnect, as a serving engine would, and go on.
-                    self.rep.reconnects += 1;
-                    self.rig.reconnect_p0(self.wait)?;
-                    self.rig
-                        .decode
-                        .expose(e.lease, self.rig.p0_peer)
-                        .map_err(|e| step_err(format!("{} (decode NIC: {:?})", e.kind, self.rig.decode.stats())))?
-                }
-            };
-            let mut src = self.rig.p0pool.reserve(k).map_err(step_err)?;
-            fill_lease(&mut src, &tags_of(id, &remote), size)?;
-            let handle =
-                block_on(self.rig.p0.write(src, &remote, TransferOptions::default().with_digest(self.cfg.digest)))
-                    .map_err(|e| step_err(e.kind))?;
-            let aborted = self.rng.chance(cfg.abort_rate);
-            firsts.push(First {
-                id,
-                exposed: Some(exposed),
-                remote,
-                handle,
-                aborted,
-                reassigned_before_landing: vec![],
-            });
-        }
-        if held && !firsts.is_empty() && !self.rig.gate.wait_for_waiting(1, self.wait) {
-            self.rep.timeouts += 1;
-        }
-        // Aborts while the writes are in flight.
-        let mut n_aborted = 0;
-        for f in firsts.iter_mut().filter(|f| f.aborted) {
-            drop(f.exposed.take());
-            n_aborted += 1;
-        }
-        self.rep.aborted += n_aborted;
-        self.rep.peak_quarantined = self.rep.peak_quarantined.max(self.rig.dpool.metrics().quarantined);
-        // Next tenants, once the aborted slots are back (only with a proof, under `safe`).
-        let mut nexts = Vec::new();
-        if n_aborted > 0 {
-            let dpool = self.rig.dpool.clone();
-            if !wait_until(self.wait, || dpool.metrics().quarantined == 0) {
-                self.rep.timeouts += 1;
-            }
-            // One path per round: a pushed write held at the gate would hold
-            // a pulled READ's response behind it on the same connection.
-            let pull = self.rng.chance(0.5);
-            for _ in 0..n_aborted {
-                nexts.push(self.next_tenant(pull)?);
-            }
-            if held {
-                for f in firsts.iter_mut().filter(|f| f.aborted) {
-                    f.reassigned_before_landing = f
-                        .remote
-                        .slots
-                        .iter()
-                        .map(|s| self.rig.dpool.generation(s.slot).is_some_and(|g| g != s.generation))
-                        .collect();
-                }
-            }
-        }
-        if held {
-            self.rig.gate.open();
-        }
-        // Every prefill operation reaches its terminal status (bounded).
-        for f in &mut firsts {
-            match poll_until(std::pin::Pin::new(&mut f.handle), self.wait) {
-                Some(Ok(out)) => {
-                    if f.aborted && out.result.is_ok() {
-                        self.rep.stale_writes_landed +=
-                            f.reassigned_before_landing.iter().filter(|r| **r).count() as u64;
-                    }
-                    if matches!(out.result, Err(TransferError::Rejected(_))) && !f.aborted {
-                        self.rep.garbage_requests += 1;
-                    }
-                    out.lease.release();
-                }
-                Some(Err(_abandoned)) => self.rep.timeouts += 1,
-                None => self.rep.timeouts += 1,
-            }
-        }
-        for n in &mut nexts {
-            if let NextData::Pushed { handle, .. } = &mut n.data {
-                match poll_until(std::pin::Pin::new(handle), self.wait) {
-                    Some(Ok(out)) => out.lease.release(),
-                    _ => self.rep.timeouts += 1,
-                }
-            }
-        }
-        // Consumers read and check every byte.
-        for mut f in firsts {
-            if let Some(exposed) = f.exposed.take() {
-                let tags = tags_of(f.id, &f.remote);
-                match self.settle_exposed(exposed) {
-                    Some(settled) => {
-                        let c = check_lease(&settled, &tags, size);
-                        self.consumed(c);
-                        settled.release();
-                    }
-                    None => self.rep.requests += 1,
-                }
-            } else {
-                self.rep.requests += 1;
-            }
-        }
-        for n in nexts {
-            self.rep.reassigned += 1;
-            match n.data {
-                NextData::Pulled { lease, source } => {
-                    match lease {
-                        Some(l) => {
-                            let c = check_lease(&l, &n.tags, size);
-                            self.consumed(c);
-                            l.release();
-                        }
-                        None => self.rep.requests += 1,
-                    }
-                    if let Some(s) = self.settle_exposed(source) {
-                        s.release();
-                    }
-                }
-                NextData::Pushed { exposed, .. } => match self.settle_exposed(exposed) {
-                    Some(settled) => {
-                        let c = check_lease(&settled, &n.tags, size);
-                        self.consumed(c);
-                        settled.release();
-                    }
-                    None => self.rep.requests += 1,
-                },
-            }
-        }
-        Ok(())
-    }
-
-    fn next_tenant(&mut self, pull: bool) -> Result<Next, RaceError> {
-        let (k, size) = (self.cfg.slots_per_request, self.cfg.slot_size);
-        let id = self.id();
-        let lease = self.rig.dpool.reserve(k).map_err(step_err)?;
-        let tags: Vec<Tag> = lease.tenancies().iter().map(|t| Tag::new(id, t.slot.0, t.generation.0)).collect();
-        let mut src = self.rig.p1pool.reserve(k).map_err(step_err)?;
-        fill_lease(&mut src, &tags, size)?;
-        if pull {
-            // Pull: decode READs prefill 1's slots; lands before the gate opens.
-            let (source, sremote) = self.rig.p1.expose(src, self.rig.decode_at_p1).map_err(|e| step_err(e.kind))?;
-            let mut h = block_on(self.rig.decode.read(
-                lease,
-                &sremote,
-                TransferOptions::default().with_digest(self.cfg.digest),
-            ))
-            .map_err(|e| step_err(e.kind))?;
-            let lease = match poll_until(std::pin::Pin::new(&mut h), self.wait) {
-                Some(Ok(out)) if out.result.is_ok() => Some(out.lease),
-                Some(Ok(out)) => {
-                    out.lease.release();
-                    None
-                }
-                _ => {
-                    self.rep.timeouts += 1;
-                    None
-                }
-            };
-            Ok(Next { tags, data: NextData::Pulled { lease, source } })
-        } else {
-            // Push: prefill 1 WRITEs; races the held writes at the gate.
-            let (exposed, remote) = self.rig.decode.expose(lease, self.rig.p1_peer).map_err(|e| step_err(e.kind))?;
-            let handle =
-                block_on(self.rig.p1.write(src, &remote, TransferOptions::default().with_digest(self.cfg.digest)))
-                    .map_err(|e| step_err(e.kind))?;
-            Ok(Next { tags, data: NextData::Pushed { exposed, handle } })
-        }
-    }
-}
-
 /// Refuses a configuration no run can carry out.
 pub(crate) fn check_config(cfg: &RaceConfig) -> Result<(), RaceError> {
     if cfg.slots_per_request == 0 || cfg.slot_size == 0 || cfg.round == 0 {
@@ -690,34 +384,6 @@ pub(crate) fn check_config(cfg: &RaceConfig) -> Result<(), RaceError> {
         ));
     }
     Ok(())
-}
-
-/// A race's rounds, on whatever backend.
-pub(crate) trait Rounds {
-    /// Runs one round.
-    fn round(&mut self) -> Result<(), RaceError>;
-    /// The report so far.
-    fn report(&self) -> &RaceReport;
-}
-
-/// Runs rounds until `cfg.requests` are served or refused (bounded: each
-/// round serves at least `round` of them), calling `progress` after each;
-/// returns the wall time.
-pub(crate) fn run_rounds(
-    cfg: &RaceConfig,
-    run: &mut impl Rounds,
-    progress: &mut dyn FnMut(u64, u64),
-) -> Result<Duration, RaceError> {
-    let t0 = Instant::now();
-    let max_rounds = cfg.requests / cfg.round as u64 + 2;
-    let mut rounds = 0;
-    let left = |r: &RaceReport| r.requests + r.admission_rejected < cfg.requests;
-    while left(run.report()) && rounds < max_rounds {
-        run.round()?;
-        rounds += 1;
-        progress(run.report().requests.min(cfg.requests), cfg.requests);
-    }
-    Ok(t0.elapsed())
 }
 
 /// Waits (bounded) for the decode pool to come back whole, and fills the
@@ -736,50 +402,6 @@ pub(crate) fn finish_report(rep: &mut RaceReport, dpool: &SlotPool, wait: Durati
     rep.final_free = m.free;
     rep.elapsed_s = elapsed.as_secs_f64();
     rep.requests_per_s = if rep.elapsed_s > 0.0 { rep.requests as f64 / rep.elapsed_s } else { 0.0 };
-}
-
-impl Rounds for Run<'_> {
-    fn round(&mut self) -> Result<(), RaceError> {
-        Run::round(self)
-    }
-    fn report(&self) -> &RaceReport {
-        &self.rep
-    }
-}
-
-/// Runs the race and reports what consumers found. `progress(done, total)`
-/// is called after every round.
-///
-/// ```
-/// use kv_transfer_examples::race::{run_race, RaceConfig};
-/// use backend_tcp_sim::ReleasePolicy;
-/// let cfg = RaceConfig { requests: 64, policy: ReleasePolicy::Safe, ..RaceConfig::default() };
-/// let r = run_race(&cfg, &mut |_, _| {}).unwrap();
-/// assert_eq!(r.foreign_requests, 0);
-/// assert!(r.pool_whole());
-/// ```
-pub fn run_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
-    check_config(cfg)?;
-    let rig = Rig::start(cfg)?;
-    let mut run = Run {
-        cfg,
-        rig,
-        rng: Rng::new(cfg.seed),
-        rep: RaceReport { config: Some(cfg.clone()), ..RaceReport::default() },
-        next_id: 0,
-        wait: Duration::from_millis(cfg.timeout_ms.max(1)),
-    };
-    let elapsed = run_rounds(cfg, &mut run, progress)?;
-    let Run { mut rep, rig, wait, .. } = run;
-    rig.gate.open();
-    finish_report(&mut rep, &rig.dpool, wait, elapsed);
-    let s = rig.decode.stats();
-    rep.rejected_at_nic = s.rejected_stale_generation + s.rejected_wrong_peer;
-    rep.stale_notifications = s.notifications_stale;
-    rep.naive_releases = s.naive_releases;
-    rep.fences = s.fences;
-    drop(rig);
-    Ok(rep)
 }
 
 /// `naive` or `safe`.

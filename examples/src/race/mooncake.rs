@@ -1,6 +1,6 @@
-//! Scenario 2 on the Mooncake adapter: the same schedule of aborts and
-//! reassignments as the simulator's race, through `backend-mooncake`, ours
-//! on both sides over Mooncake's TCP protocol (on 127.0.0.1: run it in a
+//! Scenario 2's rig on the Mooncake adapter: the race's one schedule of
+//! aborts and reassignments (see [`super`]), through `backend-mooncake`,
+//! ours on both sides over Mooncake's TCP protocol (on 127.0.0.1: run it in a
 //! network namespace with netem on its loopback to add loss and reordering).
 //!
 //! Mooncake TCP can neither revoke nor fence: its target checks only that a
@@ -38,21 +38,14 @@
 //! ([`RaceReport::rejected_at_nic`]). Under `naive` the old keys are never
 //! ended and the held writes land in the next tenants' slots.
 
-use super::{
-    check_config, check_lease, fill_lease, finish_report, record_consumed, run_rounds, setup_err,
-    slots_with_foreign_bytes, step_err, tags_of, RaceConfig, RaceError, RaceReport, Rng,
-};
-use crate::payload::Tag;
+use super::run::{Prefill, RaceRig, Sides};
+use super::{setup_err, step_err, RaceConfig, RaceError, RaceReport};
 use crate::wait::wait_until;
 use backend_mooncake::gate::GatedTransport;
 use backend_mooncake::{
     AdapterConfig, DataTransport, EngineConfig, MooncakeEngine, MooncakeTransfer, TcpTransportConfig,
 };
-use backend_tcp_sim::block_on;
-use kv_transfer_core::{
-    EscalationLadder, Exposed, PeerId, PoolConfig, RemoteSlots, Reserved, Settled, SlotLease, SlotPool, Transfer,
-    TransferHandle, TransferOptions,
-};
+use kv_transfer_core::{EscalationLadder, Exposed, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -77,13 +70,8 @@ struct Rig {
     /// target's NIC refused, on a device that keeps no such count for us).
     #[cfg(feature = "mooncake-rdma")]
     p0_rdma: Option<Arc<backend_mooncake::rdma::RdmaTransport>>,
-    decode: MooncakeTransfer,
-    p0: MooncakeTransfer,
-    p1: MooncakeTransfer,
+    sides: Sides<MooncakeTransfer>,
     gate: Arc<GatedTransport>,
-    dpool: SlotPool,
-    p0pool: SlotPool,
-    p1pool: SlotPool,
     p0_peer: PeerId,
     p1_peer: PeerId,
 }
@@ -209,13 +197,8 @@ impl Rig {
             fabric,
             #[cfg(feature = "mooncake-rdma")]
             p0_rdma,
-            decode,
-            p0,
-            p1,
+            sides: Sides { decode, p0, p1, dpool, p0pool, p1pool },
             gate,
-            dpool,
-            p0pool,
-            p1pool,
             p0_peer,
             p1_peer,
         })
@@ -226,196 +209,62 @@ impl Rig {
     }
 }
 
-/// A first tenant: exposed to prefill 0, written by it.
-struct First {
-    id: u64,
-    exposed: Option<SlotLease<Exposed>>,
-    remote: RemoteSlots,
-    handle: Option<TransferHandle>,
-    doomed: bool,
-}
+impl RaceRig for Rig {
+    type Xfer = MooncakeTransfer;
+    // A held round's writes cannot end before the gate opens, nor can
+    // Mooncake over TCP revoke them: next tenants take whatever is free
+    // after a short wait (under `safe`, other slots, or none).
+    const RECLAIM_WAIT: Option<Duration> = Some(RECLAIM_WAIT);
 
-/// A next tenant: exposed to prefill 1, written by it before the gate opens.
-struct Next {
-    tags: Vec<Tag>,
-    exposed: SlotLease<Exposed>,
-    written: bool,
-    /// Its slots, to recognize an old write that landed in them.
-    slots: Vec<u32>,
-}
-
-struct Run<'a> {
-    cfg: &'a RaceConfig,
-    rig: Rig,
-    rng: Rng,
-    rep: RaceReport,
-    next_id: u64,
-    wait: Duration,
-}
-
-impl super::Rounds for Run<'_> {
-    fn round(&mut self) -> Result<(), RaceError> {
-        Run::round(self)
-    }
-    fn report(&self) -> &RaceReport {
-        &self.rep
-    }
-}
-
-impl Run<'_> {
-    fn settle(&mut self, exposed: SlotLease<Exposed>) -> Option<SlotLease<Settled>> {
-        super::settle_within(exposed, self.wait, &mut self.rep)
+    fn sides(&self) -> &Sides<Self::Xfer> {
+        &self.sides
     }
 
-    /// Waits for `h`; whether the operation succeeded.
-    fn await_handle(&mut self, h: TransferHandle) -> bool {
-        super::await_within(h, self.wait, &mut self.rep)
-    }
-
-    fn write(
+    fn expose(
         &mut self,
-        from_p1: bool,
-        mut src: SlotLease<Reserved>,
-        remote: &RemoteSlots,
-        tags: &[Tag],
-    ) -> Result<Option<TransferHandle>, RaceError> {
-        fill_lease(&mut src, tags, self.cfg.slot_size)?;
-        let t = if from_p1 { &self.rig.p1 } else { &self.rig.p0 };
-        Ok(match block_on(t.write(src, remote, TransferOptions::default())) {
-            Ok(h) => Some(h),
-            Err(e) => {
+        lease: SlotLease<Reserved>,
+        to: Prefill,
+        _wait: Duration,
+    ) -> Result<Option<(SlotLease<Exposed>, RemoteSlots)>, RaceError> {
+        let peer = match to {
+            Prefill::First => self.p0_peer,
+            Prefill::Next => self.p1_peer,
+        };
+        match self.sides.decode.expose(lease, peer) {
+            Ok(x) => Ok(Some(x)),
+            // Over RDMA: a slot revoked while exposed to prefill 0 is not
+            // exposed to it again until its ack (it may retry).
+            Err(e) if matches!(e.kind, kv_transfer_core::ExposeErrorKind::RetryShadow(_)) => {
                 e.lease.release();
-                None
+                Ok(None)
             }
-        })
+            Err(e) => Err(step_err(e.kind)),
+        }
     }
 
-    fn round(&mut self) -> Result<(), RaceError> {
-        let (cfg, k, size) = (self.cfg, self.cfg.slots_per_request, self.cfg.slot_size);
-        let held = self.rng.chance(cfg.hold_rate) && self.rig.gate.hold();
-        if held {
-            self.rep.held_rounds += 1;
-        }
-        let mut firsts = Vec::with_capacity(cfg.round);
-        for _ in 0..cfg.round {
-            self.next_id += 1;
-            let (id, doomed) = (self.next_id, self.rng.chance(cfg.abort_rate));
-            let Ok(lease) = self.rig.dpool.reserve(k) else {
-                self.rep.admission_rejected += 1;
-                continue;
-            };
-            let (exposed, remote) = match self.rig.decode.expose(lease, self.rig.p0_peer) {
-                Ok(x) => x,
-                // Over RDMA: a slot revoked while exposed to prefill 0 is
-                // not exposed to it again until its ack (it may retry).
-                Err(e) if matches!(e.kind, kv_transfer_core::ExposeErrorKind::RetryShadow(_)) => {
-                    e.lease.release();
-                    self.rep.admission_rejected += 1;
-                    continue;
-                }
-                Err(e) => return Err(step_err(e.kind)),
-            };
-            let src = self.rig.p0pool.reserve(k).map_err(|e| step_err(format!("prefill 0 reserve: {e}")))?;
-            let handle = self.write(false, src, &remote, &tags_of(id, &remote))?;
-            firsts.push(First { id, exposed: Some(exposed), remote, handle, doomed });
-        }
-        // The aborts, with the writes in flight (held: not even sent).
-        let mut n_aborted = 0u64;
-        for f in firsts.iter_mut().filter(|f| f.doomed) {
-            drop(f.exposed.take());
-            n_aborted += 1;
-        }
-        self.rep.aborted += n_aborted;
-        self.rep.peak_quarantined = self.rep.peak_quarantined.max(self.rig.dpool.metrics().quarantined);
-        // The aborted slots come back when their proof does (under `naive`:
-        // at the adapter's first escalation step, on its control thread).
-        // A held round's cannot come back before the gate opens: wait a
-        // little, then next tenants take whatever is free; prefill 1's
-        // bytes arrive and are awaited before the gate opens.
-        let dpool = self.rig.dpool.clone();
-        wait_until(RECLAIM_WAIT.min(self.wait), || dpool.metrics().quarantined == 0);
-        let mut nexts = Vec::new();
-        let mut posted = Vec::new();
-        for _ in 0..n_aborted {
-            self.next_id += 1;
-            let id = self.next_id;
-            let Ok(lease) = self.rig.dpool.reserve(k) else {
-                self.rep.admission_rejected += 1;
-                continue;
-            };
-            let (exposed, remote) = self.rig.decode.expose(lease, self.rig.p1_peer).map_err(|e| step_err(e.kind))?;
-            let tags = tags_of(id, &remote);
-            let src = self.rig.p1pool.reserve(k).map_err(|e| step_err(format!("prefill 1 reserve: {e}")))?;
-            posted.push(self.write(true, src, &remote, &tags)?);
-            let slots = remote.slots.iter().map(|s| s.slot.0).collect();
-            nexts.push(Next { tags, exposed, written: false, slots });
-        }
-        for (n, h) in nexts.iter_mut().zip(posted) {
-            n.written = h.is_some_and(|h| self.await_handle(h));
-        }
-        self.rig.gate.open();
-        // Every prefill 0 operation reaches its terminal status (bounded).
-        let mut written = Vec::with_capacity(firsts.len());
-        for f in &mut firsts {
-            let ok = match f.handle.take() {
-                Some(h) => self.await_handle(h),
-                None => false,
-            };
-            written.push(ok);
-        }
-        // A held round's doomed writes went out after the next tenants' bytes
-        // had landed: those not in a next tenant's slot landed in memory no
-        // tenant held (the hazard itself is counted at consume time).
-        if held {
-            let taken: std::collections::HashSet<u32> = nexts.iter().flat_map(|n| n.slots.iter().copied()).collect();
-            for (f, ok) in firsts.iter().zip(&written) {
-                if f.doomed && *ok {
-                    let missed = f.remote.slots.iter().filter(|s| !taken.contains(&s.slot.0)).count();
-                    self.rep.stale_writes_quarantined += missed as u64;
-                }
-            }
-        }
-        // Consumers read and check every byte of what was written.
-        for (mut f, ok) in firsts.into_iter().zip(written) {
-            let Some(exposed) = f.exposed.take() else {
-                self.rep.requests += 1;
-                continue;
-            };
-            self.consume(exposed, ok, &tags_of(f.id, &f.remote), size, false);
-        }
-        for n in nexts {
-            self.rep.reassigned += 1;
-            self.consume(n.exposed, n.written, &n.tags, size, true);
-        }
-        // The aborted slots come back with prefill 0's acks before the next
-        // round (over RDMA: revoked, and their shadows cleared by the acks).
-        let dpool = self.rig.dpool.clone();
-        let decode = &self.rig.decode;
-        if !wait_until(self.wait, || dpool.metrics().quarantined == 0 && decode.metrics().shadowed == 0) {
-            self.rep.timeouts += 1;
-        }
-        Ok(())
+    fn hold(&mut self) -> bool {
+        self.gate.hold()
+    }
+    fn release(&mut self, _rep: &mut RaceReport, _wait: Duration) {
+        self.gate.open();
     }
 
-    /// A consumer: settles `exposed` and, if its transfer succeeded, checks
-    /// every byte against `tags` (for a reassigned slot, foreign bytes are an
-    /// old write that landed after the reassignment).
-    fn consume(&mut self, exposed: SlotLease<Exposed>, written: bool, tags: &[Tag], size: usize, reassigned: bool) {
-        match self.settle(exposed) {
-            Some(settled) if written => {
-                if reassigned {
-                    self.rep.stale_writes_landed += slots_with_foreign_bytes(&settled, tags, size);
-                }
-                let c = check_lease(&settled, tags, size);
-                record_consumed(&mut self.rep, c);
-                settled.release();
-            }
-            Some(settled) => {
-                self.rep.requests += 1;
-                self.rep.transfer_failures += 1;
-                settled.release();
-            }
-            None => self.rep.requests += 1,
+    /// The aborted slots come back with prefill 0's acks before the next
+    /// round (over RDMA: revoked, and their shadows cleared by the acks).
+    fn end_round(&self, wait: Duration) -> bool {
+        wait_until(wait, || self.sides.dpool.metrics().quarantined == 0 && self.sides.decode.metrics().shadowed == 0)
+    }
+
+    fn finish(&self, rep: &mut RaceReport) {
+        rep.stale_notifications = self.sides.dpool.metrics().stale_rejected;
+        rep.naive_releases = Rig::counter(&self.sides.decode, "naive_releases");
+        #[cfg(feature = "mooncake-rdma")]
+        match (&self.fabric, &self.p0_rdma) {
+            (Some(f), _) => rep.rejected_at_nic = f.stats().rejected_access,
+            // On a device: the refusals prefill 0 saw (the target's NIC
+            // keeps no count for us).
+            (None, Some(t)) => rep.rejected_at_nic = t.refused_slices(),
+            (None, None) => {}
         }
     }
 }
@@ -465,35 +314,10 @@ pub fn run_mooncake_rdma_device_race(
 }
 
 fn run(cfg: &RaceConfig, wire: Wire, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
-    check_config(cfg)?;
     if wire != Wire::Tcp {
         // TCP stages device slots through host buffers; an RDMA NIC needs
         // them registered (dma-buf, a GPU).
         super::host_memory_only(cfg, "Mooncake RDMA")?;
     }
-    let rig = Rig::start(cfg, wire)?;
-    let mut run = Run {
-        cfg,
-        rig,
-        rng: Rng::new(cfg.seed),
-        rep: RaceReport { config: Some(cfg.clone()), ..RaceReport::default() },
-        next_id: 0,
-        wait: Duration::from_millis(cfg.timeout_ms.max(1)),
-    };
-    let elapsed = run_rounds(cfg, &mut run, progress)?;
-    let Run { mut rep, rig, wait, .. } = run;
-    rig.gate.open();
-    finish_report(&mut rep, &rig.dpool, wait, elapsed);
-    rep.stale_notifications = rig.dpool.metrics().stale_rejected;
-    rep.naive_releases = Rig::counter(&rig.decode, "naive_releases");
-    #[cfg(feature = "mooncake-rdma")]
-    match (&rig.fabric, &rig.p0_rdma) {
-        (Some(f), _) => rep.rejected_at_nic = f.stats().rejected_access,
-        // On a device: the refusals prefill 0 saw (the target's NIC keeps
-        // no count for us).
-        (None, Some(t)) => rep.rejected_at_nic = t.refused_slices(),
-        (None, None) => {}
-    }
-    drop(rig);
-    Ok(rep)
+    super::run::run(cfg, |cfg| Rig::start(cfg, wire), progress)
 }

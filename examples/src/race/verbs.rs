@@ -1,5 +1,5 @@
-//! Scenario 2 on real RDMA verbs: the same schedule of aborts and
-//! reassignments as the simulator's race, through `backend-verbs` (Soft-RoCE
+//! Scenario 2's rig on real RDMA verbs: the race's one schedule of aborts
+//! and reassignments (see [`super`]), through `backend-verbs` (Soft-RoCE
 //! in `scripts/rdma-lab`'s guest, or any verbs device).
 //!
 //! One decode adapter with a pool, two prefill adapters (each its own RC
@@ -31,33 +31,27 @@
 //! prefill 0 reconnects. A kept request whose own write was flushed by that
 //! fence is a failed transfer ([`RaceReport::transfer_failures`]), not data.
 
-use super::{
-    check_config, check_lease, fill_lease, finish_report, record_consumed, run_rounds, setup_err,
-    slots_with_foreign_bytes, step_err, tags_of, RaceConfig, RaceError, RaceReport, Rng,
-};
-use crate::payload::Tag;
+use super::run::{Prefill, RaceRig, Sides};
+use super::{setup_err, step_err, RaceConfig, RaceError, RaceReport};
 use crate::wait::wait_until;
 use backend_tcp_sim::block_on;
 use backend_verbs::{LabEnv, VerbsConfig, VerbsTransfer};
 use kv_transfer_core::{
-    EscalationLadder, Exposed, PeerId, PoolConfig, RemoteSlots, Settled, SlotLease, SlotPool, Transfer, TransferHandle,
-    TransferOptions,
+    EscalationLadder, Exposed, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Transfer,
+    TransferHandle, TransferOptions,
 };
 use std::time::Duration;
 
 struct Rig {
-    decode: VerbsTransfer,
-    p0: VerbsTransfer,
-    p1: VerbsTransfer,
-    dpool: SlotPool,
+    sides: Sides<VerbsTransfer>,
     /// One decode slot the blocker writes into.
     scratch: SlotPool,
-    p0pool: SlotPool,
     /// The blocker's source.
     p0blocker: SlotPool,
-    p1pool: SlotPool,
     p0name: String,
     p1name: String,
+    /// A held round's blocker: its scratch exposure and its WRITE.
+    blocker: Option<(SlotLease<Exposed>, Option<TransferHandle>)>,
 }
 
 fn adapter(name: String, env: &LabEnv, policy: backend_tcp_sim::ReleasePolicy) -> Result<VerbsTransfer, RaceError> {
@@ -95,7 +89,8 @@ impl Rig {
         // given (backend-verbs: a claim its owner confirms), not its hello.
         decode.add_peer(p0.descriptor()).map_err(setup_err)?;
         decode.add_peer(p1.descriptor()).map_err(setup_err)?;
-        Ok(Self { decode, p0, p1, dpool, scratch, p0pool, p0blocker, p1pool, p0name, p1name })
+        let sides = Sides { decode, p0, p1, dpool, p0pool, p1pool };
+        Ok(Self { sides, scratch, p0blocker, p0name, p1name, blocker: None })
     }
 
     /// The decode side's current peer for `name` (a new one after a fence
@@ -103,215 +98,83 @@ impl Rig {
     fn peer(&self, name: &str, wait: Duration) -> Result<PeerId, RaceError> {
         let mut found = None;
         wait_until(wait, || {
-            found = self.decode.peer_named(name);
+            found = self.sides.decode.peer_named(name);
             found.is_some()
         });
-        found.ok_or_else(|| step_err(format!("{name} is not connected: decode {:?}", self.decode.counters())))
+        found.ok_or_else(|| step_err(format!("{name} is not connected: decode {:?}", self.sides.decode.counters())))
+    }
+}
+
+impl RaceRig for Rig {
+    type Xfer = VerbsTransfer;
+
+    fn sides(&self) -> &Sides<Self::Xfer> {
+        &self.sides
     }
 
     fn expose(
-        &self,
-        lease: kv_transfer_core::SlotLease<kv_transfer_core::Reserved>,
-        name: &str,
+        &mut self,
+        lease: SlotLease<Reserved>,
+        to: Prefill,
         wait: Duration,
-    ) -> Result<(SlotLease<Exposed>, RemoteSlots), RaceError> {
-        match self.decode.expose(lease, self.peer(name, wait)?) {
-            Ok(x) => Ok(x),
+    ) -> Result<Option<(SlotLease<Exposed>, RemoteSlots)>, RaceError> {
+        let name = match to {
+            Prefill::First => &self.p0name,
+            Prefill::Next => &self.p1name,
+        };
+        match self.sides.decode.expose(lease, self.peer(name, wait)?) {
+            Ok(x) => Ok(Some(x)),
             // The peer was fenced between the lookup and the binds: once
             // more, on its new connection.
-            Err(e) => self.decode.expose(e.lease, self.peer(name, wait)?).map_err(|e| step_err(e.kind)),
+            Err(e) => self.sides.decode.expose(e.lease, self.peer(name, wait)?).map(Some).map_err(|e| step_err(e.kind)),
         }
     }
-}
 
-/// A first tenant: exposed to prefill 0, written by it.
-struct First {
-    id: u64,
-    exposed: Option<SlotLease<Exposed>>,
-    remote: RemoteSlots,
-    /// `None`: the post was refused (the queue pair was being fenced).
-    handle: Option<TransferHandle>,
-    doomed: bool,
-    /// Whether prefill 0's write succeeded.
-    written: bool,
-}
-
-struct Run<'a> {
-    cfg: &'a RaceConfig,
-    rig: Rig,
-    rng: Rng,
-    rep: RaceReport,
-    next_id: u64,
-    wait: Duration,
-}
-
-impl super::Rounds for Run<'_> {
-    fn round(&mut self) -> Result<(), RaceError> {
-        Run::round(self)
+    /// A NIC cannot be told to hold a WRITE: a held round holds its doomed
+    /// writes behind a large one queued ahead of them (see the module docs).
+    fn hold(&mut self) -> bool {
+        true
     }
-    fn report(&self) -> &RaceReport {
-        &self.rep
-    }
-}
-
-impl Run<'_> {
-    /// A consumer: settles `exposed` and, if its transfer succeeded, checks
-    /// every byte against `tags` (and, for a reassigned slot, counts the
-    /// slots an old write landed in).
-    fn consume(&mut self, exposed: SlotLease<Exposed>, written: bool, tags: &[Tag], reassigned: bool) {
-        let size = self.cfg.slot_size;
-        match self.settle(exposed) {
-            Some(settled) if written => {
-                if reassigned {
-                    // Foreign bytes in a reassigned slot came from an old
-                    // write that landed after the reassignment.
-                    self.rep.stale_writes_landed += slots_with_foreign_bytes(&settled, tags, size);
-                }
-                let c = check_lease(&settled, tags, size);
-                record_consumed(&mut self.rep, c);
-                settled.release();
+    fn between_posts(&mut self, wait: Duration) -> Result<(), RaceError> {
+        let lease = self.scratch.reserve(1).map_err(|e| step_err(format!("scratch reserve: {e}")))?;
+        let (exposed, remote) = self
+            .expose(lease, Prefill::First, wait)?
+            .ok_or_else(|| step_err("the blocker's scratch slot was refused"))?;
+        let src = self.p0blocker.reserve(1).map_err(|e| step_err(format!("blocker reserve: {e}")))?;
+        let handle = match block_on(self.sides.p0.write(src, &remote, TransferOptions::default())) {
+            Ok(h) => Some(h),
+            Err(e) => {
+                e.lease.release();
+                None
             }
-            Some(settled) => {
-                self.rep.requests += 1;
-                self.rep.transfer_failures += 1;
-                settled.release();
-            }
-            None => self.rep.requests += 1,
-        }
-    }
-
-    fn settle(&mut self, exposed: SlotLease<Exposed>) -> Option<SlotLease<Settled>> {
-        super::settle_within(exposed, self.wait, &mut self.rep)
-    }
-
-    /// Waits for `h`; whether the operation succeeded.
-    fn await_handle(&mut self, h: TransferHandle) -> bool {
-        super::await_within(h, self.wait, &mut self.rep)
-    }
-
-    fn post_first(&mut self, f: &mut First) -> Result<(), RaceError> {
-        let (k, size) = (self.cfg.slots_per_request, self.cfg.slot_size);
-        let mut src = self.rig.p0pool.reserve(k).map_err(|e| step_err(format!("prefill 0 reserve: {e}")))?;
-        fill_lease(&mut src, &tags_of(f.id, &f.remote), size)?;
-        match block_on(self.rig.p0.write(src, &f.remote, TransferOptions::default())) {
-            Ok(h) => f.handle = Some(h),
-            Err(e) => e.lease.release(),
-        }
+        };
+        self.blocker = Some((exposed, handle));
         Ok(())
     }
-
-    fn round(&mut self) -> Result<(), RaceError> {
-        let (cfg, k, size) = (self.cfg, self.cfg.slots_per_request, self.cfg.slot_size);
-        let held = self.rng.chance(cfg.hold_rate);
-        if held {
-            self.rep.held_rounds += 1;
-        }
-        let mut firsts = Vec::with_capacity(cfg.round);
-        for _ in 0..cfg.round {
-            self.next_id += 1;
-            let id = self.next_id;
-            let doomed = self.rng.chance(cfg.abort_rate);
-            let Ok(lease) = self.rig.dpool.reserve(k) else {
-                self.rep.admission_rejected += 1;
-                continue;
-            };
-            let (exposed, remote) = self.rig.expose(lease, &self.rig.p0name, self.wait)?;
-            firsts.push(First { id, exposed: Some(exposed), remote, handle: None, doomed, written: false });
-        }
-        // Kept requests first; then, in a held round, the blocker; then the
-        // doomed requests, which RC starts only after the blocker.
-        for f in firsts.iter_mut().filter(|f| !f.doomed) {
-            self.post_first(f)?;
-        }
-        let mut blocker = None;
-        if held {
-            let lease = self.rig.scratch.reserve(1).map_err(|e| step_err(format!("scratch reserve: {e}")))?;
-            let (exposed, remote) = self.rig.expose(lease, &self.rig.p0name, self.wait)?;
-            let src = self.rig.p0blocker.reserve(1).map_err(|e| step_err(format!("blocker reserve: {e}")))?;
-            let h = match block_on(self.rig.p0.write(src, &remote, TransferOptions::default())) {
-                Ok(h) => Some(h),
-                Err(e) => {
-                    e.lease.release();
-                    None
-                }
-            };
-            blocker = Some((exposed, h));
-        }
-        for f in firsts.iter_mut().filter(|f| f.doomed) {
-            self.post_first(f)?;
-        }
-        // The aborts, with the doomed writes queued.
-        let mut n_aborted = 0;
-        for f in firsts.iter_mut().filter(|f| f.doomed) {
-            drop(f.exposed.take());
-            n_aborted += 1;
-        }
-        self.rep.aborted += n_aborted;
-        self.rep.peak_quarantined = self.rep.peak_quarantined.max(self.rig.dpool.metrics().quarantined);
-        // Next tenants, once the aborted slots are back.
-        let mut nexts: Vec<(Vec<Tag>, SlotLease<Exposed>, Option<TransferHandle>)> = Vec::new();
-        if n_aborted > 0 {
-            let dpool = self.rig.dpool.clone();
-            if !wait_until(self.wait, || dpool.metrics().quarantined == 0) {
-                self.rep.timeouts += 1;
+    /// The blocker ends like any write: awaited, its exposure settled.
+    fn release(&mut self, rep: &mut RaceReport, wait: Duration) {
+        if let Some((exposed, handle)) = self.blocker.take() {
+            if let Some(h) = handle {
+                super::await_within(h, wait, rep);
             }
-            for _ in 0..n_aborted {
-                self.next_id += 1;
-                let id = self.next_id;
-                let lease = self.rig.dpool.reserve(k).map_err(|e| step_err(format!("next tenant: {e}")))?;
-                let (exposed, remote) = self.rig.expose(lease, &self.rig.p1name, self.wait)?;
-                let tags = tags_of(id, &remote);
-                let mut src = self.rig.p1pool.reserve(k).map_err(|e| step_err(format!("prefill 1 reserve: {e}")))?;
-                fill_lease(&mut src, &tags, size)?;
-                let h = match block_on(self.rig.p1.write(src, &remote, TransferOptions::default())) {
-                    Ok(h) => Some(h),
-                    Err(e) => {
-                        e.lease.release();
-                        None
-                    }
-                };
-                nexts.push((tags, exposed, h));
-            }
-        }
-        // Every prefill operation reaches its terminal status (bounded).
-        for f in &mut firsts {
-            if let Some(h) = f.handle.take() {
-                f.written = self.await_handle(h);
-            }
-        }
-        let mut next_written = Vec::with_capacity(nexts.len());
-        for (_, _, h) in &mut nexts {
-            let ok = match h.take() {
-                Some(h) => self.await_handle(h),
-                None => false,
-            };
-            next_written.push(ok);
-        }
-        if let Some((exposed, h)) = blocker {
-            if let Some(h) = h {
-                self.await_handle(h);
-            }
-            if let Some(s) = self.settle(exposed) {
+            if let Some(s) = super::settle_within(exposed, wait, rep) {
                 s.release();
             }
         }
-        // Consumers read and check every byte of what was written.
-        for mut f in firsts {
-            match f.exposed.take() {
-                Some(exposed) => self.consume(exposed, f.written, &tags_of(f.id, &f.remote), false),
-                None => self.rep.requests += 1,
-            }
-        }
-        for ((tags, exposed, _), written) in nexts.into_iter().zip(next_written) {
-            self.rep.reassigned += 1;
-            self.consume(exposed, written, &tags, true);
-        }
-        // Prefill 0's flushed leases come back with its own fence.
-        let p0pool = self.rig.p0pool.clone();
-        if !wait_until(self.wait, || p0pool.metrics().quarantined == 0) {
-            self.rep.timeouts += 1;
-        }
-        Ok(())
+    }
+
+    /// Prefill 0's flushed leases come back with its own fence.
+    fn end_round(&self, wait: Duration) -> bool {
+        wait_until(wait, || self.sides.p0pool.metrics().quarantined == 0)
+    }
+
+    fn finish(&self, rep: &mut RaceReport) {
+        rep.rejected_at_nic =
+            self.sides.p0.counter("remote_access_errors") + self.sides.p1.counter("remote_access_errors");
+        rep.stale_notifications = self.sides.dpool.metrics().stale_rejected;
+        rep.naive_releases = self.sides.decode.counter("naive_releases");
+        rep.fences = self.sides.decode.counter("fences");
+        rep.reconnects = self.sides.p0.counter("fences");
     }
 }
 
@@ -320,25 +183,6 @@ impl Run<'_> {
 /// consumers found. `progress(done, total)` is called after every round.
 /// [`RaceConfig::blocker_bytes`] sets how long a held round's writes wait.
 pub fn run_verbs_race(cfg: &RaceConfig, progress: &mut dyn FnMut(u64, u64)) -> Result<RaceReport, RaceError> {
-    check_config(cfg)?;
     super::host_memory_only(cfg, "verbs")?;
-    let rig = Rig::start(cfg)?;
-    let mut run = Run {
-        cfg,
-        rig,
-        rng: Rng::new(cfg.seed),
-        rep: RaceReport { config: Some(cfg.clone()), ..RaceReport::default() },
-        next_id: 0,
-        wait: Duration::from_millis(cfg.timeout_ms.max(1)),
-    };
-    let elapsed = run_rounds(cfg, &mut run, progress)?;
-    let Run { mut rep, rig, wait, .. } = run;
-    finish_report(&mut rep, &rig.dpool, wait, elapsed);
-    rep.rejected_at_nic = rig.p0.counter("remote_access_errors") + rig.p1.counter("remote_access_errors");
-    rep.stale_notifications = rig.dpool.metrics().stale_rejected;
-    rep.naive_releases = rig.decode.counter("naive_releases");
-    rep.fences = rig.decode.counter("fences");
-    rep.reconnects = rig.p0.counter("fences");
-    drop(rig);
-    Ok(rep)
+    super::run::run(cfg, Rig::start, progress)
 }
