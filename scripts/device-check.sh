@@ -5,12 +5,12 @@
 #      the driver's pointer query);
 #   2. the conformance suite with every slot in GPU memory: the `_cuda`
 #      columns (tcp-sim and Mooncake over TCP stage through host buffers,
-#      NIXL registers VRAM, the verbs software NIC copies through the region);
-#   3. the reassignment race on GPU memory, its positive control included;
-#   4. NIXL's hazard with device slots between two processes: raw NIXL (a
+#      NIXL registers VRAM, the verbs software NIC copies through the region),
+#      the reassignment race included (`s2_*`, its positive control too);
+#   3. NIXL's hazard with device slots between two processes: raw NIXL (a
 #      WRITE released while IN_PROG lands in the reassigned slot) against the
 #      adapter (nothing lands);
-#   5. throughput: `kvt bench --device cuda` device to device and host to
+#   4. throughput: `kvt bench --device cuda` device to device and host to
 #      device at 64 KiB and 16 MiB, and NIXL's adapter against its raw C API
 #      in the same run (goal: at least 95 %).
 #
@@ -79,7 +79,6 @@ build() {
     local spec name out
     for spec in "core-lib:-p kv-transfer-core --features cuda,fake-device --lib" \
                 "conformance:-p kv-transfer-tests --features mooncake,nixl --test conformance" \
-                "race:-p kv-transfer-tests --test race" \
                 "adapter_two_process:-p backend-nixl --features cuda --test adapter_two_process"; do
         name=${spec%%:*}
         # shellcheck disable=SC2086
@@ -116,7 +115,7 @@ case $mode in
         say "built into $bin: run scripts/device-check.sh --prebuilt $bin where the GPU is"
         exit 0 ;;
     prebuilt)
-        for name in core-lib conformance race adapter_two_process prefill-worker nixl_peer kvt adapter_bench; do
+        for name in core-lib conformance adapter_two_process prefill-worker nixl_peer kvt adapter_bench; do
             [ -x "$bin/$name" ] || { echo "device-check: $bin/$name is missing (--build-only $bin makes it)" >&2; exit 2; }
             exes[$name]=$bin/$name
         done ;;
@@ -143,20 +142,13 @@ fi
 
 # 2. The conformance suite with slots in GPU memory.
 if run "conformance _cuda" "$log/conformance" 300 "${exes[conformance]}" _cuda && some_passed "$log/conformance"; then
-    row "conformance, slots in $KVT_DEVICE (tcp-sim, mooncake, nixl, verbs-fake)" PASS "$(counts "$log/conformance")"
+    row "conformance and the race, slots in $KVT_DEVICE (tcp-sim, mooncake, nixl, verbs-fake)" PASS "$(counts "$log/conformance")"
 else
-    row "conformance, slots in $KVT_DEVICE (tcp-sim, mooncake, nixl, verbs-fake)" FAIL \
+    row "conformance and the race, slots in $KVT_DEVICE (tcp-sim, mooncake, nixl, verbs-fake)" FAIL \
         "$(counts "$log/conformance"); $(grep -E '^    [a-z0-9_]+::' "$log/conformance" | head -3 | tr -d ' ' | tr '\n' ' ')"
 fi
 
-# 3. The race on GPU memory.
-if run "race on cuda" "$log/race" 300 "${exes[race]}" --ignored on_cuda_memory; then
-    row "race on $KVT_DEVICE (naive corrupts, safe: 0 foreign bytes)" PASS "$(counts "$log/race")"
-else
-    row "race on $KVT_DEVICE (naive corrupts, safe: 0 foreign bytes)" FAIL "$(counts "$log/race") ($log/race)"
-fi
-
-# 4. NIXL's hazard, device slots, two processes.
+# 3. NIXL's hazard, device slots, two processes.
 if ! nixl_here; then
     row "NIXL hazard, device slots, two processes" SKIP "no NIXL (KVT_ENGINES_VENV or NIXL_LIB_DIR)"
 elif run "nixl hazard" "$log/hazard" 300 env KVT_HAZARD_MIB="${KVT_HAZARD_MIB:-256}" \
@@ -166,7 +158,7 @@ else
     row "NIXL hazard, device slots, two processes" FAIL "$(grep -hE 'panicked|HAZARD|error' "$log/hazard" "$log/hazard.err" | head -2 | tr '\n' ' ')"
 fi
 
-# 5. Throughput.
+# 4. Throughput.
 kvt=${exes[kvt]}
 backends=tcp-sim,mooncake
 nixl_here && backends=$backends,nixl

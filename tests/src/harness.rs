@@ -154,10 +154,11 @@ pub trait Backend {
     fn runs_elsewhere_in_ci(&self) -> bool {
         false
     }
-    /// Scenario 2 (the reassignment race) on this backend, if it has its
-    /// own implementation here; the simulator's runs in `tests/race.rs`.
-    fn race(&self) -> Option<RaceRunner> {
-        None
+    /// Scenario 2 (the reassignment race) on this backend: its rig in
+    /// `kv_transfer_examples::race`, or why it has none (the cells are then
+    /// ignored with that reason).
+    fn race(&self) -> Result<RaceRunner, &'static str> {
+        Err("a race rig of its own (kv_transfer_examples::race has the simulator's, Mooncake's and verbs')")
     }
     /// The memory its rigs put slots in ([`OnDevice`] says device memory).
     fn memory(&self) -> SlotMemory {
@@ -216,7 +217,7 @@ impl Backend for OnDevice {
     fn memory(&self) -> SlotMemory {
         self.memory
     }
-    fn race(&self) -> Option<RaceRunner> {
+    fn race(&self) -> Result<RaceRunner, &'static str> {
         self.inner.race()
     }
 }

@@ -11,7 +11,7 @@
 //! | # | scenario | function |
 //! | --- | --- | --- |
 //! | 1 | abort while writes are in flight | [`scenarios::abort_in_flight`] |
-//! | 2 | reassignment race (naive must corrupt, safe must not) | [`kv_transfer_examples::race::run_race`], `tests/race.rs` |
+//! | 2 | reassignment race (naive must corrupt, safe must not) | [`scenarios::reassignment_race`] over [`Backend::race`] |
 //! | 3 | peer crash mid-transfer | [`scenarios::peer_crash`] |
 //! | 4 | stale notification or ack | [`scenarios::stale_ack`] |
 //! | 5 | bad input of every kind | [`scenarios::bad_input`] |
@@ -53,11 +53,11 @@
 //! `--ignored` outside CI, they fail the same way.
 //!
 //! Scenario 2 needs a release policy that can be switched to `naive` (the
-//! positive control) and writes that outlive their abort: the simulator's
-//! run in `tests/race.rs` through the shared race implementation in
-//! `kv-transfer-examples`; a backend with a race of its own
-//! ([`Backend::race`]: verbs on a device, where a large WRITE queued ahead
-//! delays the doomed ones) gets `s2_*::<backend>` tests here.
+//! positive control) and writes that outlive their abort: the race is
+//! written once in `kv-transfer-examples` (`race/run.rs`), and a backend
+//! with a rig for it ([`Backend::race`]: the simulator, Mooncake, verbs on a
+//! device, where a large WRITE queued ahead delays the doomed ones) runs
+//! `s2_*::<backend>` here; the others list those cells as ignored with why.
 //!
 //! # Feature flags
 //!

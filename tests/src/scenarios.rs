@@ -848,6 +848,9 @@ pub fn race_safe(r: &kv_transfer_examples::race::RaceReport, wanted: u64) -> Res
     ensure!(r.foreign_requests == 0 && r.foreign_bytes == 0, "safe policy consumed foreign bytes: {r:#?}");
     ensure!(r.stale_writes_landed == 0, "a stale write landed in a reassigned slot: {r:#?}");
     ensure!(r.garbage_requests == 0, "a consumer read torn or missing bytes: {r:#?}");
+    // Verbs fails kept transfers legitimately: a refused stale write puts
+    // its queue pair in ERR, and the fence flushes what else was on it.
+    ensure!(r.transfer_failures == 0 || r.fences > 0, "a kept request's transfer failed with no fence: {r:#?}");
     ensure!(
         r.rejected_at_nic + r.stale_writes_quarantined > 0,
         "no stale write happened (none rejected at the NIC, none landed in quarantine): {r:#?}"
@@ -859,7 +862,7 @@ pub fn race_safe(r: &kv_transfer_examples::race::RaceReport, wanted: u64) -> Res
 
 /// Scenario 2 through `b`'s own race, under `policy`, checked.
 pub fn reassignment_race(b: &dyn Backend, policy: kv_transfer_core::drain::ReleasePolicy) -> Result<(), Failure> {
-    let run = b.race().ok_or_else(|| Failure(format!("{} has no race of its own here", b.name())))?;
+    let run = b.race().map_err(|why| Failure(format!("{} has no race here: needs {why}", b.name())))?;
     let cfg = kv_transfer_examples::race::RaceConfig { memory: b.memory(), ..race_config(policy) };
     let r = run(&cfg, &mut |_, _| {}).map_err(err("race"))?;
     if policy.is_naive() {

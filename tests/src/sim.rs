@@ -87,6 +87,9 @@ impl Backend for SimBackend {
     fn available(&self) -> Result<(), String> {
         Ok(())
     }
+    fn race(&self) -> Result<crate::harness::RaceRunner, &'static str> {
+        Ok(kv_transfer_examples::race::run_race)
+    }
     fn provides(&self) -> Provides {
         // Device slots are staged through host buffers by the NIC.
         Provides {

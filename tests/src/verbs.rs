@@ -172,13 +172,12 @@ impl Backend for VerbsBackend {
     fn runs_elsewhere_in_ci(&self) -> bool {
         self.nic.runs_elsewhere_in_ci()
     }
-    fn race(&self) -> Option<crate::harness::RaceRunner> {
+    fn race(&self) -> Result<crate::harness::RaceRunner, &'static str> {
         match self.nic {
             #[cfg(feature = "verbs")]
-            Nic::Device => Some(kv_transfer_examples::race::verbs::run_verbs_race),
-            // The race's delay is a large WRITE ahead of the doomed ones; the
-            // fake places a WRITE when it is posted.
-            Nic::Fake => None,
+            Nic::Device => Ok(kv_transfer_examples::race::verbs::run_verbs_race),
+            Nic::Fake => Err("a NIC that delays a WRITE queued behind a large one (the race's hold); the software \
+                 NIC places a WRITE when it is posted"),
         }
     }
     fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {

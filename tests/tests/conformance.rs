@@ -50,12 +50,17 @@ enum Need {
     MalformedFrames,
     RawPeer,
     StalledPeer,
+    /// A race rig of the backend's own (scenario 2).
+    Race,
 }
 
 impl Need {
     /// Why `b` cannot run a scenario with this need, if it cannot.
     fn unmet(self, b: &dyn Backend) -> Option<&'static str> {
         let p: Provides = b.provides();
+        if let Need::Race = self {
+            return b.race().err();
+        }
         let (has, what) = match self {
             Need::PrefillProcess => (p.prefill_process, "an out-of-process prefill side"),
             Need::HeldWrites => (p.held_writes, "writes held at the decode side (a software NIC)"),
@@ -74,6 +79,7 @@ impl Need {
             Need::MalformedFrames => (p.malformed_frames, "a wire the test can put malformed frames on"),
             Need::RawPeer => (p.raw_peer, "a peer under the test's control"),
             Need::StalledPeer => (p.stalled_peer, "a peer that stalls mid-WRITE (a byte stream, not a NIC's message)"),
+            Need::Race => unreachable!("answered above"),
         };
         (!has).then_some(what)
     }
@@ -86,7 +92,7 @@ fn unmet(needs: &[Need], b: &dyn Backend) -> Option<&'static str> {
 
 type Cell = (&'static str, &'static [Need], Scenario);
 
-/// The scenarios, by test name (scenario 2: [`RACES`], and `tests/race.rs`).
+/// The scenarios, by test name (scenario 2: [`RACES`]).
 const SCENARIOS: &[Cell] = &[
     ("s1_abort_while_writes_in_flight", &[], kv_transfer_tests::scenarios::abort_in_flight),
     (
@@ -128,13 +134,13 @@ const SCENARIOS: &[Cell] = &[
     ),
 ];
 
-/// Scenario 2, for the backends with a race of their own here (the
-/// simulator's is `tests/race.rs`).
+/// Scenario 2, a row like any other: each backend's race rig, or ignored
+/// with why it has none.
 const RACES: &[Cell] = &[
-    ("s2_naive_policy_shows_corruption", &[], |b| {
+    ("s2_naive_policy_shows_corruption", &[Need::Race], |b| {
         kv_transfer_tests::scenarios::reassignment_race(b, kv_transfer_core::drain::ReleasePolicy::Naive)
     }),
-    ("s2_safe_policy_zero_foreign_bytes", &[], |b| {
+    ("s2_safe_policy_zero_foreign_bytes", &[Need::Race], |b| {
         kv_transfer_tests::scenarios::reassignment_race(b, kv_transfer_core::drain::ReleasePolicy::Safe)
     }),
 ];
@@ -178,8 +184,7 @@ fn main() {
         let backend = b.name();
         let unavailable = b.available().err();
         let ignore_missing = !ci || b.runs_elsewhere_in_ci();
-        let races: &[Cell] = if b.race().is_some() { RACES } else { &[] };
-        for &(scenario, needs, f) in SCENARIOS.iter().chain(races) {
+        for &(scenario, needs, f) in SCENARIOS.iter().chain(RACES) {
             let name = test_name(scenario, backend);
             if let Some(why) = unmet(needs, b.as_ref()) {
                 let trial = Trial::test(name.clone(), move || run_one(backend, f)).with_ignored_flag(true);
