@@ -50,6 +50,9 @@ pub struct SegmentInfo {
     pub data_addr: SocketAddr,
 }
 
+/// What an engine calls when a notification is queued ([`TransferEngine::set_notify_waker`]).
+pub type NotifyWaker = Arc<dyn Fn() + Send + Sync>;
+
 /// Mooncake Transfer Engine semantics. Every method is non-blocking except
 /// `open_segment`, `send_notify` (network round trips) and `wait_transfer`.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
@@ -95,6 +98,13 @@ pub trait TransferEngine: Send + Sync {
     fn send_notify(&self, target: SegmentId, msg: &str) -> Result<(), EngineError>;
     /// Takes the notifications received so far (oldest first).
     fn get_notifies(&self) -> Vec<NotifyDesc>;
+    /// Has `wake` called each time a notification is queued, so a reader
+    /// can sleep until one comes instead of polling [`get_notifies`](Self::get_notifies);
+    /// whether the engine will (the default, an engine that cannot: `false`,
+    /// and the reader polls). A later call replaces the waker.
+    fn set_notify_waker(&self, _wake: NotifyWaker) -> bool {
+        false
+    }
     /// From now on the TCP data server serves only ranges opened with
     /// [`expose_range`](Self::expose_range), if the engine's
     /// [`TcpServe`] allows (`Auto`); whether it does now. The adapter calls
@@ -216,6 +226,7 @@ impl MooncakeEngine {
         let shared = Arc::new(ServerShared {
             registry: registry.clone(),
             notifies: Mutex::default(),
+            notify_waker: Default::default(),
             notify_limits: cfg.notify_limits,
             segment_name: format!("{}:{}", cfg.local_host, hs_addr.port()),
             data_host: cfg.local_host.clone(),
@@ -452,6 +463,11 @@ impl TransferEngine for MooncakeEngine {
 
     fn get_notifies(&self) -> Vec<NotifyDesc> {
         self.shared.notifies.lock().unwrap_or_else(|e| e.into_inner()).drain()
+    }
+
+    fn set_notify_waker(&self, wake: NotifyWaker) -> bool {
+        self.shared.notify_waker.set(wake);
+        true
     }
 
     fn serve_exposed_only(&self) -> bool {

@@ -100,7 +100,9 @@ pub use adapter::{AdapterConfig, AdapterError, AdapterMetrics, MooncakeTransfer,
 pub use batch::{TaskStatus, TransferStatus};
 #[cfg(any(test, feature = "mock"))]
 pub use engine::MockTransferEngine;
-pub use engine::{BatchId, EngineConfig, MooncakeEngine, SegmentId, SegmentInfo, TransferEngine, TransferRequest};
+pub use engine::{
+    BatchId, EngineConfig, MooncakeEngine, NotifyWaker, SegmentId, SegmentInfo, TransferEngine, TransferRequest,
+};
 pub use error::{EngineError, TaskError};
 pub use exposed::{RangeAccess, RangeId, TcpServe};
 pub use limits::{ConnLimits, NotifyLimits};

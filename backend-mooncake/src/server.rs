@@ -46,11 +46,36 @@ pub trait TargetHook: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// Who to wake when a notification is queued ([`crate::TransferEngine::set_notify_waker`]).
+#[derive(Default)]
+pub(crate) struct WakerSlot(Mutex<Option<crate::engine::NotifyWaker>>);
+
+impl WakerSlot {
+    pub(crate) fn set(&self, wake: crate::engine::NotifyWaker) {
+        *lock(&self.0) = Some(wake);
+    }
+    /// Calls the waker, if one is set (outside the slot's lock).
+    fn wake(&self) {
+        let wake = lock(&self.0).clone();
+        if let Some(wake) = wake {
+            wake();
+        }
+    }
+}
+
+impl std::fmt::Debug for WakerSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if lock(&self.0).is_some() { "WakerSlot(set)" } else { "WakerSlot(none)" })
+    }
+}
+
 /// Shared state the servers need.
 #[derive(Debug)]
 pub(crate) struct ServerShared {
     pub(crate) registry: Arc<MemoryRegistry>,
     pub(crate) notifies: Mutex<NotifyQueue>,
+    /// Called after each notification is queued (the adapter's control thread).
+    pub(crate) notify_waker: WakerSlot,
     pub(crate) notify_limits: NotifyLimits,
     pub(crate) segment_name: String,
     pub(crate) data_host: String,
@@ -464,6 +489,7 @@ fn queue_notify(sh: &ServerShared, conn: &Conn, n: NotifyDesc) -> NotifyReply {
                 tracing::warn!(dropped, "notify queue full, dropped the oldest (legacy queue)");
             }
             tracing::debug!(from = %from, "notify received");
+            sh.notify_waker.wake();
             NotifyReply::success()
         }
         Err(why) => {

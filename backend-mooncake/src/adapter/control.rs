@@ -5,6 +5,11 @@
 
 use super::*;
 
+/// The longest the control thread sleeps when the engine wakes it on each
+/// notification: what nothing wakes it for (a sender's failed try, put
+/// back in the outbox) waits at most this.
+const IDLE_WAIT: Duration = Duration::from_millis(50);
+
 pub(super) fn control_loop(inner: &Arc<Inner>) {
     while !inner.stop.load(Ordering::Acquire) {
         for n in inner.engine.get_notifies() {
@@ -19,16 +24,13 @@ pub(super) fn control_loop(inner: &Arc<Inner>) {
         for a in actions {
             execute(inner, a);
         }
-        let mut wait = inner.cfg.poll_interval;
+        // With an engine that wakes us on each notification, nothing needs
+        // polling: sleep until the drain's next deadline or a wake-up.
+        let mut wait = if inner.notify_wakes.load(Ordering::Relaxed) { IDLE_WAIT } else { inner.cfg.poll_interval };
         if let Some(d) = steps.next_deadline() {
             wait = wait.min(d);
         }
-        let (m, cv) = &inner.wake;
-        let mut woken = lock(m);
-        if !*woken && !wait.is_zero() {
-            woken = cv.wait_timeout(woken, wait).map(|r| r.0).unwrap_or_else(|e| e.into_inner().0);
-        }
-        *woken = false;
+        inner.wake.sleep(wait);
     }
 }
 
@@ -91,6 +93,8 @@ fn on_abort(inner: &Arc<Inner>, from: &str, msg: ControlMessage) {
     queue_acks(inner, ack.into_iter().collect());
 }
 
+/// Queues ABORT_ACKs for the control thread to hand to the senders, and
+/// wakes it (only then: an operation's end wakes nobody otherwise).
 pub(super) fn queue_acks(inner: &Inner, acks: Vec<Outgoing<String>>) {
     if acks.is_empty() {
         return;
@@ -99,6 +103,8 @@ pub(super) fn queue_acks(inner: &Inner, acks: Vec<Outgoing<String>>) {
     for a in acks {
         fl.outbox.push(a);
     }
+    drop(fl);
+    inner.wake();
 }
 
 /// Hands the queued ABORT_ACKs to the sender threads (core's one retry

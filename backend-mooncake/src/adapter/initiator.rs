@@ -168,5 +168,4 @@ fn run_job(inner: &Arc<Inner>, job: Job) {
         }
         None => drop(completer),
     }
-    inner.wake();
 }

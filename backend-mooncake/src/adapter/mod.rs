@@ -339,7 +339,12 @@ struct Inner {
     /// ABORT_ACKs and ABORTs waiting for a sender thread.
     sender: sender::SendQueues,
     counters: Counters,
-    wake: (Mutex<bool>, Condvar),
+    /// Wakes the control thread: posting threads, the pools' quarantines,
+    /// and (where the engine can) each notification received.
+    wake: Arc<Wake>,
+    /// Whether the engine wakes the control thread on each notification
+    /// (then it sleeps until something is due instead of polling).
+    notify_wakes: AtomicBool,
     stop: AtomicBool,
     jobs: Vec<Mutex<Sender<Job>>>,
     next_driver: AtomicUsize,
@@ -432,11 +437,17 @@ impl MooncakeTransfer {
                 strangers: cfg_send.2.max(1),
             }),
             counters: Counters::default(),
-            wake: (Mutex::new(false), Condvar::new()),
+            wake: Arc::default(),
+            notify_wakes: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             jobs: senders,
             next_driver: AtomicUsize::new(0),
         });
+        // The waker holds the wake-up alone, never the adapter: an engine
+        // thread must not end up dropping the adapter (and with it the engine).
+        let wake = inner.wake.clone();
+        let wakes = inner.engine.set_notify_waker(Arc::new(move || wake.wake()));
+        inner.notify_wakes.store(wakes, Ordering::Relaxed);
         let mut threads = Vec::new();
         let mut this = MooncakeTransfer { inner: inner.clone(), threads: Vec::new() };
         for (i, rx) in receivers.into_iter().enumerate() {
@@ -661,15 +672,35 @@ impl Target for MooncakeTransfer {
     }
 }
 
+/// The control thread's wake-up: a flag and its condition variable.
+#[derive(Default)]
+struct Wake {
+    woken: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Wake {
+    fn wake(&self) {
+        *lock(&self.woken) = true;
+        self.cv.notify_one();
+    }
+    /// Sleeps until woken or for `wait`, whichever comes first.
+    fn sleep(&self, wait: Duration) {
+        let mut woken = lock(&self.woken);
+        if !*woken && !wait.is_zero() {
+            woken = self.cv.wait_timeout(woken, wait).map(|r| r.0).unwrap_or_else(|e| e.into_inner().0);
+        }
+        *woken = false;
+    }
+}
+
 impl Inner {
     fn caps(&self) -> Capabilities {
         lock(&self.drain).capabilities()
     }
 
     fn wake(&self) {
-        let (m, cv) = &self.wake;
-        *lock(m) = true;
-        cv.notify_one();
+        self.wake.wake();
     }
 
     /// Before a settlement of `tenancies` is delivered: the data server
@@ -839,7 +870,6 @@ impl Transfer for MooncakeTransfer {
             Ok(b) => b,
             Err(e) => return Err(PostError { lease: local, kind: engine_err(&e) }),
         };
-        let remote_ts = remote.tenancies();
         // Register the operation before anything is submitted, under the same
         // lock that records aborts: an ABORT either sees this op (and waits
         // for it) or this post sees the abort (and refuses).
@@ -892,7 +922,7 @@ impl Transfer for MooncakeTransfer {
         bump(&inner.counters.posts, 1);
         let (handle, completer) = TransferHandle::pair(exposed);
         let notify = opts.notify.then(|| {
-            let done = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote_ts);
+            let done = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies());
             (seg, remote.endpoint.clone(), done, opts.digest && op == Op::Write)
         });
         let keyed = remote.slots.iter().any(|s| s.key.is_some());

@@ -41,6 +41,7 @@ fn mock_with(
     let mut m = MockTransferEngine::new();
     m.expect_local_segment_name().returning(|| "127.0.0.1:9".into());
     m.expect_serve_exposed_only().returning(|| true);
+    m.expect_set_notify_waker().returning(|_| false);
     m.expect_expose_range().returning(|_, _, _| Ok(None));
     m.expect_unexpose_range().returning(|_| true);
     m.expect_register_memory().returning(|_| Ok(()));
@@ -184,6 +185,7 @@ fn submit_refused_returns_the_lease() {
     let mut m = MockTransferEngine::new();
     m.expect_local_segment_name().returning(|| "127.0.0.1:9".into());
     m.expect_serve_exposed_only().returning(|| true);
+    m.expect_set_notify_waker().returning(|_| false);
     m.expect_expose_range().returning(|_, _, _| Ok(None));
     m.expect_unexpose_range().returning(|_| true);
     m.expect_register_memory().returning(|_| Ok(()));
