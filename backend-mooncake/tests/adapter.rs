@@ -90,6 +90,38 @@ fn write_and_read_settle_by_notification() {
     prefill.pool.check_invariants().unwrap();
 }
 
+/// A DONE settles its exposure as soon as it arrives: our engine wakes the
+/// decode's control thread on each notification queued. Here that thread
+/// would otherwise sleep 30 s (`idle_wait`, `poll_interval`): a decode that
+/// still polled, or an engine that forgot to wake it, keeps the slot that long
+/// and the bounded wait below gives up.
+#[test]
+fn a_notification_wakes_the_control_thread_instead_of_a_poll() {
+    const SLOT: usize = 4096;
+    let prefill = side(1, SLOT);
+    let sleepy = AdapterConfig {
+        idle_wait: Duration::from_secs(30),
+        poll_interval: Duration::from_secs(30),
+        ..AdapterConfig::default()
+    };
+    let decode = MooncakeTransfer::new(Arc::new(MooncakeEngine::new(EngineConfig::default()).unwrap()), sleepy).unwrap();
+    let pool = decode.register_pool(Arc::new(HostRegion::new(SLOT).unwrap()), PoolConfig::new(SLOT)).unwrap();
+    let peer = decode.add_peer(prefill.a.segment_name()).unwrap();
+    let (exposed, remote) = decode.expose(pool.reserve(1).unwrap(), peer).unwrap();
+    // Let the control thread go back to sleep after the set-up woke it.
+    std::thread::sleep(Duration::from_millis(200));
+    let h = block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, TransferOptions::default())).unwrap();
+    let out = block_on(h).unwrap();
+    out.result.unwrap();
+    out.lease.release();
+    let mut settled = Box::pin(exposed.settled());
+    let settled = kv_transfer_core::poll_until(settled.as_mut(), Duration::from_secs(5))
+        .expect("the DONE did not settle the exposure within 5 s: nothing woke the control thread");
+    settled.release();
+    assert_eq!(decode.metrics().settled_by_peer, 1);
+    assert_eq!(pool.metrics().free, 1);
+}
+
 /// A write outside the target's buffers is a typed error before anything is
 /// sent, and the lease comes back.
 #[test]

@@ -5,11 +5,6 @@
 
 use super::*;
 
-/// The longest the control thread sleeps when the engine wakes it on each
-/// notification: what nothing wakes it for (a sender's failed try, put
-/// back in the outbox) waits at most this.
-const IDLE_WAIT: Duration = Duration::from_millis(50);
-
 pub(super) fn control_loop(inner: &Arc<Inner>) {
     while !inner.stop.load(Ordering::Acquire) {
         for n in inner.engine.get_notifies() {
@@ -26,7 +21,8 @@ pub(super) fn control_loop(inner: &Arc<Inner>) {
         }
         // With an engine that wakes us on each notification, nothing needs
         // polling: sleep until the drain's next deadline or a wake-up.
-        let mut wait = if inner.notify_wakes.load(Ordering::Relaxed) { IDLE_WAIT } else { inner.cfg.poll_interval };
+        let wakes = inner.notify_wakes.load(Ordering::Relaxed);
+        let mut wait = if wakes { inner.cfg.idle_wait } else { inner.cfg.poll_interval };
         if let Some(d) = steps.next_deadline() {
             wait = wait.min(d);
         }

@@ -127,8 +127,13 @@ pub struct AdapterConfig {
     pub drivers: usize,
     /// Longest single wait on one task before the driver checks for shutdown.
     pub wait_slice: Duration,
-    /// How often the control thread polls notifications when nothing wakes it.
+    /// How often the control thread polls notifications, with an engine
+    /// that cannot wake it when one arrives ([`TransferEngine::set_notify_waker`]).
     pub poll_interval: Duration,
+    /// With an engine that wakes it, the longest the control thread sleeps
+    /// when nothing is due: what nothing wakes it for (a sender's failed
+    /// try, put back in the outbox) waits at most this.
+    pub idle_wait: Duration,
     /// Per peer, the most tombstoned slots, early-abort tenancies, unproven
     /// tenancies and waiting ABORTs remembered (each); posts to a remembered
     /// tenancy fail, and past the cap that peer fails closed (its ABORTs
@@ -167,6 +172,7 @@ impl Default for AdapterConfig {
             drivers: 2,
             wait_slice: Duration::from_millis(100),
             poll_interval: Duration::from_millis(2),
+            idle_wait: Duration::from_millis(50),
             max_aborted: 1 << 20,
             release_policy: ReleasePolicy::Safe,
             keys: None,

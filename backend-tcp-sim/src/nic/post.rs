@@ -10,7 +10,7 @@ use crate::stats::{add, inc};
 use crate::wire::{self, AccessHeader, Body};
 use kv_transfer_core::drain::{ControlKind, ControlMessage, OpEnd};
 use kv_transfer_core::{
-    check_shapes, Op, PeerId, PostError, PostErrorKind, RemoteSlots, Reserved, SlotLease, Tenancy, TransferError,
+    check_shapes, Op, PeerId, PostError, PostErrorKind, RemoteSlots, Reserved, SlotLease, TransferError,
     TransferHandle, TransferOptions,
 };
 use std::sync::atomic::Ordering;
@@ -53,15 +53,17 @@ impl NicInner {
         }
         let exposed = reg.authority.expose_local(local, conn.peer);
         let (handle, completer) = TransferHandle::pair(exposed);
-        let ts: Vec<Tenancy> = completer.lease().tenancies().to_vec();
         let notify = opts.notify.then(|| Notify {
             msg: ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies()),
             digests: opts.digest && op == Op::Write,
         });
-        let mut items = Vec::with_capacity(ts.len());
-        let mut wrs = Vec::with_capacity(ts.len());
+        let n = remote.slots.len();
+        let mut items = Vec::with_capacity(n);
+        let mut wrs = Vec::with_capacity(n);
         let len = reg.slot_size;
-        for (t, rs) in ts.iter().zip(&remote.slots) {
+        for (i, rs) in remote.slots.iter().enumerate() {
+            // The local tenancy by index (copied): no list of them is kept.
+            let Some(t) = completer.lease().tenancies().get(i).copied() else { break };
             let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
             let off = t.slot.0 as usize * len;
             let h = AccessHeader {
