@@ -104,7 +104,8 @@ fn a_notification_wakes_the_control_thread_instead_of_a_poll() {
         poll_interval: Duration::from_secs(30),
         ..AdapterConfig::default()
     };
-    let decode = MooncakeTransfer::new(Arc::new(MooncakeEngine::new(EngineConfig::default()).unwrap()), sleepy).unwrap();
+    let decode =
+        MooncakeTransfer::new(Arc::new(MooncakeEngine::new(EngineConfig::default()).unwrap()), sleepy).unwrap();
     let pool = decode.register_pool(Arc::new(HostRegion::new(SLOT).unwrap()), PoolConfig::new(SLOT)).unwrap();
     let peer = decode.add_peer(prefill.a.segment_name()).unwrap();
     let (exposed, remote) = decode.expose(pool.reserve(1).unwrap(), peer).unwrap();
