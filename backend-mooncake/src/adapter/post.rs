@@ -1,0 +1,122 @@
+//! The initiator side's post: checks, admission by the abort tracker
+//! before anything is submitted, the engine's batch, and the job handed to
+//! a waiter thread (`initiator`).
+
+use super::*;
+
+#[kv_transfer_core::async_trait]
+impl Transfer for MooncakeTransfer {
+    fn backend(&self) -> &'static str {
+        "mooncake"
+    }
+
+    async fn post(
+        &self,
+        op: Op,
+        local: SlotLease<Reserved>,
+        remote: &RemoteSlots,
+        opts: TransferOptions,
+    ) -> Result<TransferHandle, PostError> {
+        let inner = &self.inner;
+        if let Err(kind) = check_shapes(&local, remote) {
+            return Err(PostError { lease: local, kind });
+        }
+        let authority = match lock(&inner.pools).get(&local.pool().id()) {
+            Some(e) => e.authority.clone(),
+            None => return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool }),
+        };
+        if inner.stop.load(Ordering::Acquire) {
+            return Err(PostError { lease: local, kind: PostErrorKind::ShuttingDown });
+        }
+        let (peer, seg) = match inner.peer_for(&remote.endpoint) {
+            Ok(p) => p,
+            Err(e) => return Err(PostError { lease: local, kind: PostErrorKind::Peer(e.to_string()) }),
+        };
+        if let Err(kind) = inner.fresh_keys(seg, remote) {
+            return Err(PostError { lease: local, kind });
+        }
+        let slot = remote.slot_size;
+        let mut reqs = Vec::with_capacity(local.len());
+        for (i, r) in remote.slots.iter().enumerate() {
+            let Some(source) = local.slot_addr(i) else {
+                return Err(PostError { lease: local, kind: PostErrorKind::Descriptor("local slot missing".into()) });
+            };
+            let opcode = match op {
+                Op::Read => TcpOpcode::Read,
+                Op::Write => TcpOpcode::Write,
+            };
+            reqs.push(TransferRequest { opcode, source, target_id: seg, target_offset: r.addr, length: slot });
+        }
+        let batch = match inner.engine.allocate_batch_id(reqs.len()) {
+            Ok(b) => b,
+            Err(e) => return Err(PostError { lease: local, kind: engine_err(&e) }),
+        };
+        // Register the operation before anything is submitted, under the same
+        // lock that records aborts: an ABORT either sees this op (and waits
+        // for it) or this post sees the abort (and refuses).
+        let id = {
+            let mut fl = lock(&inner.inflight);
+            fl.next += 1;
+            let id = fl.next;
+            if let Err(refusal) = fl.tracker.admit(id, &remote.endpoint, remote, false) {
+                drop(fl);
+                bump(&inner.counters.posts_to_aborted, 1);
+                let _ = inner.engine.free_batch_id(batch);
+                return Err(PostError { lease: local, kind: PostErrorKind::Descriptor(refusal.to_string()) });
+            }
+            id
+        };
+        let exposed = authority.expose_local(local, peer);
+        let mut submitted = inner.engine.submit_transfer(batch, &reqs);
+        if let Err(EngineError::TargetOutOfRange { .. }) = submitted {
+            // The target may have registered memory since we fetched its
+            // descriptor: refresh once (submit is all or nothing, so a retry
+            // cannot double-post).
+            if inner.engine.open_segment(&remote.endpoint).is_ok() {
+                submitted = inner.engine.submit_transfer(batch, &reqs);
+            }
+        }
+        let tasks = match submitted {
+            Ok(r) => r,
+            Err(e) => {
+                // Nothing was queued (submit is all or nothing): no operation
+                // touches the slots, so `Completed` is vacuously true.
+                lock(&inner.inflight).tracker.finished(id, OpEnd::Proven);
+                let _ = inner.engine.free_batch_id(batch);
+                inner.wake();
+                let proof = authority.completed_lease(&exposed);
+                let lease = match exposed.settle(proof) {
+                    Ok(s) => s.into_reserved(),
+                    Err(err) => {
+                        // Cannot happen (own pool, full cover). If it did, the
+                        // lease must not come back unsettled: it is handed to a
+                        // completer that is dropped, so it is quarantined and
+                        // the handle resolves `Abandoned`.
+                        let (h, c) = TransferHandle::pair(err.lease);
+                        drop(c);
+                        return Ok(h);
+                    }
+                };
+                return Err(PostError { lease, kind: engine_err(&e) });
+            }
+        };
+        bump(&inner.counters.posts, 1);
+        let (handle, completer) = TransferHandle::pair(exposed);
+        let notify = opts.notify.then(|| {
+            let done = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies());
+            (seg, remote.endpoint.clone(), done, opts.digest && op == Op::Write)
+        });
+        let keyed = remote.slots.iter().any(|s| s.key.is_some());
+        let job = Job { id, batch, tasks, completer, notify, keyed };
+        let n = inner.jobs.len().max(1);
+        let k = inner.next_driver.fetch_add(1, Ordering::Relaxed) % n;
+        if let Some(tx) = inner.jobs.get(k) {
+            if let Err(mpsc::SendError(job)) = lock(tx).send(job) {
+                // Driver gone (shutdown): the operation is in the engine, so
+                // it is abandoned (quarantined), never released.
+                drop(job.completer);
+            }
+        }
+        Ok(handle)
+    }
+}
