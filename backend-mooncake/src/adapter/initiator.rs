@@ -5,17 +5,18 @@
 //! then settles the local lease.
 
 use super::*;
-pub(super) fn driver_loop(inner: &Arc<Inner>, rx: Receiver<Job>) {
-    loop {
-        match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(job) => run_job(inner, job),
-            Err(RecvTimeoutError::Timeout) => {
-                if inner.stop.load(Ordering::Acquire) {
-                    return;
-                }
-            }
-            Err(RecvTimeoutError::Disconnected) => return,
+/// Waiter thread `i`: runs the jobs of its queue until shutdown, then
+/// abandons what is left in it (each lease quarantined, never released).
+pub(super) fn driver_loop(inner: &Arc<Inner>, i: usize) {
+    let Some(queue) = inner.jobs.get(i) else { return };
+    while !inner.stop.load(Ordering::Acquire) {
+        if let Some(job) = queue.pop(Duration::from_millis(200)) {
+            run_job(inner, job);
         }
+    }
+    for job in queue.close() {
+        bump(&inner.counters.ops_abandoned, 1);
+        drop(job.completer);
     }
 }
 

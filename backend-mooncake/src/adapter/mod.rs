@@ -88,7 +88,6 @@
 use kv_transfer_core::hash::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -305,13 +304,6 @@ impl MooncakeTransfer {
     /// initiator's notification settles anything here.
     pub fn new(engine: Arc<dyn TransferEngine>, cfg: AdapterConfig) -> Result<Self, AdapterError> {
         let drivers = cfg.drivers.max(1);
-        let mut receivers = Vec::with_capacity(drivers);
-        let mut senders = Vec::with_capacity(drivers);
-        for _ in 0..drivers {
-            let (tx, rx) = mpsc::channel::<Job>();
-            senders.push(Mutex::new(tx));
-            receivers.push(rx);
-        }
         let segment_name = engine.local_segment_name();
         // From now on the data server serves only what we expose (unless the
         // engine was configured `TcpServe::AnyRegistered`).
@@ -366,7 +358,7 @@ impl MooncakeTransfer {
             wake: Arc::default(),
             notify_wakes: AtomicBool::new(false),
             stop: AtomicBool::new(false),
-            jobs: senders,
+            jobs: (0..drivers).map(|_| JobQueue::default()).collect(),
             next_driver: AtomicUsize::new(0),
         });
         // The waker holds the wake-up alone, never the adapter: an engine
@@ -376,11 +368,11 @@ impl MooncakeTransfer {
         inner.notify_wakes.store(wakes, Ordering::Relaxed);
         let mut threads = Vec::new();
         let mut this = MooncakeTransfer { inner: inner.clone(), threads: Vec::new() };
-        for (i, rx) in receivers.into_iter().enumerate() {
+        for i in 0..drivers {
             let inn = inner.clone();
             let t = std::thread::Builder::new()
                 .name(format!("kvt-mc-driver-{i}"))
-                .spawn(move || driver_loop(&inn, rx))
+                .spawn(move || driver_loop(&inn, i))
                 .map_err(|e| AdapterError::Thread(e.to_string()));
             match t {
                 Ok(t) => threads.push(t),

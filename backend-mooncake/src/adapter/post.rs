@@ -110,12 +110,10 @@ impl Transfer for MooncakeTransfer {
         let job = Job { id, batch, tasks, completer, notify, keyed };
         let n = inner.jobs.len().max(1);
         let k = inner.next_driver.fetch_add(1, Ordering::Relaxed) % n;
-        if let Some(tx) = inner.jobs.get(k) {
-            if let Err(mpsc::SendError(job)) = lock(tx).send(job) {
-                // Driver gone (shutdown): the operation is in the engine, so
-                // it is abandoned (quarantined), never released.
-                drop(job.completer);
-            }
+        if let Some(job) = inner.jobs.get(k).and_then(|q| q.push(job)) {
+            // Driver gone (shutdown): the operation is in the engine, so it
+            // is abandoned (quarantined), never released.
+            drop(job.completer);
         }
         Ok(handle)
     }

@@ -3,6 +3,7 @@
 //! senders all reach through one `Arc<Inner>`.
 
 use super::*;
+use std::collections::VecDeque;
 
 #[derive(Debug)]
 pub(super) struct PeerInfo {
@@ -44,6 +45,64 @@ pub(super) struct Job {
     pub(super) keyed: bool,
 }
 
+/// One waiter thread's jobs: a post hands its operation over here (a lock,
+/// a push, a wake-up only when the thread may be asleep: cheaper than a
+/// channel), and the thread takes them in order.
+#[derive(Default)]
+pub(super) struct JobQueue {
+    state: Mutex<JobQueueState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct JobQueueState {
+    jobs: VecDeque<Job>,
+    /// The thread has left (shutdown): nothing queued from now on runs.
+    closed: bool,
+    /// The thread is waiting for a job.
+    sleeping: bool,
+}
+
+impl JobQueue {
+    /// Queues `job`; gives it back if the thread has left.
+    pub(super) fn push(&self, job: Job) -> Option<Job> {
+        let mut s = lock(&self.state);
+        if s.closed {
+            return Some(job);
+        }
+        s.jobs.push_back(job);
+        let wake = s.sleeping;
+        drop(s);
+        if wake {
+            self.cv.notify_one();
+        }
+        None
+    }
+
+    /// The next job, waiting up to `wait` for one.
+    pub(super) fn pop(&self, wait: Duration) -> Option<Job> {
+        let mut s = lock(&self.state);
+        if s.jobs.is_empty() {
+            s.sleeping = true;
+            s = self
+                .cv
+                .wait_timeout_while(s, wait, |s| s.jobs.is_empty())
+                .map(|r| r.0)
+                .unwrap_or_else(|e| e.into_inner().0);
+            s.sleeping = false;
+        }
+        s.jobs.pop_front()
+    }
+
+    /// The thread leaves: later pushes are refused, and what is queued is
+    /// handed back (to be abandoned: quarantined, never released).
+    pub(super) fn close(&self) -> Vec<Job> {
+        let mut s = lock(&self.state);
+        s.closed = true;
+        s.jobs.drain(..).collect()
+    }
+}
+
 pub(super) struct Inner {
     pub(super) engine: Arc<dyn TransferEngine>,
     /// The framing our own descriptor advertises: what every initiator uses
@@ -72,7 +131,8 @@ pub(super) struct Inner {
     /// (then it sleeps until something is due instead of polling).
     pub(super) notify_wakes: AtomicBool,
     pub(super) stop: AtomicBool,
-    pub(super) jobs: Vec<Mutex<Sender<Job>>>,
+    /// One queue per waiter thread (`initiator`), round robin.
+    pub(super) jobs: Vec<JobQueue>,
     pub(super) next_driver: AtomicUsize,
 }
 
