@@ -125,6 +125,53 @@ pub enum SenderIdentity {
     DeclaredName,
 }
 
+/// Where backends differ in what a scenario may expect ([`Rig::behaviour`]):
+/// data, declared once per backend, not behaviour spread over methods.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Behaviour {
+    /// The decode side can settle an aborted exposure by revoking its
+    /// access (`Revoked`) while a write is still held. A backend that cannot
+    /// (Mooncake TCP has no per-tenancy key) says `false`; the scenarios then
+    /// check that the slots stay quarantined instead.
+    pub can_revoke: bool,
+    /// A slot whose tenancy was revoked is refused to the same peer until
+    /// that peer's ack (core's retry shadows: Mooncake over RDMA, whose
+    /// initiator retries a refused slice under whatever key the metadata
+    /// holds next). [`Rig::expose`] then waits for the ack (bounded), and a
+    /// scenario that needs the slot again at once exposes it to another peer.
+    pub shadows_revoked_slots: bool,
+    /// A stale write refused by the decode NIC also ends the connection it
+    /// came on (RC verbs: `REM_ACCESS_ERR` puts both ends of the queue pair
+    /// in ERR, so what was posted behind it is flushed and every exposure on
+    /// it settles by the fence). The refusal is then seen by the initiator,
+    /// not counted at the target.
+    pub stale_write_breaks_connection: bool,
+    /// The decode side can settle every exposure to a dead or stalled peer
+    /// by fencing it (`Fenced`). A backend that cannot says `false`; the
+    /// scenarios then check that the slots stay quarantined.
+    pub can_fence: bool,
+    /// How the decode side knows who sent a message.
+    pub sender_identity: SenderIdentity,
+    /// A [`RawPeer::notify`] carries the exposure's token (MORI's statuses
+    /// do not: they are bound to the connection instead).
+    pub proofs_carry_token: bool,
+}
+
+impl Default for Behaviour {
+    /// Revokes and fences, names senders by what they declare, proofs carry
+    /// the token, no shadows, a refused write ends nothing.
+    fn default() -> Self {
+        Self {
+            can_revoke: true,
+            shadows_revoked_slots: false,
+            stale_write_breaks_connection: false,
+            can_fence: true,
+            sender_identity: SenderIdentity::DeclaredName,
+            proofs_carry_token: true,
+        }
+    }
+}
+
 /// A peer under the test's direct control that can send notifications the
 /// real engines would not (replays, old and future generations).
 pub trait RawPeer {
@@ -230,9 +277,9 @@ pub struct Provides {
     pub prefill_process: bool,
     /// Incoming writes held at the decode side ([`Rig::hold_writes`]).
     pub held_writes: bool,
-    /// Settlement by revocation ([`Rig::can_revoke`]).
+    /// Settlement by revocation ([`Behaviour::can_revoke`](crate::harness::Behaviour::can_revoke)).
     pub revoke: bool,
-    /// Settlement by a fence ([`Rig::can_fence`]).
+    /// Settlement by a fence ([`Behaviour::can_fence`](crate::harness::Behaviour::can_fence)).
     pub fence: bool,
     /// Raw one-sided accesses ([`Rig::raw_write`]).
     pub raw_access: bool,
@@ -302,35 +349,9 @@ pub trait Rig {
     fn release_writes(&self);
     /// Waits (bounded) until at least one write is held.
     fn wait_held(&self, timeout: Duration) -> bool;
-    /// Whether the decode side can settle an aborted exposure by revoking
-    /// its access (`Revoked`) while a write is still held. A backend that
-    /// cannot (Mooncake TCP has no per-tenancy key) says `false`; the
-    /// scenarios then check that the slots stay quarantined instead.
-    fn can_revoke(&self) -> bool {
-        true
-    }
-    /// Whether a slot whose tenancy was revoked is refused to the same peer
-    /// until that peer's ack (core's retry shadows: Mooncake over RDMA,
-    /// whose initiator retries a refused slice under whatever key the
-    /// metadata holds next). [`Rig::expose`] then waits for the ack
-    /// (bounded), and a scenario that needs the slot again at once exposes
-    /// it to another peer.
-    fn shadows_revoked_slots(&self) -> bool {
-        false
-    }
-    /// Whether a stale write refused by the decode NIC also ends the
-    /// connection it came on (RC verbs: `REM_ACCESS_ERR` puts both ends of
-    /// the queue pair in ERR, so what was posted behind it is flushed and
-    /// every exposure on it settles by the fence). The refusal is then seen
-    /// by the initiator, not counted at the target.
-    fn stale_write_breaks_connection(&self) -> bool {
-        false
-    }
-    /// Whether the decode side can settle every exposure to a dead or
-    /// stalled peer by fencing it (`Fenced`). A backend that cannot says
-    /// `false`; the scenarios then check that the slots stay quarantined.
-    fn can_fence(&self) -> bool {
-        true
+    /// How the backend behaves where backends differ (declared once, as data).
+    fn behaviour(&self) -> Behaviour {
+        Behaviour::default()
     }
     /// Kills the prefill side without goodbyes (process kill or NIC crash).
     fn crash_prefill(&mut self) -> Result<(), Failure>;
@@ -350,15 +371,6 @@ pub trait Rig {
     /// anyone can do with the public wire formats (`None`: not possible).
     fn impostor(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
         None
-    }
-    /// How the decode side knows who sent a message.
-    fn sender_identity(&self) -> SenderIdentity {
-        SenderIdentity::DeclaredName
-    }
-    /// Whether a [`RawPeer::notify`] carries the exposure's token (MORI's
-    /// statuses do not: they are bound to the connection instead).
-    fn proofs_carry_token(&self) -> bool {
-        true
     }
     /// Messages the decode side dropped as forged or stale so far: the
     /// pool's counters, plus what the backend drops before the pool sees it.

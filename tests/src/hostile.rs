@@ -116,12 +116,12 @@ fn attack(b: &dyn Backend, policy: ReleasePolicy) -> Result<Run, Failure> {
     let mut sent = 0;
     impostor.notify(&guessed, &ts)?;
     sent += 1;
-    if rig.sender_identity() == SenderIdentity::Connection {
+    if rig.behaviour().sender_identity == SenderIdentity::Connection {
         // The token leaked: still not the connection it was exposed to.
         impostor.notify(&remote, &ts)?;
         sent += 1;
     }
-    if rig.proofs_carry_token() {
+    if rig.behaviour().proofs_carry_token {
         honest.notify(&guessed, &ts)?;
         sent += 1;
     }

@@ -17,9 +17,9 @@
 //! | capability | TCP | RDMA | why |
 //! | --- | --- | --- | --- |
 //! | hold writes | yes | yes | at the initiator's transport: a held task is posted and not terminal |
-//! | revoke ([`Rig::can_revoke`]) | **no** | yes | TCP has no access key per tenancy (the address is the key); over RDMA each exposure's key is its own, and the ladder ends it |
-//! | retry shadows ([`Rig::shadows_revoked_slots`]) | no | yes | a revoked slot is refused to the peer that may retry into it, until its ack |
-//! | fence ([`Rig::can_fence`]) | **no** | **no** | a peer can always reconnect and pair again |
+//! | revoke ([`Behaviour::can_revoke`](crate::harness::Behaviour::can_revoke)) | **no** | yes | TCP has no access key per tenancy (the address is the key); over RDMA each exposure's key is its own, and the ladder ends it |
+//! | retry shadows ([`Behaviour::shadows_revoked_slots`](crate::harness::Behaviour::shadows_revoked_slots)) | no | yes | a revoked slot is refused to the peer that may retry into it, until its ack |
+//! | fence ([`Behaviour::can_fence`](crate::harness::Behaviour::can_fence)) | **no** | **no** | a peer can always reconnect and pair again |
 //! | raw one-sided access | **no** | **no** | TCP checks only that a request lies in registered memory; over RDMA the NIC sends whole messages |
 //! | malformed frame | yes | yes | a bad request header on the data port is rejected and the connection closed (over RDMA every TCP data request is) |
 //! | raw peer (notifications) | yes | yes | a bare engine (of the same wire) sends hand-made `kvt1` notifications |
@@ -36,7 +36,7 @@
 //! not here: this rig needs nothing outside the workspace.
 
 use crate::ensure;
-use crate::harness::{fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::post_tagged;
 use backend_mooncake::adapter::TenancyKeys;
 use backend_mooncake::gate::GatedTransport;
@@ -452,6 +452,13 @@ impl Rig for MooncakeRig {
     fn backend(&self) -> &'static str {
         self.name
     }
+    fn behaviour(&self) -> Behaviour {
+        // Over RDMA every exposure has a key of its own, which the ladder
+        // can end (and a revoked slot is shadowed for its peer); Mooncake
+        // TCP has none. Mooncake cannot fence.
+        let keyed = self.wire.keyed();
+        Behaviour { can_revoke: keyed, shadows_revoked_slots: keyed, can_fence: false, ..Behaviour::default() }
+    }
     fn diagnostics(&self) -> String {
         let p = match &self.prefill {
             Some(p) => format!("{:?}", p.transfer.metrics()),
@@ -503,17 +510,6 @@ impl Rig for MooncakeRig {
     }
     fn wait_held(&self, timeout: Duration) -> bool {
         self.prefill.as_ref().is_some_and(|p| p.gate.wait_held(timeout))
-    }
-    fn can_revoke(&self) -> bool {
-        // Over RDMA every exposure has a key of its own, which the ladder
-        // can end; Mooncake TCP has none.
-        self.wire.keyed()
-    }
-    fn shadows_revoked_slots(&self) -> bool {
-        self.wire.keyed()
-    }
-    fn can_fence(&self) -> bool {
-        false
     }
     fn crash_prefill(&mut self) -> Result<(), Failure> {
         if let Some(p) = self.prefill.take() {

@@ -5,7 +5,9 @@
 //! skipped; the in-process crash runs.
 
 use crate::ensure;
-use crate::harness::{fail, Backend, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure};
+use crate::harness::{
+    fail, Backend, Behaviour, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+};
 use crate::sim::{post_tagged, start_stalled_write};
 use backend_mori::harness::{raw_sim_peer_desc, settle_tag, MoriSide, RawMoriPeer};
 use backend_mori::{EngineConfig, IoEngine, SimTransportConfig, StatusCode};
@@ -146,6 +148,9 @@ impl Rig for MoriRig {
     fn backend(&self) -> &'static str {
         "mori"
     }
+    fn behaviour(&self) -> Behaviour {
+        Behaviour { sender_identity: SenderIdentity::Connection, proofs_carry_token: false, ..Behaviour::default() }
+    }
     fn diagnostics(&self) -> String {
         let nic = |s: &MoriSide| s.transport.nic().map(|n| format!("{:?}", n.stats())).unwrap_or_default();
         let p =
@@ -256,12 +261,6 @@ impl Rig for MoriRig {
                 RawMoriPeer::connect(&name, &self.decode.engine.engine_desc()).map_err(|e| fail("impostor")(&e))?;
             self.raw_mori_peer(peer)
         })())
-    }
-    fn sender_identity(&self) -> SenderIdentity {
-        SenderIdentity::Connection
-    }
-    fn proofs_carry_token(&self) -> bool {
-        false
     }
     fn dropped_messages(&self) -> u64 {
         let m = self.decode.pool.metrics();

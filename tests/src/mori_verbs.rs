@@ -17,7 +17,7 @@
 
 use crate::ensure;
 use crate::harness::{
-    fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+    fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
 };
 use crate::sim::post_tagged;
 use crate::verbs::Nic;
@@ -239,6 +239,14 @@ impl Rig for MoriVerbsRig {
     fn backend(&self) -> &'static str {
         self.name
     }
+    fn behaviour(&self) -> Behaviour {
+        Behaviour {
+            stale_write_breaks_connection: true,
+            sender_identity: SenderIdentity::Connection,
+            proofs_carry_token: false,
+            ..Behaviour::default()
+        }
+    }
     fn diagnostics(&self) -> String {
         let p = self.prefill.as_ref().map(|p| format!("{:?} {:?}", p.transfer.stats(), p.transport.stats()));
         format!(
@@ -282,9 +290,6 @@ impl Rig for MoriVerbsRig {
     fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
         let p = self.prefill()?;
         post_tagged(&p.transfer, &p.pool, remote, request).map(Some)
-    }
-    fn stale_write_breaks_connection(&self) -> bool {
-        true
     }
     #[allow(irrefutable_let_patterns)]
     fn hold_writes(&self) -> bool {
@@ -366,12 +371,6 @@ impl Rig for MoriVerbsRig {
             );
             Ok(Box::new(imp) as Box<dyn RawPeer>)
         })())
-    }
-    fn sender_identity(&self) -> SenderIdentity {
-        SenderIdentity::Connection
-    }
-    fn proofs_carry_token(&self) -> bool {
-        false
     }
     fn dropped_messages(&self) -> u64 {
         let m = self.decode.pool.metrics();

@@ -26,8 +26,8 @@
 //! environment when an agent is created, and it is process-wide.
 //!
 //! What NIXL cannot do, reported absent: revoke one tenancy's access, or
-//! fence a peer with a confirmation ([`Rig::can_revoke`] and
-//! [`Rig::can_fence`] are false: the adapter's `Revoke`/`Fence` escalations
+//! fence a peer with a confirmation ([`Behaviour::can_revoke`](crate::harness::Behaviour::can_revoke) and
+//! [`Behaviour::can_fence`](crate::harness::Behaviour::can_fence) are false: the adapter's `Revoke`/`Fence` escalations
 //! produce no proof, and aborted slots stay quarantined until the peer
 //! acknowledges, or for good, reported stuck); a raw one-sided access checked
 //! at the target ([`Rig::raw_write`] is `None`: NIXL checks no key, slot bound
@@ -37,7 +37,7 @@
 //! does not parse is dropped and counted, the connection stays). The prefill
 //! side always runs in this process (no killed-process variant).
 
-use crate::harness::{fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
+use crate::harness::{fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
 use crate::sim::post_tagged;
 use backend_nixl::engine::{AgentConfig, NixlLibrary, INSTALL_HINT};
 use backend_nixl::{
@@ -414,6 +414,9 @@ impl Rig for NixlRig {
     fn backend(&self) -> &'static str {
         "nixl"
     }
+    fn behaviour(&self) -> Behaviour {
+        Behaviour { can_revoke: false, can_fence: false, ..Behaviour::default() }
+    }
     fn diagnostics(&self) -> String {
         format!(
             "decode adapter {:?}; prefill adapter {:?}; held {}",
@@ -430,12 +433,6 @@ impl Rig for NixlRig {
     }
     fn prefill_transfer(&self) -> Option<&dyn Transfer> {
         Some(&self.prefill)
-    }
-    fn can_revoke(&self) -> bool {
-        false
-    }
-    fn can_fence(&self) -> bool {
-        false
     }
     fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
         self.decode.expose(lease, self.peer).map_err(|e| Failure(format!("expose: {}", e.kind)))

@@ -120,7 +120,7 @@ fn abort_in_flight_path(b: &dyn Backend, path: &str) -> Result<(), Failure> {
         let l = if path == "drain" { ladder(30_000, 30_000, 30_000) } else { ladder(1, 30_000, 30_000) };
         let rig = b.rig(&RigConfig { decode_slots: 4, ladder: l, ..RigConfig::default() })?;
         if path == "revoke" {
-            declared(rig.as_ref(), "revocation", rig.can_revoke())?;
+            declared(rig.as_ref(), "revocation", rig.behaviour().can_revoke)?;
         }
         let pool = rig.decode_pool().clone();
         let held = rig.hold_writes();
@@ -248,7 +248,7 @@ fn peer_crash_run(b: &dyn Backend, process: bool, fence: bool) -> Result<(), Fai
     rig.crash_prefill()?;
     rig.release_writes();
     if !fence {
-        ensure!(!rig.can_fence(), "[{}] a rig with a fence runs the fenced cell", rig.backend());
+        ensure!(!rig.behaviour().can_fence, "[{}] a rig with a fence runs the fenced cell", rig.backend());
         // Nothing can prove that the dead peer's writes are over: the slots stay quarantined.
         std::thread::sleep(Duration::from_millis(200));
         let m = pool.metrics();
@@ -258,7 +258,7 @@ fn peer_crash_run(b: &dyn Backend, process: bool, fence: bool) -> Result<(), Fai
         );
         return Ok(());
     }
-    declared(rig.as_ref(), "a fence", rig.can_fence())?;
+    declared(rig.as_ref(), "a fence", rig.behaviour().can_fence)?;
     let m = wait_whole(&pool)?;
     // A backend whose ladder revokes first (verbs: `LOCAL_INV` is local and
     // certain) settles the unwritten slots by revocation before the fence.
@@ -298,9 +298,9 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
     let pool = rig.decode_pool().clone();
     // The old tenancy's write is held past its abort, and the aborted
     // tenancy is reassigned: that takes a revocation.
-    declared(rig.as_ref(), "revocation", rig.can_revoke())?;
+    declared(rig.as_ref(), "revocation", rig.behaviour().can_revoke)?;
     declared(rig.as_ref(), "held writes", rig.hold_writes())?;
-    if rig.shadows_revoked_slots() {
+    if rig.behaviour().shadows_revoked_slots {
         return stale_ack_past_a_retry_shadow(rig.as_ref());
     }
     let (a, remote_a) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
@@ -317,7 +317,7 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
     // What the new tenancy's slots hold before the old write is let go.
     let before = region_bytes(&pool);
     rig.release_writes();
-    let breaks = rig.stale_write_breaks_connection();
+    let breaks = rig.behaviour().stale_write_breaks_connection;
     match wait_handle(h)? {
         Some(out) => ensure!(
             out.result == Err(TransferError::Rejected(RejectReason::StaleGeneration)),
@@ -355,7 +355,7 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
 }
 
 /// Scenario 4 on a backend whose revoked slots are refused to their peer
-/// until its ack ([`Rig::shadows_revoked_slots`]): the old tenancy's write
+/// until its ack ([`Behaviour::shadows_revoked_slots`](crate::harness::Behaviour::shadows_revoked_slots)): the old tenancy's write
 /// is held, aborted and revoked; the same slots' new tenancy goes to
 /// another peer (the raw one). The held write, released, is refused and
 /// lands nothing; the old peer's ABORT_ACK that follows names the old
@@ -674,7 +674,7 @@ pub fn never_acks(b: &dyn Backend) -> Result<(), Failure> {
     // Part 1: the write is held, so no ack comes; revocation settles.
     let rig = b.rig(&RigConfig { decode_slots: 4, ladder: ladder(100, 30_000, 30_000), ..RigConfig::default() })?;
     let pool = rig.decode_pool().clone();
-    let revoke = rig.can_revoke();
+    let revoke = rig.behaviour().can_revoke;
     declared(rig.as_ref(), "held writes", rig.hold_writes())?;
     {
         let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
@@ -726,7 +726,7 @@ pub fn stalled_peer_never_acks(b: &dyn Backend) -> Result<(), Failure> {
         ..RigConfig::default()
     })?;
     ensure!(
-        (rig.can_revoke(), rig.can_fence()) == (revoke, fence),
+        (rig.behaviour().can_revoke, rig.behaviour().can_fence) == (revoke, fence),
         "[{}] the backend declares revoke={revoke} fence={fence}, its rig says otherwise",
         rig.backend()
     );

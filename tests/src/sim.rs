@@ -2,7 +2,7 @@
 
 use crate::ensure;
 use crate::harness::{
-    fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+    fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
 };
 use backend_tcp_sim::wire::{self, Body};
 use backend_tcp_sim::{block_on, FaultPlan, Gate, NicConfig, RawAccess, SimNic};
@@ -208,6 +208,9 @@ impl Rig for SimRig {
     fn backend(&self) -> &'static str {
         "tcp-sim"
     }
+    fn behaviour(&self) -> Behaviour {
+        Behaviour { sender_identity: SenderIdentity::Connection, ..Behaviour::default() }
+    }
     fn diagnostics(&self) -> String {
         let p = match &self.prefill {
             Prefill::InProcess { nic, .. } => format!("{:?}", nic.stats()),
@@ -334,9 +337,6 @@ impl Rig for SimRig {
             Some(name) => self.raw_hello(&name).map(|s| Box::new(SimRawPeer(s)) as Box<dyn RawPeer>),
             None => Err(Failure("no raw peer to impersonate".into())),
         })
-    }
-    fn sender_identity(&self) -> SenderIdentity {
-        SenderIdentity::Connection
     }
     fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
         let Some(peer) = self.raw.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(p, _)| *p) else {

@@ -11,7 +11,7 @@
 //! impostor a fourth under the same name.
 
 use crate::harness::{
-    fail, Backend, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+    fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
 };
 use crate::sim::post_tagged;
 use backend_verbs::{FakeFabric, LabEnv, VerbsConfig, VerbsTransfer};
@@ -264,6 +264,13 @@ impl Rig for VerbsRig {
             Engines::Fake(_) => "verbs-fake",
         }
     }
+    fn behaviour(&self) -> Behaviour {
+        Behaviour {
+            stale_write_breaks_connection: true,
+            sender_identity: SenderIdentity::Connection,
+            ..Behaviour::default()
+        }
+    }
     fn diagnostics(&self) -> String {
         format!(
             "decode {:?} {:?}; prefill {:?}",
@@ -308,9 +315,6 @@ impl Rig for VerbsRig {
     fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
         let (t, p) = self.prefill.as_ref().ok_or_else(|| Failure("the prefill side is dead".into()))?;
         post_tagged(t, p, remote, request).map(Some)
-    }
-    fn stale_write_breaks_connection(&self) -> bool {
-        true
     }
     #[allow(irrefutable_let_patterns)]
     fn hold_writes(&self) -> bool {
@@ -383,9 +387,6 @@ impl Rig for VerbsRig {
             // Its own QP, under the raw peer's name.
             Ok(Box::new(self.raw_adapter(&name)?) as Box<dyn RawPeer>)
         })())
-    }
-    fn sender_identity(&self) -> SenderIdentity {
-        SenderIdentity::Connection
     }
     fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
         let Some(id) = self.raw.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(_, id)| *id) else {
