@@ -207,6 +207,11 @@ pub trait Backend {
     fn race(&self) -> Result<RaceRunner, &'static str> {
         Err("a race rig of its own (kv_transfer_examples::race has the simulator's, Mooncake's and verbs')")
     }
+    /// Requests per policy its race runs when `KVT_RACE_ITERS` does not say
+    /// (`None`: the suite's default, 10,000).
+    fn race_requests(&self) -> Option<u64> {
+        None
+    }
     /// The memory its rigs put slots in ([`OnDevice`] says device memory).
     fn memory(&self) -> SlotMemory {
         SlotMemory::Host
@@ -266,6 +271,9 @@ impl Backend for OnDevice {
     }
     fn race(&self) -> Result<RaceRunner, &'static str> {
         self.inner.race()
+    }
+    fn race_requests(&self) -> Option<u64> {
+        self.inner.race_requests()
     }
 }
 

@@ -863,11 +863,21 @@ pub fn race_safe(r: &kv_transfer_examples::race::RaceReport, wanted: u64) -> Res
 /// Scenario 2 through `b`'s own race, under `policy`, checked.
 pub fn reassignment_race(b: &dyn Backend, policy: kv_transfer_core::drain::ReleasePolicy) -> Result<(), Failure> {
     let run = b.race().map_err(|why| Failure(format!("{} has no race here: needs {why}", b.name())))?;
-    let cfg = kv_transfer_examples::race::RaceConfig { memory: b.memory(), ..race_config(policy) };
+    let mut cfg = kv_transfer_examples::race::RaceConfig { memory: b.memory(), ..race_config(policy) };
+    if let (Err(_), Some(n)) = (std::env::var("KVT_RACE_ITERS"), b.race_requests()) {
+        cfg.requests = n;
+    }
     let r = run(&cfg, &mut |_, _| {}).map_err(err("race"))?;
     if policy.is_naive() {
-        race_positive_control(&r, cfg.requests)
-    } else {
-        race_safe(&r, cfg.requests)
+        return race_positive_control(&r, cfg.requests);
     }
+    race_safe(&r, cfg.requests)?;
+    // A backend that revokes refuses the stale writes at its NIC: the race
+    // proved nothing about its keys or windows unless some were refused.
+    ensure!(
+        !b.provides().revoke || r.rejected_at_nic > 0,
+        "{} revokes, yet no stale write was refused at the NIC: {r:#?}",
+        b.name()
+    );
+    Ok(())
 }
