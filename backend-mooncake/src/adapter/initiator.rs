@@ -1,4 +1,4 @@
-//! The initiator's drivers: each waits on its operations' tasks with
+//! The initiator's waiter threads: each waits on its operations' tasks with
 //! bounded slices until every task is COMPLETED or FAILED (TIMEOUT is not
 //! terminal), frees the batch, sends the DONE (core's codec) after a clean
 //! v2 completion, tells the abort tracker how the operation ended, and only
@@ -7,7 +7,7 @@
 use super::*;
 /// Waiter thread `i`: runs the jobs of its queue until shutdown, then
 /// abandons what is left in it (each lease quarantined, never released).
-pub(super) fn driver_loop(inner: &Arc<Inner>, i: usize) {
+pub(super) fn waiter_loop(inner: &Arc<Inner>, i: usize) {
     let Some(queue) = inner.jobs.get(i) else { return };
     while !inner.stop.load(Ordering::Acquire) {
         if let Some(job) = queue.pop(Duration::from_millis(200)) {

@@ -371,8 +371,8 @@ impl MooncakeTransfer {
         for i in 0..drivers {
             let inn = inner.clone();
             let t = std::thread::Builder::new()
-                .name(format!("kvt-mc-driver-{i}"))
-                .spawn(move || driver_loop(&inn, i))
+                .name(format!("kvt-mc-waiter-{i}"))
+                .spawn(move || waiter_loop(&inn, i))
                 .map_err(|e| AdapterError::Thread(e.to_string()));
             match t {
                 Ok(t) => threads.push(t),
@@ -485,5 +485,5 @@ pub use keys::TenancyKeys;
 mod tests;
 
 use driver::{control_loop, queue_acks};
-use initiator::driver_loop;
+use initiator::waiter_loop;
 use state::*;
