@@ -94,6 +94,8 @@ struct Table {
     by_start: BTreeMap<u64, Arc<Entry>>,
     by_id: HashMap<u64, u64>,
     next: u64,
+    /// Closers waiting for a range's requests to leave it.
+    closers: usize,
 }
 
 /// The ranges the data server may serve, and the connections inside them.
@@ -119,21 +121,32 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug)]
 pub(crate) struct ExposureHold<'a> {
     ranges: &'a ExposedRanges,
-    entries: Vec<Arc<Entry>>,
+    /// The range the request starts in, and those it runs on into.
+    first: Arc<Entry>,
+    rest: Vec<Arc<Entry>>,
     conn: u64,
+}
+
+impl ExposureHold<'_> {
+    fn entries(&self) -> impl Iterator<Item = &Arc<Entry>> {
+        std::iter::once(&self.first).chain(&self.rest)
+    }
 }
 
 impl Drop for ExposureHold<'_> {
     fn drop(&mut self) {
-        for e in &self.entries {
+        for e in self.entries() {
             let mut h = lock(&e.holders);
             if let Some(i) = h.iter().position(|c| *c == self.conn) {
                 h.swap_remove(i);
             }
         }
-        // Under the table lock, so a closer waiting on it cannot miss it.
-        let _t = lock(&self.ranges.table);
-        self.ranges.left.notify_all();
+        // Under the table lock, so a closer waiting on it cannot miss it;
+        // only when one waits (a request's end then costs no wake-up call).
+        let t = lock(&self.ranges.table);
+        if t.closers > 0 {
+            self.ranges.left.notify_all();
+        }
     }
 }
 
@@ -202,15 +215,19 @@ impl ExposedRanges {
         }
         let deadline = Instant::now() + CLOSE_WAIT;
         let mut t = lock(&self.table);
+        t.closers += 1;
+        let mut left = true;
         while !lock(&entry.holders).is_empty() {
             let now = Instant::now();
             if now >= deadline {
                 tracing::error!(start, "a data connection is still inside a closed exposure");
-                return false;
+                left = false;
+                break;
             }
             t = self.left.wait_timeout(t, deadline - now).map(|r| r.0).unwrap_or_else(|e| e.into_inner().0);
         }
-        true
+        t.closers -= 1;
+        left
     }
 
     /// Admits a request for `[addr, addr+size)` on connection `conn` if
@@ -218,22 +235,25 @@ impl ExposedRanges {
     pub(crate) fn admit(&self, addr: u64, size: u64, op: TcpOpcode, conn: u64) -> Option<ExposureHold<'_>> {
         let end = addr.checked_add(size).filter(|_| size > 0)?;
         let t = lock(&self.table);
-        let mut entries = Vec::new();
-        let mut cursor = addr;
-        while cursor < end {
+        let covering = |cursor: u64| {
             let (_, e) = t.by_start.range(..=cursor).next_back()?;
-            let e_end = e.start + e.len;
-            if e_end <= cursor || !e.access.allows(op) {
-                return None;
-            }
-            entries.push(e.clone());
-            cursor = e_end;
+            (e.start + e.len > cursor && e.access.allows(op)).then(|| e.clone())
+        };
+        // One range covers a request in the common case: no list allocated.
+        let first = covering(addr)?;
+        let mut rest = Vec::new();
+        let mut cursor = first.start + first.len;
+        while cursor < end {
+            let e = covering(cursor)?;
+            cursor = e.start + e.len;
+            rest.push(e);
         }
-        for e in &entries {
+        let hold = ExposureHold { ranges: self, first, rest, conn };
+        for e in hold.entries() {
             lock(&e.holders).push(conn);
         }
         drop(t);
-        Some(ExposureHold { ranges: self, entries, conn })
+        Some(hold)
     }
 
     /// Ranges exposed now.

@@ -85,13 +85,13 @@ fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
 /// ABORT_ACK only ever names tenancies of our own operations' ends).
 fn on_abort(inner: &Arc<Inner>, from: &str, msg: ControlMessage) {
     bump(&inner.counters.aborts_received, 1);
-    let ack = lock(&inner.inflight).tracker.on_abort(&from.to_string(), msg);
+    let ack = lock(&inner.inflight).tracker.on_abort(&Arc::from(from), msg);
     queue_acks(inner, ack.into_iter().collect());
 }
 
 /// Queues ABORT_ACKs for the control thread to hand to the senders, and
 /// wakes it (only then: an operation's end wakes nobody otherwise).
-pub(super) fn queue_acks(inner: &Inner, acks: Vec<Outgoing<String>>) {
+pub(super) fn queue_acks(inner: &Inner, acks: Vec<Outgoing<Arc<str>>>) {
     if acks.is_empty() {
         return;
     }
@@ -116,7 +116,7 @@ fn flush_outbox(inner: &Arc<Inner>) {
             continue;
         }
         let sent = match inner.peer_for(&o.to) {
-            Ok((_, seg)) => inner.send(seg, &o.msg),
+            Ok((_, seg, _)) => inner.send(seg, &o.msg),
             Err(e) => {
                 tracing::warn!(to = %o.to, error = %e, "ABORT_ACK to an unreachable peer");
                 false

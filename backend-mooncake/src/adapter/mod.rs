@@ -99,9 +99,13 @@ use kv_transfer_core::drain::{
 };
 use kv_transfer_core::{
     check_shapes, BackendError, Completer, ExposeError, ExposeErrorKind, Exposed, Op, PeerId, PoolConfig, PoolId,
-    PostError, PostErrorKind, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority, SlotLease, SlotPool,
-    Target, Transfer, TransferError, TransferHandle, TransferOptions,
+    PostError, PostErrorKind, PostNow, Region, RejectReason, RemoteSlots, Reserved, SettlementAuthority, SlotLease,
+    SlotPool, Target, TransferError, TransferHandle, TransferOptions,
 };
+
+// Named in the docs (`Transfer`'s impl comes from `impl_transfer_via_post_now!`).
+#[cfg(doc)]
+use kv_transfer_core::Transfer;
 
 use crate::engine::{BatchId, SegmentId, TransferEngine, TransferRequest};
 use crate::error::{EngineError, TaskError};

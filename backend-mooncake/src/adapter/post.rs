@@ -3,14 +3,21 @@
 //! a waiter thread (`initiator`).
 
 use super::*;
+use std::cell::Cell;
 
-#[kv_transfer_core::async_trait]
-impl Transfer for MooncakeTransfer {
-    fn backend(&self) -> &'static str {
-        "mooncake"
-    }
+thread_local! {
+    /// The engine requests of a post, kept for the thread's next post: in
+    /// steady state a post allocates no list (an early return drops it,
+    /// and the next post allocates again).
+    static REQUESTS: Cell<Vec<TransferRequest>> = const { Cell::new(Vec::new()) };
+}
 
-    async fn post(
+kv_transfer_core::impl_transfer_via_post_now!(MooncakeTransfer, "mooncake");
+
+// The post never waits (the engine queues the batch; a waiter thread
+// completes it), so `Transfer::write` needs no boxed future per post.
+impl PostNow for MooncakeTransfer {
+    fn post_now(
         &self,
         op: Op,
         local: SlotLease<Reserved>,
@@ -28,7 +35,7 @@ impl Transfer for MooncakeTransfer {
         if inner.stop.load(Ordering::Acquire) {
             return Err(PostError { lease: local, kind: PostErrorKind::ShuttingDown });
         }
-        let (peer, seg) = match inner.peer_for(&remote.endpoint) {
+        let (peer, seg, name) = match inner.peer_for(&remote.endpoint) {
             Ok(p) => p,
             Err(e) => return Err(PostError { lease: local, kind: PostErrorKind::Peer(e.to_string()) }),
         };
@@ -36,7 +43,8 @@ impl Transfer for MooncakeTransfer {
             return Err(PostError { lease: local, kind });
         }
         let slot = remote.slot_size;
-        let mut reqs = Vec::with_capacity(local.len());
+        // This thread's list from its last post (empty, its capacity kept).
+        let mut reqs = REQUESTS.take();
         for (i, r) in remote.slots.iter().enumerate() {
             let Some(source) = local.slot_addr(i) else {
                 return Err(PostError { lease: local, kind: PostErrorKind::Descriptor("local slot missing".into()) });
@@ -58,7 +66,7 @@ impl Transfer for MooncakeTransfer {
             let mut fl = lock(&inner.inflight);
             fl.next += 1;
             let id = fl.next;
-            if let Err(refusal) = fl.tracker.admit(id, &remote.endpoint, remote, false) {
+            if let Err(refusal) = fl.tracker.admit(id, &name, remote, false) {
                 drop(fl);
                 bump(&inner.counters.posts_to_aborted, 1);
                 let _ = inner.engine.free_batch_id(batch);
@@ -100,11 +108,13 @@ impl Transfer for MooncakeTransfer {
                 return Err(PostError { lease, kind: engine_err(&e) });
             }
         };
+        reqs.clear();
+        REQUESTS.set(reqs);
         bump(&inner.counters.posts, 1);
         let (handle, completer) = TransferHandle::pair(exposed);
         let notify = opts.notify.then(|| {
             let done = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies());
-            (seg, remote.endpoint.clone(), done, opts.digest && op == Op::Write)
+            (seg, name.clone(), done, opts.digest && op == Op::Write)
         });
         let keyed = remote.slots.iter().any(|s| s.key.is_some());
         let job = Job { id, batch, tasks, completer, notify, keyed };

@@ -34,7 +34,7 @@ pub(super) enum Lane {
 pub(super) enum Item {
     /// An ABORT_ACK from the outbox, with the tries made so far (a failed
     /// try goes back to the outbox, whose retry policy decides).
-    Ack(Outgoing<String>, u32),
+    Ack(Outgoing<Arc<str>>, u32),
     /// An ABORT asked for by the ladder.
     Abort(ControlMessage),
 }

@@ -7,7 +7,8 @@ use std::collections::VecDeque;
 
 #[derive(Debug)]
 pub(super) struct PeerInfo {
-    pub(super) name: String,
+    /// Shared with the abort tracker's entries (a post clones no string).
+    pub(super) name: Arc<str>,
     pub(super) segment: SegmentId,
     pub(super) proto: ProtoVersion,
 }
@@ -15,7 +16,7 @@ pub(super) struct PeerInfo {
 #[derive(Debug, Default)]
 pub(super) struct Peers {
     pub(super) by_id: HashMap<PeerId, PeerInfo>,
-    pub(super) by_name: HashMap<String, PeerId>,
+    pub(super) by_name: HashMap<Arc<str>, PeerId>,
     pub(super) next: u32,
 }
 
@@ -27,8 +28,8 @@ pub(super) struct PoolEntry {
 /// Initiator side: core's abort tracker, keyed by the target's segment
 /// name, and the control messages waiting to be sent (one retry policy).
 pub(super) struct Inflight {
-    pub(super) tracker: AbortTracker<String>,
-    pub(super) outbox: Outbox<String>,
+    pub(super) tracker: AbortTracker<Arc<str>>,
+    pub(super) outbox: Outbox<Arc<str>>,
     pub(super) next: u64,
 }
 
@@ -39,7 +40,7 @@ pub(super) struct Job {
     pub(super) completer: Completer,
     /// The DONE to send after the data, with its target's segment and
     /// segment name, and whether to digest the local slots into it.
-    pub(super) notify: Option<(SegmentId, String, ControlMessage, bool)>,
+    pub(super) notify: Option<(SegmentId, Arc<str>, ControlMessage, bool)>,
     /// The exposure carried a key per tenancy: a refusal by the target's
     /// NIC then means the tenancy's key ended (a stale generation).
     pub(super) keyed: bool,
@@ -205,8 +206,9 @@ impl Inner {
         }
         let id = PeerId(peers.next);
         peers.next += 1;
-        peers.by_name.insert(name.to_string(), id);
-        peers.by_id.insert(id, PeerInfo { name: name.to_string(), segment, proto });
+        let shared: Arc<str> = Arc::from(name);
+        peers.by_name.insert(shared.clone(), id);
+        peers.by_id.insert(id, PeerInfo { name: shared, segment, proto });
         drop(peers);
         if proto == ProtoVersion::V1 {
             bump(&self.counters.v1_peers, 1);
@@ -256,12 +258,18 @@ impl Inner {
         peers.by_id.get(&id).map(|p| (id, p.segment, p.proto))
     }
 
-    pub(super) fn peer_for(&self, name: &str) -> Result<(PeerId, SegmentId), EngineError> {
-        if let Some((id, seg, _)) = self.peer_by_name(name) {
-            return Ok((id, seg));
+    /// The peer named `name` (added if new): its id, segment and shared name.
+    pub(super) fn peer_for(&self, name: &str) -> Result<(PeerId, SegmentId, Arc<str>), EngineError> {
+        let known = |name: &str| {
+            let peers = lock(&self.peers);
+            let id = *peers.by_name.get(name)?;
+            peers.by_id.get(&id).map(|p| (id, p.segment, p.name.clone()))
+        };
+        if let Some(found) = known(name) {
+            return Ok(found);
         }
         match self.add_peer(name) {
-            Ok(id) => self.peer_by_name(name).map(|(_, s, _)| (id, s)).ok_or(EngineError::BadSegmentName(name.into())),
+            Ok(_) => known(name).ok_or(EngineError::BadSegmentName(name.into())),
             Err(AdapterError::Engine(e)) => Err(e),
             Err(e) => Err(EngineError::NotifyRejected(e.to_string())),
         }

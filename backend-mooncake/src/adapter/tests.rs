@@ -4,7 +4,7 @@ use super::*;
 use crate::engine::{MockTransferEngine, SegmentInfo};
 use crate::proto::SegmentDesc;
 use crate::TaskStatus;
-use kv_transfer_core::{HostRegion, TransferOutcome};
+use kv_transfer_core::{HostRegion, Transfer, TransferOutcome};
 use std::sync::atomic::AtomicU32;
 use std::time::Instant;
 

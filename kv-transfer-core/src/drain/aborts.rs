@@ -173,7 +173,16 @@ pub struct AbortTracker<K> {
     /// Only under [`Remembering::SharedFifo`]: the shared eviction order.
     fifo: VecDeque<(K, PoolId, SlotId)>,
     stats: TrackerStats,
+    /// Tenancy lists of finished operations, cleared, for the next
+    /// [`admit`](Self::admit): in steady state a post allocates none.
+    spare: Vec<Vec<Tenancy>>,
 }
+
+/// Most tenancy lists kept for reuse (a burst beyond this many in flight
+/// allocates again), and the longest kept: at most 64 × 1,024 tenancies
+/// (1 MiB) stay allocated.
+const SPARE_LISTS: usize = 64;
+const SPARE_LEN: usize = 1024;
 
 impl<K: Clone + Eq + Hash> AbortTracker<K> {
     /// A tracker that remembers, per peer, at most `max_remembered`
@@ -187,6 +196,7 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
             mode: Remembering::PerPeer,
             fifo: VecDeque::new(),
             stats: TrackerStats::default(),
+            spare: Vec::new(),
         }
     }
 
@@ -237,7 +247,8 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
     /// tenancy of the same slot is another tenancy).
     pub fn admit(&mut self, op: u64, peer: &K, remote: &RemoteSlots, exclusive: bool) -> Result<(), Refusal> {
         self.check(peer, remote)?;
-        let tenancies = remote.tenancies();
+        let mut tenancies = self.spare.pop().unwrap_or_default();
+        tenancies.extend(remote.slots.iter().map(|s| s.tenancy()));
         if exclusive {
             let busy = self
                 .ops
@@ -246,6 +257,7 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
                 .find_map(|o| tenancies.iter().find(|t| o.tenancies.contains(t)).copied());
             if let Some(t) = busy {
                 self.stats.refused += 1;
+                self.recycle(tenancies);
                 return Err(Refusal::Busy(t));
             }
         }
@@ -286,6 +298,14 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
             }
         }
         Ok(())
+    }
+
+    /// Keeps `list`'s allocation for a later operation.
+    fn recycle(&mut self, mut list: Vec<Tenancy>) {
+        if self.spare.len() < SPARE_LISTS && list.capacity() <= SPARE_LEN {
+            list.clear();
+            self.spare.push(list);
+        }
     }
 
     /// Tombstones `tenancies` of `peer`'s `pool` under the exposure `token`
@@ -349,7 +369,7 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
     /// whose every operation is terminal), without the tenancies an
     /// unproven end touched.
     pub fn finished(&mut self, op: u64, end: OpEnd) -> Vec<Outgoing<K>> {
-        let Some(o) = self.ops.remove(&op) else { return Vec::new() };
+        let Some(mut o) = self.ops.remove(&op) else { return Vec::new() };
         if end == OpEnd::Unproven {
             let (cap, per_peer) = (self.cap, self.per_peer());
             let p = self.peers.entry(o.peer.clone()).or_default();
@@ -369,6 +389,7 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
             }
             self.record(&o.peer, o.pool, o.token, &o.tenancies);
         }
+        self.recycle(std::mem::take(&mut o.tenancies));
         let Some(p) = self.peers.get_mut(&o.peer) else { return Vec::new() };
         if p.pending.is_empty() {
             return Vec::new();
@@ -543,6 +564,33 @@ mod tests {
 
     fn abort(r: &RemoteSlots) -> ControlMessage {
         ControlMessage::new(ControlKind::Abort, r.pool, r.token, r.tenancies())
+    }
+
+    #[test]
+    fn reused_tenancy_lists_are_bounded_and_carry_nothing_over() {
+        let mut tr = AbortTracker::new(16);
+        let n = SPARE_LISTS as u64 + 36;
+        for op in 0..n {
+            tr.admit(op, &9, &remote(&[(op as u32, 1)]), false).unwrap();
+        }
+        for op in 0..n {
+            assert!(tr.finished(op, OpEnd::Proven).is_empty());
+        }
+        assert_eq!(tr.spare.len(), SPARE_LISTS, "at most SPARE_LISTS lists kept");
+        // A reused list holds only the new operation's tenancies: an ABORT
+        // of the tenancy the list last held (the last one kept) is acked at
+        // once (nothing in flight touches it); one of the new operation's
+        // waits for it.
+        tr.admit(n, &9, &remote(&[(500, 1)]), false).unwrap();
+        assert!(tr.on_abort(&9, abort(&remote(&[(SPARE_LISTS as u32 - 1, 1)]))).is_some());
+        assert!(tr.on_abort(&9, abort(&remote(&[(500, 1)]))).is_none());
+        assert_eq!(tr.finished(n, OpEnd::Proven).len(), 1);
+        // A list longer than SPARE_LEN is not kept.
+        let long: Vec<(u32, u64)> = (0..SPARE_LEN as u32 + 1).map(|s| (1000 + s, 1)).collect();
+        tr.spare.clear();
+        tr.admit(n + 1, &9, &remote(&long), false).unwrap();
+        tr.finished(n + 1, OpEnd::Proven);
+        assert!(tr.spare.is_empty());
     }
 
     #[test]
