@@ -2,9 +2,10 @@
 
 use kv_transfer_core::drain::ReleasePolicy;
 use kv_transfer_core::{
-    EscalationLadder, Exposed, Region, RemoteSlots, Reserved, SlotLease, SlotMemory, SlotPool, Tenancy, Transfer,
-    TransferError, TransferHandle,
+    block_on, EscalationLadder, Exposed, PeerId, Region, RemoteSlots, Reserved, SlotLease, SlotMemory, SlotPool,
+    Target, Tenancy, Transfer, TransferError, TransferHandle, TransferOptions,
 };
+use kv_transfer_testkit::payload::{pattern, Tag};
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
@@ -187,7 +188,7 @@ pub trait Backend {
     /// `Ok` when it can run here; otherwise what to install.
     fn available(&self) -> Result<(), String>;
     /// A decode side and a prefill side, connected.
-    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure>;
+    fn rig(&self, cfg: &RigConfig) -> Result<Rig, Failure>;
     /// What its rigs provide beyond the basics. The conformance matrix
     /// lists a cell whose scenario needs something missing as ignored (not
     /// applicable, with why), never as passed; a cell that runs checks that
@@ -257,7 +258,7 @@ impl Backend for OnDevice {
     fn available(&self) -> Result<(), String> {
         self.inner.available()
     }
-    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+    fn rig(&self, cfg: &RigConfig) -> Result<Rig, Failure> {
         self.inner.rig(&RigConfig { memory: self.memory, ..cfg.clone() })
     }
     fn provides(&self) -> Provides {
@@ -283,19 +284,19 @@ pub struct Provides {
     /// A prefill side in a process of its own, which a scenario kills
     /// (`RigConfig::prefill_process`).
     pub prefill_process: bool,
-    /// Incoming writes held at the decode side ([`Rig::hold_writes`]).
+    /// Incoming writes held at the decode side ([`Faults::hold_writes`]).
     pub held_writes: bool,
     /// Settlement by revocation ([`Behaviour::can_revoke`](crate::harness::Behaviour::can_revoke)).
     pub revoke: bool,
     /// Settlement by a fence ([`Behaviour::can_fence`](crate::harness::Behaviour::can_fence)).
     pub fence: bool,
-    /// Raw one-sided accesses ([`Rig::raw_write`]).
+    /// Raw one-sided accesses ([`Faults::raw_write`]).
     pub raw_access: bool,
-    /// Malformed frames sent to the decode side ([`Rig::send_malformed`]).
+    /// Malformed frames sent to the decode side ([`Faults::send_malformed`]).
     pub malformed_frames: bool,
-    /// A peer under the test's control ([`Rig::raw_peer`]).
+    /// A peer under the test's control ([`Faults::raw_peer`]).
     pub raw_peer: bool,
-    /// A peer that stalls mid-payload ([`Rig::expose_to_stalled_peer`]).
+    /// A peer that stalls mid-payload ([`Faults::expose_to_stalled_peer`]).
     pub stalled_peer: bool,
     /// Slots in core's fake device memory ([`RigConfig::memory`]): `Ok`
     /// when the rigs take it, or what the backend lacks for it.
@@ -329,65 +330,158 @@ pub type RaceRunner = fn(
     &mut dyn FnMut(u64, u64),
 ) -> Result<kv_transfer_examples::race::RaceReport, kv_transfer_examples::race::RaceError>;
 
-/// A decode side and a prefill side of one backend, connected.
+/// A decode lease exposed to a peer, and what describes it to that peer.
+pub type Exposure = (SlotLease<Exposed>, RemoteSlots);
+
+/// Exposes `lease` to `peer` through `decode`: a failure names the refusal.
+pub fn expose_to(decode: &dyn Target, lease: SlotLease<Reserved>, peer: PeerId) -> Result<Exposure, Failure> {
+    decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
+}
+
+/// Fills a reserved lease with request `request`'s tagged payload for `remote`'s slots.
+pub fn fill_tagged(lease: &mut SlotLease<Reserved>, remote: &RemoteSlots, request: u64) -> Result<(), Failure> {
+    for (i, s) in remote.slots.iter().enumerate() {
+        let bytes = pattern(remote.slot_size as usize, Tag::new(request, s.slot.0, s.generation.0));
+        lease.write_at(i, 0, &bytes).map_err(|e| Failure(format!("local write: {e}")))?;
+    }
+    Ok(())
+}
+
+/// A decode side and a prefill side of one backend, connected: the parts
+/// every backend has, as data, and what only some can stage ([`Faults`]).
 ///
 /// The decode side reserves and exposes slots; the prefill side writes into
-/// them. Optional capabilities return `None` / `false` when the backend
-/// cannot provide them.
-pub trait Rig {
+/// them.
+pub struct Rig {
+    /// What only this backend can stage. First, so that it is dropped first:
+    /// its teardown (held writes let through, a worker reaped, adapters
+    /// drained) runs while the parts below are still alive.
+    pub faults: Box<dyn Faults>,
     /// The backend's name.
-    fn backend(&self) -> &'static str;
-    /// Backend counters worth printing when a scenario fails.
-    fn diagnostics(&self) -> String;
+    pub backend: &'static str,
+    /// How the backend behaves where backends differ (declared once, as data).
+    pub behaviour: Behaviour,
+    /// The decode side, which exposes leases of [`decode_pool`](Self::decode_pool).
+    /// (Before the pool: the rigs always dropped an adapter before its pool.)
+    pub decode: Arc<dyn Target>,
     /// The decode side's pool.
-    fn decode_pool(&self) -> &SlotPool;
-    /// The prefill side's pool (`None` when the prefill side runs in another process).
-    fn prefill_pool(&self) -> Option<&SlotPool>;
-    /// The prefill side's `Transfer` (`None` when it runs in another process).
-    fn prefill_transfer(&self) -> Option<&dyn Transfer>;
-    /// Exposes a decode lease to the prefill side.
-    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure>;
+    pub decode_pool: SlotPool,
+    /// The prefill side, as [`decode`](Self::decode) numbers it.
+    pub prefill_peer: PeerId,
+    /// The prefill side, when it runs in this process and is alive (`None`
+    /// when it runs in another process, or once crashed).
+    pub prefill: Option<PrefillSide>,
+}
+
+/// A prefill side in the test's process.
+pub struct PrefillSide {
+    /// Its `Transfer` (before the pool, as on the decode side).
+    pub transfer: Arc<dyn Transfer>,
+    /// Its pool.
+    pub pool: SlotPool,
+}
+
+impl Rig {
+    /// Exposes a decode lease to the prefill side ([`Faults::expose`]).
+    pub fn expose(&self, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
+        self.faults.expose(self.decode.as_ref(), self.prefill_peer, lease)
+    }
+
     /// Has the prefill side WRITE request `request`'s tagged payload into
     /// `remote` (with notification). The handle, when the prefill side is in
-    /// this process.
-    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure>;
-    /// Starts holding incoming writes at the decode side (false: cannot).
-    fn hold_writes(&self) -> bool;
-    /// Lets held writes through.
-    fn release_writes(&self);
-    /// Waits (bounded) until at least one write is held.
-    fn wait_held(&self, timeout: Duration) -> bool;
-    /// How the backend behaves where backends differ (declared once, as data).
-    fn behaviour(&self) -> Behaviour {
-        Behaviour::default()
+    /// this process; otherwise [`Faults::write_tagged`] has it written.
+    pub fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
+        let Some(p) = &self.prefill else { return self.faults.write_tagged(remote, request) };
+        let mut src = p.pool.reserve(remote.slots.len()).map_err(|e| fail("prefill reserve")(&e))?;
+        fill_tagged(&mut src, remote, request)?;
+        let h = block_on(p.transfer.write(src, remote, TransferOptions::default()))
+            .map_err(|e| Failure(format!("post: {}", e.kind)))?;
+        Ok(Some(h))
     }
-    /// Kills the prefill side without goodbyes (process kill or NIC crash).
+
+    /// Kills the prefill side without goodbyes ([`Faults::crash_prefill`]),
+    /// then lets go of this rig's handles on it.
+    pub fn crash_prefill(&mut self) -> Result<(), Failure> {
+        let crashed = self.faults.crash_prefill();
+        self.prefill = None;
+        crashed
+    }
+
+    /// Messages the decode side dropped as forged or stale so far: the
+    /// pool's counters, plus what the backend drops before the pool sees it.
+    pub fn dropped_messages(&self) -> u64 {
+        let m = self.decode_pool.metrics();
+        m.forged_rejected + m.stale_rejected + self.faults.dropped_before_the_pool()
+    }
+}
+
+/// What a backend's rig stages beyond its parts: held writes, a crash, raw
+/// accesses, malformed frames, raw, hostile and stalled peers, and the
+/// counters to print when a scenario fails. A capability the backend lacks
+/// keeps its default (`None` / `false`), and [`Backend::provides`] says so.
+pub trait Faults {
+    /// Backend counters worth printing when a scenario fails.
+    fn diagnostics(&self) -> String;
+    /// Exposes a decode lease to the prefill side (`prefill`, as `decode`
+    /// numbers it). A backend that must wait, reconnect or look its peer up
+    /// again first (see [`Behaviour::shadows_revoked_slots`]) overrides this.
+    fn expose(&self, decode: &dyn Target, prefill: PeerId, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
+        expose_to(decode, lease, prefill)
+    }
+    /// [`Rig::write_tagged`] where the rig has no prefill side of its own:
+    /// one in another process is told to write (no handle); a crashed one
+    /// cannot.
+    fn write_tagged(&self, _remote: &RemoteSlots, _request: u64) -> Result<Option<TransferHandle>, Failure> {
+        Err(Failure("the prefill side is dead".into()))
+    }
+    /// Starts holding incoming writes at the decode side (false: cannot).
+    fn hold_writes(&self) -> bool {
+        false
+    }
+    /// Lets held writes through.
+    fn release_writes(&self) {}
+    /// Waits (bounded) until at least one write is held.
+    fn wait_held(&self, _timeout: Duration) -> bool {
+        false
+    }
+    /// Kills the prefill side without goodbyes (process kill or NIC crash);
+    /// [`Rig::crash_prefill`] then drops the rig's own handles on it.
     fn crash_prefill(&mut self) -> Result<(), Failure>;
     /// A raw WRITE of `data` from the prefill side; its terminal status
     /// (`None`: the backend has no raw access).
-    fn raw_write(&self, spec: RawSpec, data: Vec<u8>) -> Option<Result<(), TransferError>>;
+    fn raw_write(&self, _spec: RawSpec, _data: Vec<u8>) -> Option<Result<(), TransferError>> {
+        None
+    }
     /// Sends bytes that are not a valid frame to the decode side and waits
     /// until it tore that connection down (`None`: not applicable).
-    fn send_malformed(&self) -> Option<Result<(), Failure>>;
+    fn send_malformed(&self) -> Option<Result<(), Failure>> {
+        None
+    }
     /// Connects a [`RawPeer`] to the decode side; `expose_to_raw` exposes to it
     /// (`None`: the backend has no such peer).
-    fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>>;
+    fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
+        None
+    }
     /// Exposes a decode lease to the last raw peer connected.
-    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure>;
+    fn expose_to_raw(&self, _lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
+        Err(Failure("no raw peer connected".into()))
+    }
     /// A hostile third party that claims to be the last raw peer connected
     /// (its name), through a connection, agent or engine of its own: what
     /// anyone can do with the public wire formats (`None`: not possible).
     fn impostor(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
         None
     }
-    /// Messages the decode side dropped as forged or stale so far: the
-    /// pool's counters, plus what the backend drops before the pool sees it.
-    fn dropped_messages(&self) -> u64 {
-        let m = self.decode_pool().metrics();
-        m.forged_rejected + m.stale_rejected
+    /// Messages the decode side dropped as forged or stale before its pool
+    /// saw them (the pool counts its own: [`Rig::dropped_messages`]).
+    fn dropped_before_the_pool(&self) -> u64 {
+        0
     }
     /// Exposes a decode lease to a peer that starts a WRITE, sends half its
     /// payload and then stalls forever without acking (so revocation cannot
-    /// drain and only a fence can settle). The guard keeps that peer alive.
-    fn expose_to_stalled_peer(&self, lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>>;
+    /// drain and only a fence can settle). The guard keeps that peer alive
+    /// (`None`: the backend cannot stage one; the lease goes back to the pool).
+    fn expose_to_stalled_peer(&self, _lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
+        None
+    }
 }

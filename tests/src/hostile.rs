@@ -34,23 +34,23 @@ pub fn impersonation(b: &dyn Backend) -> Result<(), Failure> {
     ensure!(
         run.settled_by_forgery.is_none(),
         "[{}] a forged proof settled a live exposure; {}",
-        run.rig.backend(),
-        run.rig.diagnostics()
+        run.rig.backend,
+        run.rig.faults.diagnostics()
     );
     ensure!(
         run.dropped == run.sent,
         "[{}] {} forged messages sent, {} dropped and counted; {}",
-        run.rig.backend(),
+        run.rig.backend,
         run.sent,
         run.dropped,
-        run.rig.diagnostics()
+        run.rig.faults.diagnostics()
     );
     let Some((exposed, remote, mut honest)) = run.live else {
         return Err(Failure("the exposure is gone though nothing settled it".into()));
     };
     honest.notify(&remote, &remote.tenancies())?;
     let settled = settle_within(exposed, WAIT).ok_or_else(|| {
-        Failure(format!("[{}] the real peer's proof did not settle; {}", run.rig.backend(), run.rig.diagnostics()))
+        Failure(format!("[{}] the real peer's proof did not settle; {}", run.rig.backend, run.rig.faults.diagnostics()))
     })?;
     settled.release();
     Ok(())
@@ -64,8 +64,8 @@ pub fn impersonation_positive_control(b: &dyn Backend) -> Result<(), Failure> {
     let Some(settled) = run.settled_by_forgery else {
         return Err(Failure(format!(
             "[{}] positive control: with the checks off the forged proof should settle, and did not; {}",
-            run.rig.backend(),
-            run.rig.diagnostics()
+            run.rig.backend,
+            run.rig.faults.diagnostics()
         )));
     };
     let bytes = settled.bytes().map_err(err("read"))?;
@@ -75,14 +75,14 @@ pub fn impersonation_positive_control(b: &dyn Backend) -> Result<(), Failure> {
     ensure!(
         previous.own_bytes == bytes.len(),
         "[{}] positive control: expected the previous tenant's bytes in the forged-settled slot, found {previous:?}",
-        run.rig.backend()
+        run.rig.backend
     );
     Ok(())
 }
 
 /// One run of the attack.
 struct Run {
-    rig: Box<dyn Rig>,
+    rig: Rig,
     /// Forged messages sent.
     sent: u64,
     /// Of those, dropped and counted by the decode side.
@@ -99,7 +99,7 @@ fn attack(b: &dyn Backend, policy: ReleasePolicy) -> Result<Run, Failure> {
     // No escalation during the attack: only a message can settle.
     let quiet = EscalationLadder { drain: WAIT * 6, revoke: WAIT * 6, fence: WAIT * 6 };
     let rig = b.rig(&RigConfig { decode_slots: 1, ladder: quiet, policy, can_hold: false, ..RigConfig::default() })?;
-    let pool = rig.decode_pool().clone();
+    let pool = rig.decode_pool.clone();
     let mut previous = pool.reserve(1).map_err(err("reserve"))?;
     let slot = previous.tenancies()[0].slot;
     let len = pool.slot_size();
@@ -107,21 +107,21 @@ fn attack(b: &dyn Backend, policy: ReleasePolicy) -> Result<Run, Failure> {
     previous.release();
     // Every backend has both: a backend without them has no hostile-peer
     // proof, which is a failure, not a pass.
-    let mut honest = rig.raw_peer().ok_or_else(|| Failure(format!("[{}] no raw peer", rig.backend())))??;
-    let mut impostor = rig.impostor().ok_or_else(|| Failure(format!("[{}] no impostor", rig.backend())))??;
-    let (exposed, remote) = rig.expose_to_raw(pool.reserve(1).map_err(err("reserve"))?)?;
+    let mut honest = rig.faults.raw_peer().ok_or_else(|| Failure(format!("[{}] no raw peer", rig.backend)))??;
+    let mut impostor = rig.faults.impostor().ok_or_else(|| Failure(format!("[{}] no impostor", rig.backend)))??;
+    let (exposed, remote) = rig.faults.expose_to_raw(pool.reserve(1).map_err(err("reserve"))?)?;
     let guessed = RemoteSlots { token: ExposureToken::from_bytes([0xa5; 16]), ..remote.clone() };
     let ts = remote.tenancies();
     let before = rig.dropped_messages();
     let mut sent = 0;
     impostor.notify(&guessed, &ts)?;
     sent += 1;
-    if rig.behaviour().sender_identity == SenderIdentity::Connection {
+    if rig.behaviour.sender_identity == SenderIdentity::Connection {
         // The token leaked: still not the connection it was exposed to.
         impostor.notify(&remote, &ts)?;
         sent += 1;
     }
-    if rig.behaviour().proofs_carry_token {
+    if rig.behaviour.proofs_carry_token {
         honest.notify(&guessed, &ts)?;
         sent += 1;
     }

@@ -22,10 +22,13 @@
 //! ## Plugging in a backend
 //!
 //! A backend joins the suite by implementing [`harness::Backend`] (say
-//! whether it is available, and what to install if not; build a rig) and
-//! [`harness::Rig`] (a decode side and a prefill side, connected: pools,
-//! expose, tagged writes, hold and release of writes where the backend can,
-//! crash of the prefill side, raw accesses). What its rigs lack is declared
+//! whether it is available, and what to install if not; build a rig). A
+//! rig, [`harness::Rig`], is a decode side and a prefill side, connected:
+//! the parts every backend has (its name, its [`harness::Behaviour`], the
+//! decode pool and the core `Target` that exposes it, the prefill pool and
+//! `Transfer`), and [`harness::Faults`], what the backend stages beyond them
+//! (hold and release of writes where it can, crash of the prefill side, raw
+//! accesses, raw, impostor and stalled peers). What its rigs lack is declared
 //! once, in [`Backend::provides`]: the matrix lists the cells that need it
 //! as ignored (not applicable, with why), and a cell that runs fails if its
 //! rig lacks what was declared. Then add it to [`backends`]. The TCP simulator's
@@ -84,7 +87,7 @@ pub mod scenarios;
 pub mod sim;
 pub mod verbs;
 
-pub use harness::{Backend, Failure, OnDevice, Rig, RigConfig, SenderIdentity};
+pub use harness::{Backend, Failure, Faults, OnDevice, Rig, RigConfig, SenderIdentity};
 
 /// Every backend compiled into the suite, available or not.
 /// `prefill_worker`: path of the `prefill-worker` binary (for the

@@ -36,8 +36,10 @@
 //! not here: this rig needs nothing outside the workspace.
 
 use crate::ensure;
-use crate::harness::{fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
-use crate::sim::post_tagged;
+use crate::harness::{
+    expose_to, fail, Backend, Behaviour, Exposure, Failure, Faults, PrefillSide, Provides, RawPeer, Rig, RigConfig,
+    StalledExposure,
+};
 use backend_mooncake::adapter::TenancyKeys;
 use backend_mooncake::gate::GatedTransport;
 use backend_mooncake::proto::NotifyDesc;
@@ -47,16 +49,13 @@ use backend_mooncake::{
     SegmentId, SegmentInfo, TaskStatus, TcpTransportConfig, TransferEngine, TransferRequest,
 };
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
-use kv_transfer_core::{
-    ExposeErrorKind, Exposed, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
-    TransferError, TransferHandle,
-};
+use kv_transfer_core::{ExposeErrorKind, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, Target, Tenancy};
 use std::any::Any;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 /// Which data path a Mooncake rig runs.
@@ -195,10 +194,12 @@ impl TransferEngine for CrashableEngine {
     }
 }
 
+/// The prefill side, as the faults reach it (its adapter and pool are the
+/// rig's, which lets go of them once it crashed).
 struct Prefill {
     engine: Arc<CrashableEngine>,
-    transfer: MooncakeTransfer,
-    pool: SlotPool,
+    /// For its counters: weak, so that a crash drops the adapter.
+    transfer: Weak<MooncakeTransfer>,
     gate: Arc<GatedTransport>,
 }
 
@@ -337,7 +338,7 @@ impl Backend for MooncakeBackend {
             _ => false,
         }
     }
-    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+    fn rig(&self, cfg: &RigConfig) -> Result<Rig, Failure> {
         if cfg.prefill_process {
             return Err(Failure("the Mooncake rig has no out-of-process prefill side".into()));
         }
@@ -349,49 +350,61 @@ impl Backend for MooncakeBackend {
             AdapterConfig { release_policy: cfg.policy, keys, ..AdapterConfig::default() },
         )
         .map_err(|e| fail("decode adapter")(&e))?;
+        let decode = Arc::new(decode);
         let region = cfg.region(cfg.decode_slots)?;
-        let dpool = decode
+        let decode_pool = decode
             .register_pool(region, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
             .map_err(|e| fail("decode pool")(&e))?;
         let (pengine, gate) = engines.gated()?;
         let engine = Arc::new(CrashableEngine { inner: pengine, dead: AtomicBool::new(false) });
         let transfer =
             MooncakeTransfer::new(engine.clone(), AdapterConfig::default()).map_err(|e| fail("prefill adapter")(&e))?;
+        let transfer = Arc::new(transfer);
         let region = cfg.region(cfg.prefill_slots)?;
         let pool =
             transfer.register_pool(region, PoolConfig::new(cfg.slot_size)).map_err(|e| fail("prefill pool")(&e))?;
         let prefill_peer = decode.add_peer(transfer.segment_name()).map_err(|e| fail("decode add_peer")(&e))?;
-        Ok(Box::new(MooncakeRig {
-            name: self.name(),
-            wire: self.wire,
-            engines,
-            decode_engine,
+        // Over RDMA every exposure has a key of its own, which the ladder
+        // can end (and a revoked slot is shadowed for its peer); Mooncake
+        // TCP has none. Mooncake cannot fence.
+        let keyed = self.wire.keyed();
+        Ok(Rig {
+            faults: Box::new(MooncakeFaults {
+                wire: self.wire,
+                engines,
+                decode_engine,
+                decode: decode.clone(),
+                prefill: Some(Prefill { engine, transfer: Arc::downgrade(&transfer), gate }),
+                can_hold: cfg.can_hold,
+                slot_size: cfg.slot_size,
+                raw: Mutex::new(None),
+                raw_name: Mutex::new(None),
+            }),
+            backend: self.name(),
+            behaviour: Behaviour {
+                can_revoke: keyed,
+                shadows_revoked_slots: keyed,
+                can_fence: false,
+                ..Behaviour::default()
+            },
             decode,
-            dpool,
-            prefill: Some(Prefill { engine, transfer, pool, gate }),
+            decode_pool,
             prefill_peer,
-            can_hold: cfg.can_hold,
-            slot_size: cfg.slot_size,
-            raw: Mutex::new(None),
-            raw_name: Mutex::new(None),
-        }))
+            prefill: Some(PrefillSide { transfer, pool }),
+        })
     }
 }
 
-/// A Mooncake rig: our adapter as decode target and as prefill initiator,
-/// connected on 127.0.0.1.
-pub struct MooncakeRig {
-    name: &'static str,
+/// What a Mooncake rig stages: writes held at the prefill side's
+/// transport, its engine struck dead, bare engines as raw and stalled peers.
+struct MooncakeFaults {
     wire: Wire,
     /// Where raw peers' engines come from (they speak the rig's wire).
     engines: Engines,
     decode_engine: Arc<MooncakeEngine>,
-    decode: MooncakeTransfer,
-    dpool: SlotPool,
+    decode: Arc<MooncakeTransfer>,
     /// `None` once crashed.
     prefill: Option<Prefill>,
-    /// The prefill side as the decode adapter numbers it.
-    prefill_peer: PeerId,
     can_hold: bool,
     slot_size: usize,
     /// The last raw peer, as the decode adapter numbers it.
@@ -438,7 +451,7 @@ fn done_text(remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<String, Fail
     msg.encode_text().map_err(|e| fail("encode")(&e))
 }
 
-impl MooncakeRig {
+impl MooncakeFaults {
     fn data_addr(&self) -> Result<SocketAddr, Failure> {
         self.decode_engine.data_addr().ok_or_else(|| Failure("the decode engine has no data listener".into()))
     }
@@ -450,26 +463,16 @@ impl MooncakeRig {
     }
 }
 
-impl Drop for MooncakeRig {
+impl Drop for MooncakeFaults {
     fn drop(&mut self) {
         self.release_writes();
     }
 }
 
-impl Rig for MooncakeRig {
-    fn backend(&self) -> &'static str {
-        self.name
-    }
-    fn behaviour(&self) -> Behaviour {
-        // Over RDMA every exposure has a key of its own, which the ladder
-        // can end (and a revoked slot is shadowed for its peer); Mooncake
-        // TCP has none. Mooncake cannot fence.
-        let keyed = self.wire.keyed();
-        Behaviour { can_revoke: keyed, shadows_revoked_slots: keyed, can_fence: false, ..Behaviour::default() }
-    }
+impl Faults for MooncakeFaults {
     fn diagnostics(&self) -> String {
-        let p = match &self.prefill {
-            Some(p) => format!("{:?}", p.transfer.metrics()),
+        let p = match self.prefill.as_ref().and_then(|p| p.transfer.upgrade()) {
+            Some(t) => format!("{:?}", t.metrics()),
             None => "crashed".into(),
         };
         format!(
@@ -478,23 +481,14 @@ impl Rig for MooncakeRig {
             self.decode_engine.target_stats()
         )
     }
-    fn decode_pool(&self) -> &SlotPool {
-        &self.dpool
-    }
-    fn prefill_pool(&self) -> Option<&SlotPool> {
-        self.prefill.as_ref().map(|p| &p.pool)
-    }
-    fn prefill_transfer(&self) -> Option<&dyn Transfer> {
-        self.prefill.as_ref().map(|p| &p.transfer as &dyn Transfer)
-    }
-    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+    fn expose(&self, decode: &dyn Target, prefill: PeerId, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
         // With keys, a revoked slot is refused to the peer that may retry
         // into it until that peer's ack (typed, the lease back): a serving
         // engine waits for it or picks another slot. Bounded.
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut lease = lease;
         loop {
-            match self.decode.expose(lease, self.prefill_peer) {
+            match decode.expose(lease, prefill) {
                 Ok(x) => return Ok(x),
                 Err(e) if matches!(e.kind, ExposeErrorKind::RetryShadow(_)) && Instant::now() < deadline => {
                     lease = e.lease;
@@ -503,10 +497,6 @@ impl Rig for MooncakeRig {
                 Err(e) => return Err(Failure(format!("expose: {}; {}", e.kind, self.diagnostics()))),
             }
         }
-    }
-    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
-        let Some(p) = &self.prefill else { return Err(Failure("the prefill side is dead".into())) };
-        post_tagged(&p.transfer, &p.pool, remote, request).map(Some)
     }
     fn hold_writes(&self) -> bool {
         self.can_hold && self.prefill.as_ref().is_some_and(|p| p.gate.hold())
@@ -522,16 +512,14 @@ impl Rig for MooncakeRig {
     fn crash_prefill(&mut self) -> Result<(), Failure> {
         if let Some(p) = self.prefill.take() {
             // Struck dead first, so no goodbye (ABORT_ACK, completion) leaves
-            // it; held tasks never reach the wire; then the adapter stops
-            // and the engine tears its connections down.
+            // it; held tasks never reach the wire; then (as the rig lets go
+            // of its adapter) the adapter stops and the engine tears its
+            // connections down.
             p.engine.dead.store(true, Ordering::Release);
             p.gate.crash();
             drop(p);
         }
         Ok(())
-    }
-    fn raw_write(&self, _spec: RawSpec, _data: Vec<u8>) -> Option<Result<(), TransferError>> {
-        None
     }
     fn send_malformed(&self) -> Option<Result<(), Failure>> {
         Some((|| {
@@ -577,11 +565,11 @@ impl Rig for MooncakeRig {
             Ok(Box::new(MooncakeImpostor { name, decode }) as Box<dyn RawPeer>)
         })())
     }
-    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
         let Some(peer) = *lock(&self.raw) else {
             return Err(Failure("no raw peer connected".into()));
         };
-        self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
+        expose_to(self.decode.as_ref(), lease, peer)
     }
     fn expose_to_stalled_peer(&self, lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
         if self.wire.keyed() {
@@ -592,8 +580,7 @@ impl Rig for MooncakeRig {
         Some((|| {
             // The peer: a bare engine (it receives the ABORT and never acks).
             let (engine, peer) = self.raw_engine()?;
-            let (exposed, remote) =
-                self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
+            let (exposed, remote) = expose_to(self.decode.as_ref(), lease, peer)?;
             // Its data connection: a v2 WRITE of the whole slot, half sent.
             let mut s = TcpStream::connect_timeout(&self.data_addr()?, Duration::from_secs(5))
                 .map_err(|e| fail("stalled connect")(&e))?;

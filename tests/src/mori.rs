@@ -6,22 +6,18 @@
 
 use crate::ensure;
 use crate::harness::{
-    fail, Backend, Behaviour, Failure, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+    expose_to, fail, Backend, Behaviour, Exposure, Failure, Faults, PrefillSide, RawPeer, RawSpec, Rig, RigConfig,
+    SenderIdentity, StalledExposure,
 };
-use crate::sim::{post_tagged, start_stalled_write};
+use crate::sim::{send_garbage, start_stalled_write};
 use backend_mori::harness::{raw_sim_peer_desc, settle_tag, MoriSide, RawMoriPeer};
 use backend_mori::{EngineConfig, IoEngine, SimTransportConfig, StatusCode};
-use backend_tcp_sim::{Gate, RawAccess};
-use kv_transfer_core::{
-    Exposed, Generation, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy, Transfer,
-    TransferError, TransferHandle,
-};
-use kv_transfer_testkit::wait::wait_until;
+use backend_tcp_sim::Gate;
+use kv_transfer_core::{PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, Tenancy, TransferError};
 use std::any::Any;
-use std::io::Write;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The MORI backend (engine + adapter) on the TCP simulator's fabric. Always available.
@@ -50,7 +46,7 @@ impl Backend for MoriBackend {
             ..Default::default()
         }
     }
-    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+    fn rig(&self, cfg: &RigConfig) -> Result<Rig, Failure> {
         if cfg.prefill_process {
             return Err(Failure("the MORI rig has no out-of-process prefill side".into()));
         }
@@ -80,24 +76,36 @@ impl Backend for MoriBackend {
         )
         .map_err(|e| fail("prefill side")(&e))?;
         let (prefill_at_decode, _) = decode.connect(&prefill).map_err(|e| fail("connect")(&e))?;
-        Ok(Box::new(MoriRig {
-            decode,
-            prefill: Some(prefill),
-            peer: prefill_at_decode,
-            gate,
-            slot_size: cfg.slot_size,
-            raw: Mutex::new(None),
-            raw_name: Mutex::new(None),
-        }))
+        Ok(Rig {
+            backend: "mori",
+            behaviour: Behaviour {
+                sender_identity: SenderIdentity::Connection,
+                proofs_carry_token: false,
+                ..Behaviour::default()
+            },
+            decode: Arc::new(decode.transfer.clone()),
+            decode_pool: decode.pool.clone(),
+            prefill_peer: prefill_at_decode,
+            prefill: Some(PrefillSide { transfer: Arc::new(prefill.transfer.clone()), pool: prefill.pool.clone() }),
+            faults: Box::new(MoriFaults {
+                decode,
+                prefill: Some(prefill),
+                gate,
+                slot_size: cfg.slot_size,
+                raw: Mutex::new(None),
+                raw_name: Mutex::new(None),
+            }),
+        })
     }
 }
 
-/// A MORI rig: two engines with adapters on the simulator's fabric; the
-/// decode NIC has a gate that can hold incoming writes.
-pub struct MoriRig {
+/// What a MORI rig stages (two engines with adapters on the simulator's
+/// fabric): a gate at the decode NIC that can hold incoming writes, the
+/// prefill side's transport crashed, raw wire-level and MORI peers.
+struct MoriFaults {
     decode: MoriSide,
+    /// `None` once crashed.
     prefill: Option<MoriSide>,
-    peer: PeerId,
     gate: Option<Gate>,
     slot_size: usize,
     raw: Mutex<Option<PeerId>>,
@@ -105,14 +113,14 @@ pub struct MoriRig {
     raw_name: Mutex<Option<String>>,
 }
 
-impl MoriRig {
+impl MoriFaults {
     fn raw_hello(&self, name: &str) -> Result<TcpStream, Failure> {
         let nic = self.decode.transport.nic().ok_or_else(|| Failure("decode NIC not attached".into()))?;
         crate::sim::raw_hello(nic.endpoint(), name)
     }
 }
 
-impl MoriRig {
+impl MoriFaults {
     /// A raw MORI peer sending statuses that name the decode pool's memory.
     fn raw_mori_peer(&self, peer: RawMoriPeer) -> Result<Box<dyn RawPeer>, Failure> {
         let desc = self.decode.transfer.memory_desc(&self.decode.pool).ok_or_else(|| Failure("no memory".into()))?;
@@ -120,7 +128,7 @@ impl MoriRig {
     }
 }
 
-impl Drop for MoriRig {
+impl Drop for MoriFaults {
     fn drop(&mut self) {
         self.release_writes();
     }
@@ -144,13 +152,7 @@ impl RawPeer for MoriRawPeer {
     }
 }
 
-impl Rig for MoriRig {
-    fn backend(&self) -> &'static str {
-        "mori"
-    }
-    fn behaviour(&self) -> Behaviour {
-        Behaviour { sender_identity: SenderIdentity::Connection, proofs_carry_token: false, ..Behaviour::default() }
-    }
+impl Faults for MoriFaults {
     fn diagnostics(&self) -> String {
         let nic = |s: &MoriSide| s.transport.nic().map(|n| format!("{:?}", n.stats())).unwrap_or_default();
         let p =
@@ -162,22 +164,6 @@ impl Rig for MoriRig {
             nic(&self.decode),
             p.unwrap_or_else(|| "dead".into())
         )
-    }
-    fn decode_pool(&self) -> &SlotPool {
-        &self.decode.pool
-    }
-    fn prefill_pool(&self) -> Option<&SlotPool> {
-        self.prefill.as_ref().map(|p| &p.pool)
-    }
-    fn prefill_transfer(&self) -> Option<&dyn Transfer> {
-        self.prefill.as_ref().map(|p| &p.transfer as &dyn Transfer)
-    }
-    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
-        self.decode.transfer.expose(lease, self.peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
-    }
-    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
-        let p = self.prefill.as_ref().ok_or_else(|| Failure("the prefill side is dead".into()))?;
-        post_tagged(&p.transfer, &p.pool, remote, request).map(Some)
     }
     fn hold_writes(&self) -> bool {
         self.gate.as_ref().map(Gate::hold).is_some()
@@ -199,44 +185,13 @@ impl Rig for MoriRig {
     fn raw_write(&self, spec: RawSpec, data: Vec<u8>) -> Option<Result<(), TransferError>> {
         let p = self.prefill.as_ref()?;
         let nic = p.transport.nic()?;
-        let peer = match p.transport.sim_peer(&self.decode.engine.key()) {
-            Ok(peer) => peer,
-            Err(e) => return Some(Err(TransferError::Transport(e.to_string()))),
-        };
-        let a = RawAccess {
-            key: spec.key,
-            addr: spec.addr,
-            slot: SlotId(spec.slot),
-            generation: Generation(spec.generation),
-        };
-        let h = match nic.write_raw(peer, a, bytes::Bytes::from(data)) {
-            Ok(h) => h,
-            Err(e) => return Some(Err(TransferError::Transport(e.to_string()))),
-        };
-        Some(match h.wait(Duration::from_secs(10)) {
-            Some(r) => r.map(|_| ()),
-            None => Err(TransferError::Transport("no terminal status within 10 s".into())),
+        Some(match p.transport.sim_peer(&self.decode.engine.key()) {
+            Ok(peer) => crate::sim::raw_write(nic, peer, spec, data),
+            Err(e) => Err(TransferError::Transport(e.to_string())),
         })
     }
     fn send_malformed(&self) -> Option<Result<(), Failure>> {
-        let nic = self.decode.transport.nic()?.clone();
-        Some((|| {
-            let before = nic.stats().malformed_frames;
-            let name = format!("garbler-{}", RIGS.fetch_add(1, Ordering::Relaxed));
-            let mut s = self.raw_hello(&name)?;
-            ensure!(
-                wait_until(Duration::from_secs(5), || nic.peer_by_name(&name).is_some()),
-                "the raw peer never showed up"
-            );
-            s.write_all(&[0xde, 0xad, 0xbe, 0xef, 0xff, 0xff, 0xff, 0xff, 1, 2, 3, 4])
-                .map_err(|e| fail("garbage")(&e))?;
-            ensure!(
-                wait_until(Duration::from_secs(5), || nic.stats().malformed_frames > before
-                    && nic.peer_by_name(&name).is_none()),
-                "the decode NIC did not tear down the connection that sent garbage"
-            );
-            Ok(())
-        })())
+        Some(send_garbage(self.decode.transport.nic()?))
     }
     fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
         Some((|| {
@@ -262,15 +217,14 @@ impl Rig for MoriRig {
             self.raw_mori_peer(peer)
         })())
     }
-    fn dropped_messages(&self) -> u64 {
-        let m = self.decode.pool.metrics();
-        m.forged_rejected + m.stale_rejected + self.decode.transport.impostor_messages()
+    fn dropped_before_the_pool(&self) -> u64 {
+        self.decode.transport.impostor_messages()
     }
-    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
         let Some(id) = *self.raw.lock().unwrap_or_else(|p| p.into_inner()) else {
             return Err(Failure("no raw peer connected".into()));
         };
-        self.decode.transfer.expose(lease, id).map_err(|e| Failure(format!("expose: {}", e.kind)))
+        expose_to(&self.decode.transfer, lease, id)
     }
     fn expose_to_stalled_peer(&self, lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
         let nic = self.decode.transport.nic()?.clone();
@@ -283,8 +237,7 @@ impl Rig for MoriRig {
                 .transfer
                 .add_peer(&raw_sim_peer_desc(&name, "127.0.0.1:9"))
                 .map_err(|e| fail("add stalled peer")(&e))?;
-            let (exposed, remote) =
-                self.decode.transfer.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
+            let (exposed, remote) = expose_to(&self.decode.transfer, lease, peer)?;
             start_stalled_write(&mut s, &remote, self.slot_size)?;
             Ok((exposed, Box::new(s) as Box<dyn Any>))
         })())

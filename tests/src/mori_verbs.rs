@@ -17,19 +17,16 @@
 
 use crate::ensure;
 use crate::harness::{
-    fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+    expose_to, fail, Backend, Behaviour, Exposure, Failure, Faults, PrefillSide, Provides, RawPeer, Rig, RigConfig,
+    SenderIdentity,
 };
-use crate::sim::post_tagged;
 use crate::verbs::Nic;
 use backend_mori::harness::{settle_tag, MoriSide};
 use backend_mori::verbs::{VerbsTransport, VerbsTransportConfig};
 use backend_mori::{EngineConfig, EngineKey, IoEngine, MoriTransport, Notification, StatusCode};
 use backend_verbs::{Engine, FakeFabric};
 use kv_transfer_core::drain::ReleasePolicy;
-use kv_transfer_core::{
-    Exposed, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotMemory, SlotPool, Tenancy, Transfer,
-    TransferError, TransferHandle,
-};
+use kv_transfer_core::{PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotMemory, Target, Tenancy};
 use kv_transfer_testkit::wait::wait_until;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -129,7 +126,7 @@ impl Backend for MoriVerbsBackend {
     fn runs_elsewhere_in_ci(&self) -> bool {
         self.nic.runs_elsewhere_in_ci()
     }
-    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+    fn rig(&self, cfg: &RigConfig) -> Result<Rig, Failure> {
         if cfg.prefill_process {
             return Err(Failure("the MORI-on-verbs rig has no out-of-process prefill side".into()));
         }
@@ -156,28 +153,37 @@ impl Backend for MoriVerbsBackend {
         )?;
         // The decode side dials (its add_peer goes first).
         let (peer, _) = decode.connect(&prefill).map_err(|e| fail("connect")(&e))?;
-        Ok(Box::new(MoriVerbsRig {
-            name: self.name(),
-            nics,
-            decode,
-            prefill: Some(prefill),
-            peer,
-            raw: Mutex::new(None),
-            memory: cfg.memory,
-        }))
+        Ok(Rig {
+            backend: self.name(),
+            behaviour: Behaviour {
+                stale_write_breaks_connection: true,
+                sender_identity: SenderIdentity::Connection,
+                proofs_carry_token: false,
+                ..Behaviour::default()
+            },
+            decode: Arc::new(decode.transfer.clone()),
+            decode_pool: decode.pool.clone(),
+            prefill_peer: peer,
+            prefill: Some(PrefillSide { transfer: Arc::new(prefill.transfer.clone()), pool: prefill.pool.clone() }),
+            faults: Box::new(MoriVerbsFaults {
+                nics,
+                decode,
+                prefill: Some(prefill),
+                raw: Mutex::new(None),
+                memory: cfg.memory,
+            }),
+        })
     }
 }
 
-/// A MORI-on-verbs rig.
-pub struct MoriVerbsRig {
-    name: &'static str,
+/// What a MORI-on-verbs rig stages: the prefill side's queue pairs held
+/// (on the software NIC), its transport crashed, third and fourth engines
+/// as raw and impostor peers.
+struct MoriVerbsFaults {
     nics: Nics,
     decode: Side,
     /// `None` once crashed.
     prefill: Option<Side>,
-    /// The prefill engine, as the decode adapter numbers it (stable across
-    /// reconnects: the adapter numbers engines by key).
-    peer: PeerId,
     /// The last raw peer's engine key and the decode side's id for it.
     raw: Mutex<Option<(String, PeerId)>>,
     /// Where every side's slots live.
@@ -215,11 +221,7 @@ impl RawPeer for MoriVerbsRawPeer {
     }
 }
 
-impl MoriVerbsRig {
-    fn prefill(&self) -> Result<&Side, Failure> {
-        self.prefill.as_ref().ok_or_else(|| Failure("the prefill side is dead".into()))
-    }
-
+impl MoriVerbsFaults {
     /// The prefill side's queue pairs to the decode side (what holding
     /// writes holds on the software NIC).
     fn prefill_qps(&self) -> Vec<u32> {
@@ -235,18 +237,7 @@ impl MoriVerbsRig {
     }
 }
 
-impl Rig for MoriVerbsRig {
-    fn backend(&self) -> &'static str {
-        self.name
-    }
-    fn behaviour(&self) -> Behaviour {
-        Behaviour {
-            stale_write_breaks_connection: true,
-            sender_identity: SenderIdentity::Connection,
-            proofs_carry_token: false,
-            ..Behaviour::default()
-        }
-    }
+impl Faults for MoriVerbsFaults {
     fn diagnostics(&self) -> String {
         let p = self.prefill.as_ref().map(|p| format!("{:?} {:?}", p.transfer.stats(), p.transport.stats()));
         format!(
@@ -258,23 +249,14 @@ impl Rig for MoriVerbsRig {
             p.unwrap_or_else(|| "dead".into())
         )
     }
-    fn decode_pool(&self) -> &SlotPool {
-        &self.decode.pool
-    }
-    fn prefill_pool(&self) -> Option<&SlotPool> {
-        self.prefill.as_ref().map(|p| &p.pool)
-    }
-    fn prefill_transfer(&self) -> Option<&dyn Transfer> {
-        self.prefill.as_ref().map(|p| &p.transfer as &dyn Transfer)
-    }
-    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+    fn expose(&self, decode: &dyn Target, prefill: PeerId, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
         // A refused stale WRITE ends the connection (RC), and each engine
         // then holds the other fenced until it is registered again: a
         // serving engine re-adds its peer and exposes again. Bounded.
         let deadline = Instant::now() + WAIT;
         let mut lease = lease;
         loop {
-            match self.decode.transfer.expose(lease, self.peer) {
+            match decode.expose(lease, prefill) {
                 Ok(x) => return Ok(x),
                 Err(e) if Instant::now() < deadline => {
                     lease = e.lease;
@@ -286,10 +268,6 @@ impl Rig for MoriVerbsRig {
                 Err(e) => return Err(Failure(format!("expose: {}; {}", e.kind, self.diagnostics()))),
             }
         }
-    }
-    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
-        let p = self.prefill()?;
-        post_tagged(&p.transfer, &p.pool, remote, request).map(Some)
     }
     #[allow(irrefutable_let_patterns)]
     fn hold_writes(&self) -> bool {
@@ -316,9 +294,6 @@ impl Rig for MoriVerbsRig {
             p.transport.crash();
         }
         Ok(())
-    }
-    fn raw_write(&self, _spec: RawSpec, _data: Vec<u8>) -> Option<Result<(), TransferError>> {
-        None
     }
     fn send_malformed(&self) -> Option<Result<(), Failure>> {
         let addr = self.decode.transport.side_channel()?;
@@ -372,24 +347,20 @@ impl Rig for MoriVerbsRig {
             Ok(Box::new(imp) as Box<dyn RawPeer>)
         })())
     }
-    fn dropped_messages(&self) -> u64 {
-        let m = self.decode.pool.metrics();
+    fn dropped_before_the_pool(&self) -> u64 {
         let s = self.decode.transport.stats();
-        m.forged_rejected + m.stale_rejected + s.impostor_messages + s.unbound_messages
+        s.impostor_messages + s.unbound_messages
     }
-    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
         let Some(id) = self.raw.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(_, id)| *id) else {
             return Err(Failure("no raw peer connected".into()));
         };
-        self.decode.transfer.expose(lease, id).map_err(|e| Failure(format!("expose: {}", e.kind)))
+        expose_to(&self.decode.transfer, lease, id)
     }
-    fn expose_to_stalled_peer(&self, _lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
-        // A stalled half-written WRITE cannot be staged from user space.
-        None
-    }
+    // No stalled peer: a half-written WRITE cannot be staged from user space.
 }
 
-impl Drop for MoriVerbsRig {
+impl Drop for MoriVerbsFaults {
     fn drop(&mut self) {
         self.release_writes();
     }

@@ -8,10 +8,10 @@
 //!   target that makes no progress lets no incoming WRITE complete: the bytes
 //!   wait in the socket and the initiator's request stays `IN_PROG`. That is
 //!   how the rig holds incoming writes at the decode side
-//!   ([`Rig::hold_writes`]), and only when every UCX transport in use is `tcp`
+//!   ([`Faults::hold_writes`]), and only when every UCX transport in use is `tcp`
 //!   (or `self`): shared memory and CMA write without the target's help.
 //! - **Prefill side**: another agent, gated the same way, so that
-//!   [`Rig::crash_prefill`] can freeze it: from then on it never progresses,
+//!   [`Faults::crash_prefill`] can freeze it: from then on it never progresses,
 //!   never observes a completion, never sends a notification or an ack (what
 //!   it already put on the wire still lands). As the decode side sees it,
 //!   that is a crash without goodbyes; the agent itself is leaked, never
@@ -30,15 +30,17 @@
 //! [`Behaviour::can_fence`](crate::harness::Behaviour::can_fence) are false: the adapter's `Revoke`/`Fence` escalations
 //! produce no proof, and aborted slots stay quarantined until the peer
 //! acknowledges, or for good, reported stuck); a raw one-sided access checked
-//! at the target ([`Rig::raw_write`] is `None`: NIXL checks no key, slot bound
+//! at the target ([`Faults::raw_write`] is `None`: NIXL checks no key, slot bound
 //! or generation at write time, so only our initiator-side checks stand
 //! between a buggy peer and the memory); a malformed frame that tears a
-//! connection down ([`Rig::send_malformed`] is `None`: a notification that
+//! connection down ([`Faults::send_malformed`] is `None`: a notification that
 //! does not parse is dropped and counted, the connection stays). The prefill
 //! side always runs in this process (no killed-process variant).
 
-use crate::harness::{fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, StalledExposure};
-use crate::sim::post_tagged;
+use crate::harness::{
+    expose_to, fail, Backend, Behaviour, Exposure, Failure, Faults, PrefillSide, Provides, RawPeer, Rig, RigConfig,
+    StalledExposure,
+};
 use backend_nixl::engine::{AgentConfig, NixlLibrary, INSTALL_HINT};
 use backend_nixl::{
     AdapterConfig, EngineConfig, EngineError, MemRegion, NixlEngine, NixlTransfer, Notification, Progress,
@@ -47,8 +49,8 @@ use backend_nixl::{
 use backend_tcp_sim::block_on;
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
-    Exposed, HostRegion, PeerId, PoolConfig, PoolId, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
-    TransferError, TransferHandle, TransferOptions,
+    HostRegion, PeerId, PoolConfig, PoolId, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer,
+    TransferOptions,
 };
 use kv_transfer_testkit::wait::{poll_until, wait_until};
 use std::any::Any;
@@ -139,9 +141,9 @@ impl Backend for NixlBackend {
             }
         }
     }
-    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+    fn rig(&self, cfg: &RigConfig) -> Result<Rig, Failure> {
         prepare_env();
-        NixlRig::new(cfg).map(|r| Box::new(r) as Box<dyn Rig>)
+        rig(cfg)
     }
 }
 
@@ -254,18 +256,18 @@ impl NixlEngine for GatedEngine {
     }
 }
 
-/// A NIXL rig: decode and prefill agents in this process, each behind the adapter.
-pub struct NixlRig {
-    decode: NixlTransfer,
+/// What a NIXL rig stages: its agents' gates (held writes, a frozen prefill
+/// agent), and third agents as raw, impostor and stalled peers.
+struct NixlFaults {
+    decode: Arc<NixlTransfer>,
     gate: Arc<GatedEngine>,
     dpool: SlotPool,
-    prefill: NixlTransfer,
+    /// Kept past a crash: a frozen agent is shut down with the rig, never
+    /// dropped under a possible write.
+    prefill: Arc<NixlTransfer>,
     pgate: Arc<GatedEngine>,
-    ppool: SlotPool,
     /// Something will never settle (a crashed or stalled peer): teardown waits less.
     doomed: AtomicBool,
-    /// The prefill agent, as the decode side numbers it.
-    peer: PeerId,
     can_hold: bool,
     /// The last raw peer, as the decode side numbers it.
     raw: Mutex<Option<PeerId>>,
@@ -284,36 +286,42 @@ fn register(t: &NixlTransfer, slots: usize, slot_size: usize, cfg: PoolConfig) -
     t.register_pool(Arc::new(region), cfg).map_err(|e| fail("register pool")(&e))
 }
 
-impl NixlRig {
-    fn new(cfg: &RigConfig) -> Result<Self, Failure> {
-        let gate = Arc::new(GatedEngine::start(unique("decode")).map_err(|e| fail("decode agent")(&e))?);
-        let dcfg = AdapterConfig { release_policy: cfg.policy, ..driven(TEARDOWN) };
-        let decode = NixlTransfer::new(gate.clone(), dcfg).map_err(|e| fail("decode adapter")(&e))?;
-        let dpool =
-            register(&decode, cfg.decode_slots, cfg.slot_size, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))?;
-        let pgate = Arc::new(GatedEngine::start(unique("prefill")).map_err(|e| fail("prefill agent")(&e))?);
-        let prefill = NixlTransfer::new(pgate.clone(), driven(TEARDOWN)).map_err(|e| fail("prefill adapter")(&e))?;
-        let ppool = register(&prefill, cfg.prefill_slots, cfg.slot_size, PoolConfig::new(cfg.slot_size))?;
-        // Metadata after registration: each side learns the other's memory.
-        let dmd = decode.local_metadata().map_err(|e| fail("decode metadata")(&e))?;
-        prefill.add_peer(&dmd).map_err(|e| fail("prefill loads decode metadata")(&e))?;
-        let pmd = prefill.local_metadata().map_err(|e| fail("prefill metadata")(&e))?;
-        let peer = decode.add_peer(&pmd).map_err(|e| fail("decode loads prefill metadata")(&e))?;
-        Ok(Self {
-            decode,
+/// Decode and prefill agents in this process, each behind the adapter.
+fn rig(cfg: &RigConfig) -> Result<Rig, Failure> {
+    let gate = Arc::new(GatedEngine::start(unique("decode")).map_err(|e| fail("decode agent")(&e))?);
+    let dcfg = AdapterConfig { release_policy: cfg.policy, ..driven(TEARDOWN) };
+    let decode = Arc::new(NixlTransfer::new(gate.clone(), dcfg).map_err(|e| fail("decode adapter")(&e))?);
+    let dpool =
+        register(&decode, cfg.decode_slots, cfg.slot_size, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))?;
+    let pgate = Arc::new(GatedEngine::start(unique("prefill")).map_err(|e| fail("prefill agent")(&e))?);
+    let prefill =
+        Arc::new(NixlTransfer::new(pgate.clone(), driven(TEARDOWN)).map_err(|e| fail("prefill adapter")(&e))?);
+    let ppool = register(&prefill, cfg.prefill_slots, cfg.slot_size, PoolConfig::new(cfg.slot_size))?;
+    // Metadata after registration: each side learns the other's memory.
+    let dmd = decode.local_metadata().map_err(|e| fail("decode metadata")(&e))?;
+    prefill.add_peer(&dmd).map_err(|e| fail("prefill loads decode metadata")(&e))?;
+    let pmd = prefill.local_metadata().map_err(|e| fail("prefill metadata")(&e))?;
+    let peer = decode.add_peer(&pmd).map_err(|e| fail("decode loads prefill metadata")(&e))?;
+    Ok(Rig {
+        faults: Box::new(NixlFaults {
+            decode: decode.clone(),
             gate,
-            dpool,
-            prefill,
+            dpool: dpool.clone(),
+            prefill: prefill.clone(),
             pgate,
-            ppool,
             doomed: AtomicBool::new(false),
-            peer,
             can_hold: cfg.can_hold && transports_need_target_progress(),
             raw: Mutex::new(None),
             raw_name: Mutex::new(None),
             keys: Keys::default(),
-        })
-    }
+        }),
+        backend: "nixl",
+        behaviour: Behaviour { can_revoke: false, can_fence: false, ..Behaviour::default() },
+        decode,
+        decode_pool: dpool,
+        prefill_peer: peer,
+        prefill: Some(PrefillSide { transfer: prefill, pool: ppool }),
+    })
 }
 
 /// Adapter settings for an agent whose only progress is the adapter's driver.
@@ -321,7 +329,7 @@ fn driven(teardown_timeout: Duration) -> AdapterConfig {
     AdapterConfig { progress: Progress::Driver, teardown_timeout, ..AdapterConfig::default() }
 }
 
-impl Drop for NixlRig {
+impl Drop for NixlFaults {
     fn drop(&mut self) {
         self.gate.open();
         // The prefill side first: it drains its requests and sends its last
@@ -337,7 +345,7 @@ impl Drop for NixlRig {
     }
 }
 
-impl NixlRig {
+impl NixlFaults {
     /// A third agent that completes one WRITE (so its connection is up), then
     /// freezes and posts a WRITE into `lease`'s slots without a notification:
     /// its bytes go out, and it never observes completion, never notifies,
@@ -355,7 +363,7 @@ impl NixlRig {
         let peer = self.decode.add_peer(&smd).map_err(|e| fail("decode loads staller metadata")(&e))?;
         // A complete, notified WRITE first.
         let warm = self.dpool.reserve(1).map_err(|e| fail("reserve")(&e))?;
-        let (wexp, wremote) = self.decode.expose(warm, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
+        let (wexp, wremote) = expose_to(self.decode.as_ref(), warm, peer)?;
         let src = spool.reserve(1).map_err(|e| fail("staller reserve")(&e))?;
         let mut h = block_on(t.write(src, &wremote, TransferOptions::default()))
             .map_err(|e| Failure(format!("staller post: {}", e.kind)))?;
@@ -368,7 +376,7 @@ impl NixlRig {
             .ok_or_else(|| Failure("the staller's first WRITE never settled".into()))?
             .release();
         // Then the WRITE it never finishes.
-        let (exposed, remote) = self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
+        let (exposed, remote) = expose_to(self.decode.as_ref(), lease, peer)?;
         gate.freeze();
         // Without an attached notification: NIXL may complete a request inside
         // the post and send its notification from there, which would be an ack.
@@ -399,7 +407,7 @@ impl RawPeer for NixlRawPeer {
     }
 }
 
-impl NixlRig {
+impl NixlFaults {
     /// A real agent named `name` that loaded the decode side's metadata
     /// (so it can notify it), and the decode agent's name.
     fn agent_towards_decode(&self, name: &str) -> Result<(RealNixlEngine, String), Failure> {
@@ -410,13 +418,7 @@ impl NixlRig {
     }
 }
 
-impl Rig for NixlRig {
-    fn backend(&self) -> &'static str {
-        "nixl"
-    }
-    fn behaviour(&self) -> Behaviour {
-        Behaviour { can_revoke: false, can_fence: false, ..Behaviour::default() }
-    }
+impl Faults for NixlFaults {
     fn diagnostics(&self) -> String {
         format!(
             "decode adapter {:?}; prefill adapter {:?}; held {}",
@@ -424,24 +426,6 @@ impl Rig for NixlRig {
             self.prefill.metrics(),
             self.gate.is_held()
         )
-    }
-    fn decode_pool(&self) -> &SlotPool {
-        &self.dpool
-    }
-    fn prefill_pool(&self) -> Option<&SlotPool> {
-        Some(&self.ppool)
-    }
-    fn prefill_transfer(&self) -> Option<&dyn Transfer> {
-        Some(&self.prefill)
-    }
-    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
-        self.decode.expose(lease, self.peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
-    }
-    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
-        if self.pgate.is_frozen() {
-            return Err(Failure("the prefill side is dead".into()));
-        }
-        post_tagged(&self.prefill, &self.ppool, remote, request).map(Some)
     }
     fn hold_writes(&self) -> bool {
         if self.can_hold {
@@ -462,12 +446,6 @@ impl Rig for NixlRig {
         // notification or ack ever again; what is already on the wire lands.
         self.pgate.freeze();
         Ok(())
-    }
-    fn raw_write(&self, _spec: RawSpec, _data: Vec<u8>) -> Option<Result<(), TransferError>> {
-        None
-    }
-    fn send_malformed(&self) -> Option<Result<(), Failure>> {
-        None
     }
     fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
         Some((|| {
@@ -490,11 +468,11 @@ impl Rig for NixlRig {
             Ok(Box::new(NixlRawPeer { engine, decode, keys: Arc::clone(&self.keys) }) as Box<dyn RawPeer>)
         })())
     }
-    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
         let Some(peer) = *self.raw.lock().unwrap_or_else(|p| p.into_inner()) else {
             return Err(Failure("no raw peer connected".into()));
         };
-        let (exposed, remote) = self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
+        let (exposed, remote) = expose_to(self.decode.as_ref(), lease, peer)?;
         self.keys.lock().unwrap_or_else(|p| p.into_inner()).insert(remote.key, remote.pool);
         Ok((exposed, remote))
     }

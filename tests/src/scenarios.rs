@@ -2,7 +2,7 @@
 //! or a [`Failure`] saying what was expected and what was seen; none panics.
 
 use crate::ensure;
-use crate::harness::{Backend, Failure, Provides, RawSpec, Rig, RigConfig};
+use crate::harness::{Backend, Failure, PrefillSide, Provides, RawSpec, Rig, RigConfig};
 use kv_transfer_core::{
     AdmissionError, EscalationLadder, Exposed, MetricsSnapshot, PostErrorKind, RejectReason, RemoteSlots, Settled,
     SlotLease, SlotPool, Tenancy, TransferError, TransferHandle, TransferOptions, TransferOutcome,
@@ -83,7 +83,7 @@ fn wait_whole(pool: &SlotPool) -> Result<MetricsSnapshot, Failure> {
 
 /// Writes `request` through the rig, waits for it and for the exposure's
 /// settlement, and checks every byte the consumer reads.
-fn serve(rig: &dyn Rig, exposed: SlotLease<Exposed>, remote: &RemoteSlots, request: u64) -> Result<(), Failure> {
+fn serve(rig: &Rig, exposed: SlotLease<Exposed>, remote: &RemoteSlots, request: u64) -> Result<(), Failure> {
     let out = wait_handle(rig.write_tagged(remote, request)?)?;
     if let Some(out) = out {
         ensure!(out.result.is_ok(), "request {request}'s write failed: {:?}", out.result);
@@ -98,8 +98,8 @@ fn serve(rig: &dyn Rig, exposed: SlotLease<Exposed>, remote: &RemoteSlots, reque
 
 /// Checks that `rig` provides what its backend declared for this cell
 /// (`what`: the capability, `has`: what the rig says).
-fn declared(rig: &dyn Rig, what: &str, has: bool) -> Result<(), Failure> {
-    ensure!(has, "[{}] the backend declares {what}, but its rig does not provide it", rig.backend());
+fn declared(rig: &Rig, what: &str, has: bool) -> Result<(), Failure> {
+    ensure!(has, "[{}] the backend declares {what}, but its rig does not provide it", rig.backend);
     Ok(())
 }
 
@@ -120,14 +120,14 @@ fn abort_in_flight_path(b: &dyn Backend, path: &str) -> Result<(), Failure> {
         let l = if path == "drain" { ladder(30_000, 30_000, 30_000) } else { ladder(1, 30_000, 30_000) };
         let rig = b.rig(&RigConfig { decode_slots: 4, ladder: l, ..RigConfig::default() })?;
         if path == "revoke" {
-            declared(rig.as_ref(), "revocation", rig.behaviour().can_revoke)?;
+            declared(&rig, "revocation", rig.behaviour.can_revoke)?;
         }
-        let pool = rig.decode_pool().clone();
-        let held = rig.hold_writes();
+        let pool = rig.decode_pool.clone();
+        let held = rig.faults.hold_writes();
         let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
         let first: Vec<Tenancy> = remote.tenancies();
         let h = rig.write_tagged(&remote, 1)?;
-        ensure!(!held || rig.wait_held(WAIT), "[{path}] the write never reached the decode side");
+        ensure!(!held || rig.faults.wait_held(WAIT), "[{path}] the write never reached the decode side");
         exposed.abort();
         let m = pool.metrics();
         // Without held writes (verbs: the NIC places them) the write and
@@ -154,7 +154,7 @@ fn abort_in_flight_path(b: &dyn Backend, path: &str) -> Result<(), Failure> {
             // Still held: only the revocation (after the 1 ms drain) can settle.
             ensure!(wait_until(WAIT, || pool.metrics().quarantined == 0), "[revoke] the slots were never revoked");
         }
-        rig.release_writes();
+        rig.faults.release_writes();
         let out = wait_handle(h)?;
         let m = wait_whole(&pool)?;
         match path {
@@ -171,11 +171,15 @@ fn abort_in_flight_path(b: &dyn Backend, path: &str) -> Result<(), Failure> {
                 ensure!(
                     m.settled_revoked + m.settled_completed >= 2,
                     "[{path}] expected Revoked or Completed, saw {m:?}; {}",
-                    rig.diagnostics()
+                    rig.faults.diagnostics()
                 );
             }
             _ => {
-                ensure!(m.settled_revoked >= 2, "[revoke] expected a Revoked proof, saw {m:?}; {}", rig.diagnostics());
+                ensure!(
+                    m.settled_revoked >= 2,
+                    "[revoke] expected a Revoked proof, saw {m:?}; {}",
+                    rig.faults.diagnostics()
+                );
                 if let Some(o) = &out {
                     ensure!(
                         o.result == Err(TransferError::Rejected(RejectReason::StaleGeneration)),
@@ -193,7 +197,7 @@ fn abort_in_flight_path(b: &dyn Backend, path: &str) -> Result<(), Failure> {
             same_slots_newer(&first, &again),
             "[{path}] expected the next tenant on the same slots with newer generations: {first:?} -> {again:?}"
         );
-        serve(rig.as_ref(), exposed, &remote, 2)?;
+        serve(&rig, exposed, &remote, 2)?;
         wait_whole(&pool)?;
     }
     Ok(())
@@ -229,14 +233,14 @@ fn peer_crash_run(b: &dyn Backend, process: bool, fence: bool) -> Result<(), Fai
         ..RigConfig::default()
     };
     let mut rig = b.rig(&cfg)?;
-    let pool = rig.decode_pool().clone();
-    let held = rig.hold_writes();
+    let pool = rig.decode_pool.clone();
+    let held = rig.faults.hold_writes();
     let (exposed, remote) = rig.expose(pool.reserve(4).map_err(err("reserve"))?)?;
     let tenancies = remote.tenancies();
     // Two of the four slots are written.
     let written = RemoteSlots { slots: remote.slots[..2].to_vec(), ..remote.clone() };
     let _h = rig.write_tagged(&written, 7)?;
-    ensure!(!held || rig.wait_held(WAIT), "the prefill side's writes never arrived");
+    ensure!(!held || rig.faults.wait_held(WAIT), "the prefill side's writes never arrived");
     exposed.abort();
     let m = pool.metrics();
     // Without held writes (verbs) the written slots may settle by their DONE
@@ -246,9 +250,9 @@ fn peer_crash_run(b: &dyn Backend, process: bool, fence: bool) -> Result<(), Fai
         "expected 4 quarantined slots before the crash, saw {m:?}"
     );
     rig.crash_prefill()?;
-    rig.release_writes();
+    rig.faults.release_writes();
     if !fence {
-        ensure!(!rig.behaviour().can_fence, "[{}] a rig with a fence runs the fenced cell", rig.backend());
+        ensure!(!rig.behaviour.can_fence, "[{}] a rig with a fence runs the fenced cell", rig.backend);
         // Nothing can prove that the dead peer's writes are over: the slots stay quarantined.
         std::thread::sleep(Duration::from_millis(200));
         let m = pool.metrics();
@@ -258,7 +262,7 @@ fn peer_crash_run(b: &dyn Backend, process: bool, fence: bool) -> Result<(), Fai
         );
         return Ok(());
     }
-    declared(rig.as_ref(), "a fence", rig.behaviour().can_fence)?;
+    declared(&rig, "a fence", rig.behaviour.can_fence)?;
     let m = wait_whole(&pool)?;
     // A backend whose ladder revokes first (verbs: `LOCAL_INV` is local and
     // certain) settles the unwritten slots by revocation before the fence.
@@ -295,17 +299,17 @@ fn peer_crash_run(b: &dyn Backend, process: bool, fence: bool) -> Result<(), Fai
 /// settles the new tenancy of the same slot.
 pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
     let rig = b.rig(&RigConfig { decode_slots: 4, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
-    let pool = rig.decode_pool().clone();
+    let pool = rig.decode_pool.clone();
     // The old tenancy's write is held past its abort, and the aborted
     // tenancy is reassigned: that takes a revocation.
-    declared(rig.as_ref(), "revocation", rig.behaviour().can_revoke)?;
-    declared(rig.as_ref(), "held writes", rig.hold_writes())?;
-    if rig.behaviour().shadows_revoked_slots {
-        return stale_ack_past_a_retry_shadow(rig.as_ref());
+    declared(&rig, "revocation", rig.behaviour.can_revoke)?;
+    declared(&rig, "held writes", rig.faults.hold_writes())?;
+    if rig.behaviour.shadows_revoked_slots {
+        return stale_ack_past_a_retry_shadow(&rig);
     }
     let (a, remote_a) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
     let h = rig.write_tagged(&remote_a, 1)?;
-    ensure!(rig.wait_held(WAIT), "the write never arrived");
+    ensure!(rig.faults.wait_held(WAIT), "the write never arrived");
     let stale0 = pool.metrics().stale_rejected;
     a.abort();
     ensure!(wait_until(WAIT, || pool.metrics().quarantined == 0), "the aborted slots were not revoked");
@@ -316,8 +320,8 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
     );
     // What the new tenancy's slots hold before the old write is let go.
     let before = region_bytes(&pool);
-    rig.release_writes();
-    let breaks = rig.behaviour().stale_write_breaks_connection;
+    rig.faults.release_writes();
+    let breaks = rig.behaviour.stale_write_breaks_connection;
     match wait_handle(h)? {
         Some(out) => ensure!(
             out.result == Err(TransferError::Rejected(RejectReason::StaleGeneration)),
@@ -331,7 +335,7 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
         // RC: the refused WRITE ended the queue pair; the ACK behind it was
         // flushed, and the new tenancy (exposed on that queue pair) settles
         // by the fence alone. Nothing landed in it: its bytes are as before.
-        let s = settle(b_exp).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
+        let s = settle(b_exp).map_err(|f| Failure(format!("{}; {}", f.0, rig.faults.diagnostics())))?;
         ensure!(region_bytes(&pool) == before, "the refused write changed the new tenancy's slots");
         s.release();
         wait_whole(&pool)?;
@@ -349,7 +353,7 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
         Ok(_) => return Err(Failure("the stale ack settled the new tenancy".into())),
         Err(e) => e,
     };
-    serve(rig.as_ref(), b_exp, &remote_b, 2)?;
+    serve(&rig, b_exp, &remote_b, 2)?;
     wait_whole(&pool)?;
     Ok(())
 }
@@ -361,22 +365,22 @@ pub fn stale_ack(b: &dyn Backend) -> Result<(), Failure> {
 /// lands nothing; the old peer's ABORT_ACK that follows names the old
 /// tenancies only and settles nothing of the new one; the new tenancy's
 /// own peer settles it.
-fn stale_ack_past_a_retry_shadow(rig: &dyn Rig) -> Result<(), Failure> {
-    let pool = rig.decode_pool().clone();
-    let mut other = rig.raw_peer().ok_or_else(|| Failure("a shadowing backend needs a raw peer".into()))??;
+fn stale_ack_past_a_retry_shadow(rig: &Rig) -> Result<(), Failure> {
+    let pool = rig.decode_pool.clone();
+    let mut other = rig.faults.raw_peer().ok_or_else(|| Failure("a shadowing backend needs a raw peer".into()))??;
     let (a, remote_a) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
     let h = rig.write_tagged(&remote_a, 1)?;
-    ensure!(rig.wait_held(WAIT), "the write never arrived");
+    ensure!(rig.faults.wait_held(WAIT), "the write never arrived");
     a.abort();
     ensure!(wait_until(WAIT, || pool.metrics().quarantined == 0), "the aborted slots were not revoked");
-    let (b_exp, remote_b) = rig.expose_to_raw(pool.reserve(2).map_err(err("reserve"))?)?;
+    let (b_exp, remote_b) = rig.faults.expose_to_raw(pool.reserve(2).map_err(err("reserve"))?)?;
     ensure!(
         same_slots_newer(&remote_a.tenancies(), &remote_b.tenancies()),
         "expected the new tenancy on the same slots"
     );
     let before = region_bytes(&pool);
     let stale0 = pool.metrics().stale_rejected;
-    rig.release_writes();
+    rig.faults.release_writes();
     match wait_handle(h)? {
         Some(out) => ensure!(
             out.result == Err(TransferError::Rejected(RejectReason::StaleGeneration)),
@@ -393,7 +397,7 @@ fn stale_ack_past_a_retry_shadow(rig: &dyn Rig) -> Result<(), Failure> {
         "the old peer's ack was not counted as stale: {} -> {}; {}",
         stale0,
         pool.metrics().stale_rejected,
-        rig.diagnostics()
+        rig.faults.diagnostics()
     );
     std::thread::sleep(Duration::from_millis(20));
     let b_exp = match b_exp.try_settled() {
@@ -413,15 +417,15 @@ fn stale_ack_past_a_retry_shadow(rig: &dyn Rig) -> Result<(), Failure> {
 /// and counted, and only the NOTIFY of the current tenancy settles it.
 pub fn stale_notify_replay(b: &dyn Backend) -> Result<(), Failure> {
     let rig = b.rig(&RigConfig { decode_slots: 4, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
-    let Some(peer) = rig.raw_peer() else { return declared(rig.as_ref(), "a raw peer", false) };
+    let Some(peer) = rig.faults.raw_peer() else { return declared(&rig, "a raw peer", false) };
     let mut peer = peer?;
-    let rig = rig.as_ref();
-    let pool = rig.decode_pool().clone();
-    let (first, r1) = rig.expose_to_raw(pool.reserve(1).map_err(err("reserve"))?)?;
+    let rig = &rig;
+    let pool = rig.decode_pool.clone();
+    let (first, r1) = rig.faults.expose_to_raw(pool.reserve(1).map_err(err("reserve"))?)?;
     peer.notify(&r1, &r1.tenancies())?;
     let s = settle(first)?;
     s.release();
-    let (second, r2) = rig.expose_to_raw(pool.reserve(1).map_err(err("reserve"))?)?;
+    let (second, r2) = rig.faults.expose_to_raw(pool.reserve(1).map_err(err("reserve"))?)?;
     let (old, new) = (r1.tenancies()[0], r2.tenancies()[0]);
     ensure!(old.slot == new.slot && new.generation > old.generation, "expected the same slot, newer generation");
     let future = Tenancy::new(new.slot, kv_transfer_core::Generation(new.generation.0 + 1));
@@ -433,7 +437,7 @@ pub fn stale_notify_replay(b: &dyn Backend) -> Result<(), Failure> {
         ensure!(
             wait_until(WAIT, || pool.metrics().stale_rejected > before),
             "a {what} NOTIFY was not counted as stale; {}",
-            rig.diagnostics()
+            rig.faults.diagnostics()
         );
         second = match second.try_settled() {
             Ok(_) => return Err(Failure(format!("a {what} NOTIFY settled the current tenancy"))),
@@ -450,7 +454,7 @@ pub fn stale_notify_replay(b: &dyn Backend) -> Result<(), Failure> {
 /// Scenario 5's rig: two decode slots exposed, and the region's bytes before
 /// anything bad arrives.
 struct BadInput {
-    rig: Box<dyn Rig>,
+    rig: Rig,
     pool: SlotPool,
     exposed: SlotLease<Exposed>,
     remote: RemoteSlots,
@@ -460,16 +464,16 @@ struct BadInput {
 impl BadInput {
     fn new(b: &dyn Backend) -> Result<Self, Failure> {
         let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(1, 30_000, 30_000), ..RigConfig::default() })?;
-        let pool = rig.decode_pool().clone();
+        let pool = rig.decode_pool.clone();
         let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
         let before = region_bytes(&pool);
         Ok(Self { rig, pool, exposed, remote, before })
     }
 
     /// The exposure, aborted, still settles and the pool comes back whole.
-    fn settle(rig: &dyn Rig, pool: &SlotPool, exposed: SlotLease<Exposed>) -> Result<(), Failure> {
+    fn settle(rig: &Rig, pool: &SlotPool, exposed: SlotLease<Exposed>) -> Result<(), Failure> {
         exposed.abort();
-        wait_whole(pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.diagnostics())))?;
+        wait_whole(pool).map_err(|f| Failure(format!("{}; {}", f.0, rig.faults.diagnostics())))?;
         Ok(())
     }
 }
@@ -479,8 +483,8 @@ impl BadInput {
 pub fn bad_input(b: &dyn Backend) -> Result<(), Failure> {
     let BadInput { rig, pool, exposed, remote, before } = BadInput::new(b)?;
     let size = pool.slot_size();
-    let (Some(t), Some(ppool)) = (rig.prefill_transfer(), rig.prefill_pool()) else {
-        return Err(Failure(format!("[{}] an in-process rig without its prefill side", rig.backend())));
+    let Some(PrefillSide { transfer: t, pool: ppool }) = &rig.prefill else {
+        return Err(Failure(format!("[{}] an in-process rig without its prefill side", rig.backend)));
     };
     {
         type Case<'a> = (&'a str, usize, RemoteSlots, fn(&PostErrorKind) -> bool);
@@ -511,7 +515,7 @@ pub fn bad_input(b: &dyn Backend) -> Result<(), Failure> {
         ensure!(m.free == m.capacity, "a refused post kept prefill slots: {m:?}");
     }
     ensure!(region_bytes(&pool) == before, "a refused post changed target memory");
-    BadInput::settle(rig.as_ref(), &pool, exposed)
+    BadInput::settle(&rig, &pool, exposed)
 }
 
 /// Scenario 5, the wire: raw one-sided accesses the target NIC must reject
@@ -541,14 +545,14 @@ pub fn bad_input_raw_accesses(b: &dyn Backend) -> Result<(), Failure> {
         ("oversize", good, size * 4 + 1, RejectReason::Oversize),
     ];
     for (what, spec, len, reason) in cases {
-        match rig.raw_write(spec, vec![0xee; len]) {
-            None => return declared(rig.as_ref(), "raw accesses", false),
+        match rig.faults.raw_write(spec, vec![0xee; len]) {
+            None => return declared(&rig, "raw accesses", false),
             Some(Err(TransferError::Rejected(r))) if r == reason => {}
             Some(other) => return Err(Failure(format!("{what}: expected Rejected({reason:?}), got {other:?}"))),
         }
         ensure!(region_bytes(&pool) == before, "{what}: the rejected access changed target memory");
     }
-    BadInput::settle(rig.as_ref(), &pool, exposed)
+    BadInput::settle(&rig, &pool, exposed)
 }
 
 /// Scenario 5, malformed frames: bytes that are no valid frame make the
@@ -556,10 +560,10 @@ pub fn bad_input_raw_accesses(b: &dyn Backend) -> Result<(), Failure> {
 /// unchanged, and the exposure still settles.
 pub fn bad_input_malformed_frames(b: &dyn Backend) -> Result<(), Failure> {
     let BadInput { rig, pool, exposed, before, .. } = BadInput::new(b)?;
-    let Some(r) = rig.send_malformed() else { return declared(rig.as_ref(), "malformed frames", false) };
+    let Some(r) = rig.faults.send_malformed() else { return declared(&rig, "malformed frames", false) };
     r?;
     ensure!(region_bytes(&pool) == before, "a malformed frame changed target memory");
-    BadInput::settle(rig.as_ref(), &pool, exposed)
+    BadInput::settle(&rig, &pool, exposed)
 }
 
 fn kv_transfer_examples_block_on<F: std::future::Future>(f: F) -> F::Output {
@@ -570,7 +574,7 @@ fn kv_transfer_examples_block_on<F: std::future::Future>(f: F) -> F::Output {
 /// exposed; every request served reads only its own bytes.
 pub fn admission_overload(b: &dyn Backend) -> Result<(), Failure> {
     let rig = b.rig(&RigConfig { decode_slots: 8, ..RigConfig::default() })?;
-    let pool = rig.decode_pool().clone();
+    let pool = rig.decode_pool.clone();
     let exposures0 = pool.metrics().exposures;
     let mut served = Vec::new();
     let mut refused = 0;
@@ -615,42 +619,42 @@ pub fn admission_overload(b: &dyn Backend) -> Result<(), Failure> {
 /// early; `mem::forget` leaks a slot but never frees one.
 pub fn dropped_handles(b: &dyn Backend) -> Result<(), Failure> {
     let rig = b.rig(&RigConfig { decode_slots: 8, ladder: ladder(30_000, 30_000, 30_000), ..RigConfig::default() })?;
-    let pool = rig.decode_pool().clone();
-    if !rig.hold_writes() {
+    let pool = rig.decode_pool.clone();
+    if !rig.faults.hold_writes() {
         // The conformance harness lists this case as ignored (not applicable).
-        return Err(Failure(format!("[{}] dropped_handles: needs writes held at the decode side", rig.backend())));
+        return Err(Failure(format!("[{}] dropped_handles: needs writes held at the decode side", rig.backend)));
     }
     // A dropped handle: the prefill slots stay out until the terminal status.
     let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
     let h = rig.write_tagged(&remote, 1)?;
-    ensure!(rig.wait_held(WAIT), "the write never arrived");
-    if let (Some(h), Some(ppool)) = (h, rig.prefill_pool()) {
+    ensure!(rig.faults.wait_held(WAIT), "the write never arrived");
+    if let (Some(h), Some(ppool)) = (h, rig.prefill.as_ref().map(|p| &p.pool)) {
         let out_before = ppool.metrics().leased;
         drop(h);
         std::thread::sleep(Duration::from_millis(20));
         ensure!(ppool.metrics().leased == out_before, "dropping the handle returned its slots early");
-        rig.release_writes();
+        rig.faults.release_writes();
         ensure!(
             wait_until(WAIT, || ppool.metrics().free == ppool.metrics().capacity),
             "the handle's lease never came back"
         );
     } else {
-        rig.release_writes();
+        rig.faults.release_writes();
     }
     let s = settle(exposed)?;
     ensure!(check_settled(&s, 1).is_clean(), "request 1 read foreign bytes");
     s.release();
     // A dropped exposed lease: quarantined, freed only by a proof.
-    rig.hold_writes();
+    rig.faults.hold_writes();
     let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
     let h = rig.write_tagged(&remote, 2)?;
-    ensure!(rig.wait_held(WAIT), "the write never arrived");
+    ensure!(rig.faults.wait_held(WAIT), "the write never arrived");
     let settled0 = pool.metrics();
     drop(exposed);
     std::thread::sleep(Duration::from_millis(20));
     let m = pool.metrics();
     ensure!(m.quarantined == 2 && m.free == m.capacity - 2, "a dropped exposed lease was freed without proof: {m:?}");
-    rig.release_writes();
+    rig.faults.release_writes();
     drop(wait_handle(h)?);
     let m = wait_whole(&pool)?;
     ensure!(
@@ -673,13 +677,13 @@ pub fn dropped_handles(b: &dyn Backend) -> Result<(), Failure> {
 pub fn never_acks(b: &dyn Backend) -> Result<(), Failure> {
     // Part 1: the write is held, so no ack comes; revocation settles.
     let rig = b.rig(&RigConfig { decode_slots: 4, ladder: ladder(100, 30_000, 30_000), ..RigConfig::default() })?;
-    let pool = rig.decode_pool().clone();
-    let revoke = rig.behaviour().can_revoke;
-    declared(rig.as_ref(), "held writes", rig.hold_writes())?;
+    let pool = rig.decode_pool.clone();
+    let revoke = rig.behaviour.can_revoke;
+    declared(&rig, "held writes", rig.faults.hold_writes())?;
     {
         let (exposed, remote) = rig.expose(pool.reserve(2).map_err(err("reserve"))?)?;
         let h = rig.write_tagged(&remote, 1)?;
-        ensure!(rig.wait_held(WAIT), "the write never arrived");
+        ensure!(rig.faults.wait_held(WAIT), "the write never arrived");
         let t0 = Instant::now();
         let m0 = pool.metrics();
         exposed.abort();
@@ -687,7 +691,7 @@ pub fn never_acks(b: &dyn Backend) -> Result<(), Failure> {
             watch_until_free(&pool, 2, t0, Duration::from_millis(100))?;
             let m = pool.metrics();
             ensure!(m.settled_revoked >= 2, "expected a Revoked proof, saw {m:?}");
-            rig.release_writes();
+            rig.faults.release_writes();
             drop(wait_handle(h)?);
         } else {
             // No revocation: past the revoke step the slots stay quarantined
@@ -701,7 +705,7 @@ pub fn never_acks(b: &dyn Backend) -> Result<(), Failure> {
                 );
                 std::thread::sleep(Duration::from_millis(1));
             }
-            rig.release_writes();
+            rig.faults.release_writes();
             drop(wait_handle(h)?);
             let m = wait_whole(&pool)?;
             ensure!(
@@ -726,13 +730,13 @@ pub fn stalled_peer_never_acks(b: &dyn Backend) -> Result<(), Failure> {
         ..RigConfig::default()
     })?;
     ensure!(
-        (rig.behaviour().can_revoke, rig.behaviour().can_fence) == (revoke, fence),
+        (rig.behaviour.can_revoke, rig.behaviour.can_fence) == (revoke, fence),
         "[{}] the backend declares revoke={revoke} fence={fence}, its rig says otherwise",
-        rig.backend()
+        rig.backend
     );
-    let pool = rig.decode_pool().clone();
+    let pool = rig.decode_pool.clone();
     let lease = pool.reserve(1).map_err(err("reserve"))?;
-    let Some(r) = rig.expose_to_stalled_peer(lease) else { return declared(rig.as_ref(), "a stalled peer", false) };
+    let Some(r) = rig.faults.expose_to_stalled_peer(lease) else { return declared(&rig, "a stalled peer", false) };
     let (exposed, guard) = r?;
     std::thread::sleep(Duration::from_millis(20));
     let t0 = Instant::now();
@@ -743,7 +747,7 @@ pub fn stalled_peer_never_acks(b: &dyn Backend) -> Result<(), Failure> {
             wait_until(WAIT, || pool.metrics().quarantine_stuck >= 1),
             "the ladder never reached its end: {:?}; {}",
             pool.metrics(),
-            rig.diagnostics()
+            rig.faults.diagnostics()
         );
         // The ladder holds only the steps the backend can take (here: drain,
         // and revoke if it can), so it ends after their budgets, not before.
@@ -755,10 +759,7 @@ pub fn stalled_peer_never_acks(b: &dyn Backend) -> Result<(), Failure> {
             m.quarantined == 1 && m.free == m.capacity - 1 && proofs(&m) == proofs(&m0),
             "without revoke or fence the stalled exposure must stay quarantined, saw {m:?}"
         );
-        eprintln!(
-            "[{}] never_acks: no revoke, no fence; the ladder ended with the slot stuck (checked)",
-            rig.backend()
-        );
+        eprintln!("[{}] never_acks: no revoke, no fence; the ladder ended with the slot stuck (checked)", rig.backend);
         drop(guard);
         return Ok(());
     }
@@ -767,7 +768,7 @@ pub fn stalled_peer_never_acks(b: &dyn Backend) -> Result<(), Failure> {
     ensure!(
         m.settled_fenced >= 1,
         "expected the fence to settle the stalled exposure, saw {m:?}; {}",
-        rig.diagnostics()
+        rig.faults.diagnostics()
     );
     drop(guard);
     wait_whole(&pool)?;

@@ -2,16 +2,15 @@
 
 use crate::ensure;
 use crate::harness::{
-    fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+    expose_to, fail, Backend, Behaviour, Exposure, Failure, Faults, PrefillSide, Provides, RawPeer, RawSpec, Rig,
+    RigConfig, SenderIdentity, StalledExposure,
 };
 use backend_tcp_sim::wire::{self, Body};
-use backend_tcp_sim::{block_on, FaultPlan, Gate, NicConfig, RawAccess, SimNic};
+use backend_tcp_sim::{FaultPlan, Gate, NicConfig, RawAccess, SimNic};
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
 use kv_transfer_core::{
-    Exposed, Generation, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, SlotPool, Tenancy, Transfer,
-    TransferError, TransferHandle, TransferOptions,
+    Generation, PeerId, PoolConfig, RemoteSlots, Reserved, SlotId, SlotLease, Tenancy, TransferError, TransferHandle,
 };
-use kv_transfer_testkit::payload::{pattern, Tag};
 use kv_transfer_testkit::wait::wait_until;
 use std::any::Any;
 use std::io::{Read, Write};
@@ -19,6 +18,7 @@ use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The TCP simulator. Always available.
@@ -48,6 +48,34 @@ pub(crate) fn raw_hello(endpoint: &str, name: &str) -> Result<TcpStream, Failure
     Ok(s)
 }
 
+/// A raw WRITE from `nic` to `peer` (as `nic` numbers it): its terminal status.
+pub(crate) fn raw_write(nic: &SimNic, peer: PeerId, spec: RawSpec, data: Vec<u8>) -> Result<(), TransferError> {
+    let a =
+        RawAccess { key: spec.key, addr: spec.addr, slot: SlotId(spec.slot), generation: Generation(spec.generation) };
+    let h = nic.write_raw(peer, a, bytes::Bytes::from(data)).map_err(|e| TransferError::Transport(e.to_string()))?;
+    match h.wait(Duration::from_secs(10)) {
+        Some(r) => r.map(|_| ()),
+        None => Err(TransferError::Transport("no terminal status within 10 s".into())),
+    }
+}
+
+/// Sends bytes that are no frame to the decode NIC `nic` over a raw
+/// connection of its own, and waits until the NIC counted them and tore that
+/// connection down.
+pub(crate) fn send_garbage(nic: &SimNic) -> Result<(), Failure> {
+    let before = nic.stats().malformed_frames;
+    let name = format!("garbler-{}", RIGS.fetch_add(1, Ordering::Relaxed));
+    let mut s = raw_hello(nic.endpoint(), &name)?;
+    ensure!(wait_until(Duration::from_secs(5), || nic.peer_by_name(&name).is_some()), "the raw peer never showed up");
+    s.write_all(&[0xde, 0xad, 0xbe, 0xef, 0xff, 0xff, 0xff, 0xff, 1, 2, 3, 4]).map_err(|e| fail("garbage")(&e))?;
+    ensure!(
+        wait_until(Duration::from_secs(5), || nic.stats().malformed_frames > before
+            && nic.peer_by_name(&name).is_none()),
+        "the decode NIC did not tear down the connection that sent garbage"
+    );
+    Ok(())
+}
+
 /// Starts a WRITE of one slot (`slot_size` bytes) into `remote`'s first slot
 /// over a raw wire client and sends only half its payload: the target's NIC
 /// holds the access in flight, and the client never finishes it.
@@ -56,28 +84,6 @@ pub(crate) fn start_stalled_write(s: &mut TcpStream, remote: &RemoteSlots, slot_
     let head = wire::encode_head(&Body::Write(h), slot_size).map_err(|e| fail("encode")(&e))?;
     s.write_all(&head).map_err(|e| fail("stalled write")(&e))?;
     s.write_all(&vec![0x5a; slot_size / 2]).map_err(|e| fail("stalled write")(&e))
-}
-
-/// Reserves a lease in `pool`, fills it with request `request`'s tagged
-/// payload for `remote`'s slots and posts it through `transfer`.
-pub(crate) fn post_tagged(
-    transfer: &dyn Transfer,
-    pool: &SlotPool,
-    remote: &RemoteSlots,
-    request: u64,
-) -> Result<TransferHandle, Failure> {
-    let mut src = pool.reserve(remote.slots.len()).map_err(|e| fail("prefill reserve")(&e))?;
-    fill_tagged(&mut src, remote, request)?;
-    block_on(transfer.write(src, remote, TransferOptions::default())).map_err(|e| Failure(format!("post: {}", e.kind)))
-}
-
-/// Fills a reserved lease with request `request`'s tagged payload for `remote`'s slots.
-pub fn fill_tagged(lease: &mut SlotLease<Reserved>, remote: &RemoteSlots, request: u64) -> Result<(), Failure> {
-    for (i, s) in remote.slots.iter().enumerate() {
-        let bytes = pattern(remote.slot_size as usize, Tag::new(request, s.slot.0, s.generation.0));
-        lease.write_at(i, 0, &bytes).map_err(|e| Failure(format!("local write: {e}")))?;
-    }
-    Ok(())
 }
 
 impl Backend for SimBackend {
@@ -99,7 +105,7 @@ impl Backend for SimBackend {
             ..Provides::default()
         }
     }
-    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+    fn rig(&self, cfg: &RigConfig) -> Result<Rig, Failure> {
         let n = RIGS.fetch_add(1, Ordering::Relaxed);
         let gate = cfg.can_hold.then(Gate::new);
         let mut dcfg = NicConfig::new(format!("decode-{n}"))
@@ -109,11 +115,11 @@ impl Backend for SimBackend {
         dcfg.revoke_wait = Duration::from_millis(200);
         let decode = SimNic::start(dcfg).map_err(|e| fail("decode NIC")(&e))?;
         let region = cfg.region(cfg.decode_slots)?;
-        let dpool = decode
+        let decode_pool = decode
             .register_pool(region, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
             .map_err(|e| fail("decode pool")(&e))?;
         let pname = format!("prefill-{n}-{}", std::process::id());
-        let prefill = if cfg.prefill_process {
+        let (prefill_peer, prefill, in_process) = if cfg.prefill_process {
             let Some(worker) = &self.prefill_worker else {
                 return Err(Failure("the out-of-process rig needs the prefill-worker binary".into()));
             };
@@ -130,7 +136,7 @@ impl Backend for SimBackend {
                 let _ = child.wait();
                 return Err(Failure("prefill-worker did not connect".into()));
             };
-            Prefill::Process { child, stdin, peer }
+            (peer, Prefill::Process { child, stdin }, None)
         } else {
             let nic = SimNic::start(NicConfig::new(pname.clone())).map_err(|e| fail("prefill NIC")(&e))?;
             let region = cfg.region(cfg.prefill_slots)?;
@@ -140,31 +146,40 @@ impl Backend for SimBackend {
             let peer = decode
                 .wait_for_peer(&pname, Duration::from_secs(5))
                 .ok_or_else(|| Failure("prefill did not connect".into()))?;
-            Prefill::InProcess { nic, pool, peer, decode_at_prefill }
+            let side = PrefillSide { transfer: Arc::new(nic.clone()), pool };
+            (peer, Prefill::InProcess { nic, decode_at_prefill }, Some(side))
         };
-        Ok(Box::new(SimRig {
-            decode,
-            dpool,
-            gate,
-            prefill,
-            slot_size: cfg.slot_size,
-            raw: std::sync::Mutex::new(None),
-        }))
+        Ok(Rig {
+            faults: Box::new(SimFaults {
+                decode: decode.clone(),
+                gate,
+                prefill,
+                slot_size: cfg.slot_size,
+                raw: std::sync::Mutex::new(None),
+            }),
+            backend: "tcp-sim",
+            behaviour: Behaviour { sender_identity: SenderIdentity::Connection, ..Behaviour::default() },
+            decode: Arc::new(decode),
+            decode_pool,
+            prefill_peer,
+            prefill: in_process,
+        })
     }
 }
 
+/// The prefill side, as the faults reach it (its pool and `Transfer`, when
+/// in this process, are the rig's).
 enum Prefill {
-    InProcess { nic: SimNic, pool: SlotPool, peer: PeerId, decode_at_prefill: PeerId },
-    Process { child: Child, stdin: ChildStdin, peer: PeerId },
-    Dead { peer: PeerId },
+    InProcess { nic: SimNic, decode_at_prefill: PeerId },
+    Process { child: Child, stdin: ChildStdin },
+    Dead,
 }
 
-/// A TCP-simulator rig: a decode NIC (with a gate that can hold incoming
-/// writes) and a prefill NIC in this process or in a `prefill-worker` child.
-pub struct SimRig {
-    /// The decode NIC.
-    pub decode: SimNic,
-    dpool: SlotPool,
+/// What a TCP-simulator rig stages: a gate at the decode NIC that can hold
+/// incoming writes, a prefill NIC in this process or a `prefill-worker`
+/// child to crash, and raw wire-level peers.
+struct SimFaults {
+    decode: SimNic,
     gate: Option<Gate>,
     prefill: Prefill,
     slot_size: usize,
@@ -182,19 +197,13 @@ impl RawPeer for SimRawPeer {
     }
 }
 
-impl SimRig {
-    fn peer(&self) -> PeerId {
-        match &self.prefill {
-            Prefill::InProcess { peer, .. } | Prefill::Process { peer, .. } | Prefill::Dead { peer } => *peer,
-        }
-    }
-
+impl SimFaults {
     fn raw_hello(&self, name: &str) -> Result<TcpStream, Failure> {
         raw_hello(self.decode.endpoint(), name)
     }
 }
 
-impl Drop for SimRig {
+impl Drop for SimFaults {
     fn drop(&mut self) {
         self.release_writes();
         if let Prefill::Process { child, .. } = &mut self.prefill {
@@ -204,13 +213,7 @@ impl Drop for SimRig {
     }
 }
 
-impl Rig for SimRig {
-    fn backend(&self) -> &'static str {
-        "tcp-sim"
-    }
-    fn behaviour(&self) -> Behaviour {
-        Behaviour { sender_identity: SenderIdentity::Connection, ..Behaviour::default() }
-    }
+impl Faults for SimFaults {
     fn diagnostics(&self) -> String {
         let p = match &self.prefill {
             Prefill::InProcess { nic, .. } => format!("{:?}", nic.stats()),
@@ -218,46 +221,14 @@ impl Rig for SimRig {
         };
         format!("decode NIC {:?}; prefill NIC {p}", self.decode.stats())
     }
-    fn decode_pool(&self) -> &SlotPool {
-        &self.dpool
-    }
-    fn prefill_pool(&self) -> Option<&SlotPool> {
-        match &self.prefill {
-            Prefill::InProcess { pool, .. } => Some(pool),
-            _ => None,
-        }
-    }
-    fn prefill_transfer(&self) -> Option<&dyn Transfer> {
-        match &self.prefill {
-            Prefill::InProcess { nic, .. } => Some(nic),
-            _ => None,
-        }
-    }
-    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
-        self.decode.expose(lease, self.peer()).map_err(|e| Failure(format!("expose: {}", e.kind)))
-    }
     fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
-        match &self.prefill {
-            Prefill::InProcess { nic, pool, .. } => {
-                let mut src = pool.reserve(remote.slots.len()).map_err(|e| fail("prefill reserve")(&e))?;
-                fill_tagged(&mut src, remote, request)?;
-                let h = block_on(nic.write(src, remote, TransferOptions::default()))
-                    .map_err(|e| Failure(format!("post: {}", e.kind)))?;
-                Ok(Some(h))
-            }
-            Prefill::Process { .. } => {
-                let line = serde_json::json!({ "remote": remote, "request": request, "repeat": 4 }).to_string();
-                match &self.prefill {
-                    Prefill::Process { stdin, .. } => {
-                        let mut w: &ChildStdin = stdin;
-                        writeln!(w, "{line}").and_then(|()| w.flush()).map_err(|e| fail("worker stdin")(&e))?;
-                    }
-                    _ => unreachable!(),
-                }
-                Ok(None)
-            }
-            Prefill::Dead { .. } => Err(Failure("the prefill side is dead".into())),
-        }
+        let Prefill::Process { stdin, .. } = &self.prefill else {
+            return Err(Failure("the prefill side is dead".into()));
+        };
+        let line = serde_json::json!({ "remote": remote, "request": request, "repeat": 4 }).to_string();
+        let mut w: &ChildStdin = stdin;
+        writeln!(w, "{line}").and_then(|()| w.flush()).map_err(|e| fail("worker stdin")(&e))?;
+        Ok(None)
     }
     fn hold_writes(&self) -> bool {
         self.gate.as_ref().map(Gate::hold).is_some()
@@ -271,52 +242,22 @@ impl Rig for SimRig {
         self.gate.as_ref().is_some_and(|g| g.wait_for_waiting(1, timeout))
     }
     fn crash_prefill(&mut self) -> Result<(), Failure> {
-        let peer = self.peer();
-        match std::mem::replace(&mut self.prefill, Prefill::Dead { peer }) {
+        match std::mem::replace(&mut self.prefill, Prefill::Dead) {
             Prefill::InProcess { nic, .. } => nic.crash(),
             Prefill::Process { mut child, .. } => {
                 child.kill().map_err(|e| fail("kill prefill-worker")(&e))?;
                 child.wait().map_err(|e| fail("reap prefill-worker")(&e))?;
             }
-            Prefill::Dead { .. } => {}
+            Prefill::Dead => {}
         }
         Ok(())
     }
     fn raw_write(&self, spec: RawSpec, data: Vec<u8>) -> Option<Result<(), TransferError>> {
-        let Prefill::InProcess { nic, decode_at_prefill, .. } = &self.prefill else { return None };
-        let a = RawAccess {
-            key: spec.key,
-            addr: spec.addr,
-            slot: SlotId(spec.slot),
-            generation: Generation(spec.generation),
-        };
-        let h = match nic.write_raw(*decode_at_prefill, a, bytes::Bytes::from(data)) {
-            Ok(h) => h,
-            Err(e) => return Some(Err(TransferError::Transport(e.to_string()))),
-        };
-        Some(match h.wait(Duration::from_secs(10)) {
-            Some(r) => r.map(|_| ()),
-            None => Err(TransferError::Transport("no terminal status within 10 s".into())),
-        })
+        let Prefill::InProcess { nic, decode_at_prefill } = &self.prefill else { return None };
+        Some(raw_write(nic, *decode_at_prefill, spec, data))
     }
     fn send_malformed(&self) -> Option<Result<(), Failure>> {
-        Some((|| {
-            let before = self.decode.stats().malformed_frames;
-            let name = format!("garbler-{}", RIGS.fetch_add(1, Ordering::Relaxed));
-            let mut s = self.raw_hello(&name)?;
-            ensure!(
-                wait_until(Duration::from_secs(5), || self.decode.peer_by_name(&name).is_some()),
-                "the raw peer never showed up"
-            );
-            s.write_all(&[0xde, 0xad, 0xbe, 0xef, 0xff, 0xff, 0xff, 0xff, 1, 2, 3, 4])
-                .map_err(|e| fail("garbage")(&e))?;
-            ensure!(
-                wait_until(Duration::from_secs(5), || self.decode.stats().malformed_frames > before
-                    && self.decode.peer_by_name(&name).is_none()),
-                "the decode NIC did not tear down the connection that sent garbage"
-            );
-            Ok(())
-        })())
+        Some(send_garbage(&self.decode))
     }
     fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
         Some((|| {
@@ -338,11 +279,11 @@ impl Rig for SimRig {
             None => Err(Failure("no raw peer to impersonate".into())),
         })
     }
-    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
         let Some(peer) = self.raw.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(p, _)| *p) else {
             return Err(Failure("no raw peer connected".into()));
         };
-        self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))
+        expose_to(&self.decode, lease, peer)
     }
     fn expose_to_stalled_peer(&self, lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
         Some((|| {
@@ -352,8 +293,7 @@ impl Rig for SimRig {
                 .decode
                 .wait_for_peer(&name, Duration::from_secs(5))
                 .ok_or_else(|| Failure("the stalled peer never showed up".into()))?;
-            let (exposed, remote) =
-                self.decode.expose(lease, peer).map_err(|e| Failure(format!("expose: {}", e.kind)))?;
+            let (exposed, remote) = expose_to(&self.decode, lease, peer)?;
             start_stalled_write(&mut s, &remote, self.slot_size)?;
             Ok((exposed, Box::new(s) as Box<dyn Any>))
         })())

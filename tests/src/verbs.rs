@@ -11,17 +11,14 @@
 //! impostor a fourth under the same name.
 
 use crate::harness::{
-    fail, Backend, Behaviour, Failure, Provides, RawPeer, RawSpec, Rig, RigConfig, SenderIdentity, StalledExposure,
+    expose_to, fail, Backend, Behaviour, Exposure, Failure, Faults, PrefillSide, Provides, RawPeer, Rig, RigConfig,
+    SenderIdentity,
 };
-use crate::sim::post_tagged;
 use backend_verbs::{FakeFabric, LabEnv, VerbsConfig, VerbsTransfer};
 use kv_transfer_core::drain::{ControlKind, ControlMessage};
-use kv_transfer_core::{
-    Exposed, PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Tenancy, Transfer, TransferError,
-    TransferHandle,
-};
+use kv_transfer_core::{PeerId, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Target, Tenancy};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 /// Why the verbs columns cannot take device memory here.
@@ -180,7 +177,7 @@ impl Backend for VerbsBackend {
                  NIC places a WRITE when it is posted"),
         }
     }
-    fn rig(&self, cfg: &RigConfig) -> Result<Box<dyn Rig>, Failure> {
+    fn rig(&self, cfg: &RigConfig) -> Result<Rig, Failure> {
         if cfg.prefill_process {
             return Err(Failure("the verbs rig has no out-of-process prefill side".into()));
         }
@@ -190,37 +187,53 @@ impl Backend for VerbsBackend {
             Nic::Fake => Engines::Fake(FakeFabric::new(0x5eed ^ RIGS.load(Ordering::Relaxed))),
         };
         let (decode, _) = adapter(&engines, "decode", cfg)?;
+        let decode = Arc::new(decode);
         let region = |n: usize| cfg.region(n);
         let dpool = decode
             .register_pool(region(cfg.decode_slots)?, PoolConfig::new(cfg.slot_size).with_ladder(cfg.ladder))
             .map_err(|e| fail("decode pool")(&e))?;
         let (prefill, prefill_nic) =
             adapter(&engines, "prefill", &RigConfig { policy: Default::default(), ..cfg.clone() })?;
+        let prefill = Arc::new(prefill);
         let ppool = prefill
             .register_pool(region(cfg.prefill_slots)?, PoolConfig::new(cfg.slot_size))
             .map_err(|e| fail("prefill pool")(&e))?;
         prefill.add_peer(decode.descriptor()).map_err(|e| fail("prefill adds decode")(&e))?;
-        decode.add_peer(prefill.descriptor()).map_err(|e| fail("decode adds prefill")(&e))?;
+        let prefill_peer = decode.add_peer(prefill.descriptor()).map_err(|e| fail("decode adds prefill")(&e))?;
         let prefill_name = prefill.descriptor().rsplit_once('@').map(|(n, _)| n.to_owned()).unwrap_or_default();
-        Ok(Box::new(VerbsRig {
-            engines,
+        Ok(Rig {
+            faults: Box::new(VerbsFaults {
+                engines,
+                decode: decode.clone(),
+                dpool: dpool.clone(),
+                prefill: Arc::downgrade(&prefill),
+                prefill_name,
+                prefill_nic,
+                raw: Mutex::new(None),
+            }),
+            backend: self.name(),
+            behaviour: Behaviour {
+                stale_write_breaks_connection: true,
+                sender_identity: SenderIdentity::Connection,
+                ..Behaviour::default()
+            },
             decode,
-            dpool,
-            prefill: Some((prefill, ppool)),
-            prefill_name,
-            prefill_nic,
-            raw: Mutex::new(None),
-        }))
+            decode_pool: dpool,
+            prefill_peer,
+            prefill: Some(PrefillSide { transfer: prefill, pool: ppool }),
+        })
     }
 }
 
-/// A verbs rig.
-pub struct VerbsRig {
+/// What a verbs rig stages: the prefill side's send queues held (on the
+/// software NIC), third and fourth adapters as raw and impostor peers.
+struct VerbsFaults {
     engines: Engines,
-    decode: VerbsTransfer,
+    decode: Arc<VerbsTransfer>,
     dpool: SlotPool,
-    /// `None` once crashed.
-    prefill: Option<(VerbsTransfer, SlotPool)>,
+    /// For its counters: weak, so that a crash (the rig letting go of it)
+    /// drops the adapter.
+    prefill: Weak<VerbsTransfer>,
     /// The prefill adapter's name: the decode side's peer for it is looked
     /// up each time (a rejected access costs a reconnect, under a new id).
     prefill_name: String,
@@ -246,7 +259,7 @@ impl RawPeer for VerbsRawPeer {
     }
 }
 
-impl VerbsRig {
+impl VerbsFaults {
     /// An adapter named `name` (exactly), connected to the decode side.
     fn raw_adapter(&self, name: &str) -> Result<VerbsRawPeer, Failure> {
         let env = LabEnv::from_env();
@@ -256,39 +269,18 @@ impl VerbsRig {
     }
 }
 
-impl Rig for VerbsRig {
-    fn backend(&self) -> &'static str {
-        match self.engines {
-            #[cfg(feature = "verbs")]
-            Engines::Device => "verbs",
-            Engines::Fake(_) => "verbs-fake",
-        }
-    }
-    fn behaviour(&self) -> Behaviour {
-        Behaviour {
-            stale_write_breaks_connection: true,
-            sender_identity: SenderIdentity::Connection,
-            ..Behaviour::default()
-        }
-    }
+impl Faults for VerbsFaults {
     fn diagnostics(&self) -> String {
         format!(
             "decode {:?} {:?}; prefill {:?}",
             self.decode.counters(),
             self.dpool.metrics(),
-            self.prefill.as_ref().map(|(t, _)| t.counters())
+            self.prefill.upgrade().map(|t| t.counters())
         )
     }
-    fn decode_pool(&self) -> &SlotPool {
-        &self.dpool
-    }
-    fn prefill_pool(&self) -> Option<&SlotPool> {
-        self.prefill.as_ref().map(|(_, p)| p)
-    }
-    fn prefill_transfer(&self) -> Option<&dyn Transfer> {
-        self.prefill.as_ref().map(|(t, _)| t as &dyn Transfer)
-    }
-    fn expose(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+    /// Exposes to the prefill side as the decode side names it now (not
+    /// `prefill`: a reconnect after a fence gives it a new id).
+    fn expose(&self, decode: &dyn Target, _prefill: PeerId, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
         // Bounded: a reconnect after a fence takes a few milliseconds. An
         // exposure refused because the connection just died is tried again
         // on the new one, as a serving engine would.
@@ -302,7 +294,7 @@ impl Rig for VerbsRig {
                 std::thread::sleep(Duration::from_millis(5));
                 continue;
             };
-            match self.decode.expose(lease, peer) {
+            match decode.expose(lease, peer) {
                 Ok(x) => return Ok(x),
                 Err(e) if std::time::Instant::now() < deadline => {
                     lease = e.lease;
@@ -311,10 +303,6 @@ impl Rig for VerbsRig {
                 Err(e) => return Err(Failure(format!("expose: {}; {}", e.kind, self.diagnostics()))),
             }
         }
-    }
-    fn write_tagged(&self, remote: &RemoteSlots, request: u64) -> Result<Option<TransferHandle>, Failure> {
-        let (t, p) = self.prefill.as_ref().ok_or_else(|| Failure("the prefill side is dead".into()))?;
-        post_tagged(t, p, remote, request).map(Some)
     }
     #[allow(irrefutable_let_patterns)]
     fn hold_writes(&self) -> bool {
@@ -349,16 +337,11 @@ impl Rig for VerbsRig {
         }
     }
     fn crash_prefill(&mut self) -> Result<(), Failure> {
-        // Its QPs go to ERR without a goodbye; the decode side learns it at
-        // its next request on that QP, or its ladder fences it.
-        self.prefill = None;
+        // Nothing to strike: as the rig drops the prefill adapter (the only
+        // strong handle), its QPs go to ERR without a goodbye; the decode
+        // side learns it at its next request on that QP, or its ladder
+        // fences it.
         Ok(())
-    }
-    fn raw_write(&self, _spec: RawSpec, _data: Vec<u8>) -> Option<Result<(), TransferError>> {
-        None
-    }
-    fn send_malformed(&self) -> Option<Result<(), Failure>> {
-        None
     }
     fn raw_peer(&self) -> Option<Result<Box<dyn RawPeer>, Failure>> {
         Some((|| {
@@ -388,15 +371,12 @@ impl Rig for VerbsRig {
             Ok(Box::new(self.raw_adapter(&name)?) as Box<dyn RawPeer>)
         })())
     }
-    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<(SlotLease<Exposed>, RemoteSlots), Failure> {
+    fn expose_to_raw(&self, lease: SlotLease<Reserved>) -> Result<Exposure, Failure> {
         let Some(id) = self.raw.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(_, id)| *id) else {
             return Err(Failure("no raw peer connected".into()));
         };
-        self.decode.expose(lease, id).map_err(|e| Failure(format!("expose: {}", e.kind)))
+        expose_to(self.decode.as_ref(), lease, id)
     }
-    fn expose_to_stalled_peer(&self, _lease: SlotLease<Reserved>) -> Option<Result<StalledExposure, Failure>> {
-        // A stalled WRITE cannot be staged from user space: the NIC sends
-        // the whole message. (The lease goes back to the pool.)
-        None
-    }
+    // No stalled peer: a stalled WRITE cannot be staged from user space
+    // (the NIC sends the whole message).
 }

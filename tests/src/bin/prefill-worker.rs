@@ -15,7 +15,7 @@
 use backend_tcp_sim::{block_on, NicConfig, SimNic};
 use kv_transfer_core::{HostRegion, PoolConfig, RemoteSlots, SlotPool, Transfer, TransferOptions};
 use kv_transfer_testkit::wait::poll_until;
-use kv_transfer_tests::sim::fill_tagged;
+use kv_transfer_tests::harness::fill_tagged;
 use std::io::BufRead;
 use std::process::ExitCode;
 use std::sync::Arc;
