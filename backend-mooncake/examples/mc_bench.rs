@@ -4,7 +4,7 @@
 //! ```text
 //! mc_bench [--segment HOST:PORT] [--op write|read] [--duration SECS]
 //!          [--threads N] [--batch N] [--block BYTES] [--workers N]
-//!          [--rdma DEVICE]
+//!          [--rdma DEVICE] [--adapter [--no-hooks]]
 //! ```
 //! Without `--segment` it starts its own target engine in-process (our
 //! initiator → our target); with it, it targets that segment (for example a
@@ -14,6 +14,9 @@
 //! With `--adapter` it drives the kv-transfer adapter instead of the raw
 //! engine ([`backend_mooncake::bench::run`]): leases, settlement, and (against
 //! our own target) the full expose → write+notify → settle cycle per batch.
+//! `--no-hooks` makes the adapter's waiter threads wait for every operation
+//! instead of the engine's completion hooks settling it
+//! (`AdapterConfig::engine_hooks`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -87,6 +90,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             block: block as usize,
             workers,
             drivers: arg(&args, "--drivers", "4").parse()?,
+            engine_hooks: !args.iter().any(|a| a == "--no-hooks"),
         };
         let r = backend_mooncake::bench::run(&cfg)?;
         println!("mc_bench adapter: op={op:?} threads={threads} batch={batch} block={block} workers={workers}: {r}");

@@ -49,6 +49,8 @@ pub struct BenchConfig {
     pub workers: usize,
     /// Adapter driver threads of the initiator.
     pub drivers: usize,
+    /// The initiator adapter's [`AdapterConfig::engine_hooks`].
+    pub engine_hooks: bool,
 }
 
 impl Default for BenchConfig {
@@ -64,6 +66,7 @@ impl Default for BenchConfig {
             block: 1 << 20,
             workers: 8,
             drivers: 4,
+            engine_hooks: true,
         }
     }
 }
@@ -133,10 +136,9 @@ struct Side {
     pool: SlotPool,
 }
 
-fn side(cfg: EngineConfig, drivers: usize, slots: usize, block: usize) -> Result<Side, BenchError> {
+fn side(cfg: EngineConfig, adapter: AdapterConfig, slots: usize, block: usize) -> Result<Side, BenchError> {
     let engine = MooncakeEngine::new(cfg).map_err(err)?;
-    let adapter =
-        MooncakeTransfer::new(Arc::new(engine), AdapterConfig { drivers, ..Default::default() }).map_err(err)?;
+    let adapter = MooncakeTransfer::new(Arc::new(engine), adapter).map_err(err)?;
     let region = Arc::new(HostRegion::new(slots * block).map_err(err)?);
     // Touch every page with non-zero bytes first: untouched zeroed pages all
     // map the kernel's shared zero page, which would make the source side of
@@ -177,9 +179,13 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchResult, BenchError> {
     let slots = cfg.threads * cfg.batch;
     let ecfg =
         EngineConfig { tcp: TcpTransportConfig { workers: cfg.workers, ..Default::default() }, ..Default::default() };
-    let init = Arc::new(side(ecfg, cfg.drivers, slots, cfg.block)?);
+    let acfg = AdapterConfig { drivers: cfg.drivers, engine_hooks: cfg.engine_hooks, ..Default::default() };
+    let init = Arc::new(side(ecfg, acfg, slots, cfg.block)?);
     let own_target = match &cfg.target {
-        None => Some(Arc::new(side(EngineConfig::default(), 1, slots, cfg.block)?)),
+        None => {
+            let acfg = AdapterConfig { drivers: 1, ..Default::default() };
+            Some(Arc::new(side(EngineConfig::default(), acfg, slots, cfg.block)?))
+        }
         Some(_) => None,
     };
     let target_name = match (&own_target, &cfg.target) {

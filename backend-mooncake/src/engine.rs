@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use crate::batch::{BatchState, TaskStatus};
+use crate::batch::{BatchHook, BatchMap, BatchState, TaskStatus};
 use crate::client;
 use crate::error::EngineError;
 use crate::exposed::{ExposedRanges, RangeAccess, RangeId, TcpServe};
@@ -93,6 +93,25 @@ pub trait TransferEngine: Send + Sync {
     /// Frees a batch; refused with [`EngineError::BatchBusy`] while any task
     /// is not COMPLETED or FAILED.
     fn free_batch_id(&self, batch: BatchId) -> Result<(), EngineError>;
+    /// Whether [`on_batch_finished`](Self::on_batch_finished) works. The
+    /// default (an engine without completion hooks) says `false`: its user
+    /// waits for each task ([`wait_transfer`](Self::wait_transfer)).
+    fn batch_hooks(&self) -> bool {
+        false
+    }
+    /// Has `hook` run once every task submitted to `batch` so far is
+    /// COMPLETED or FAILED (TIMEOUT is not finished), with each task's final
+    /// status: from the engine thread that finished the last task, or in
+    /// this call when they all are already. The engine frees the batch just
+    /// before (its id is unknown afterwards: no `free_batch_id`). A hook must
+    /// not block: it runs on the engine's transport threads. If the engine
+    /// is dropped first, the hook is dropped unrun. Refused (the hook
+    /// dropped unrun) for an unknown batch, one with a hook already, or by
+    /// an engine without hooks ([`batch_hooks`](Self::batch_hooks)).
+    fn on_batch_finished(&self, batch: BatchId, hook: BatchHook) -> Result<(), EngineError> {
+        drop(hook);
+        Err(EngineError::UnknownBatch(batch))
+    }
     /// Sends a notification to an opened segment's handshake port; `Ok` only
     /// when the peer queued it.
     fn send_notify(&self, target: SegmentId, msg: &str) -> Result<(), EngineError>;
@@ -197,7 +216,7 @@ pub struct MooncakeEngine {
     registry: Arc<MemoryRegistry>,
     segments: RwLock<HashMap<SegmentId, Arc<RemoteSegment>>>,
     names: Mutex<HashMap<String, SegmentId>>,
-    batches: Mutex<HashMap<BatchId, Arc<BatchState>>>,
+    batches: Arc<BatchMap>,
     next_id: AtomicU64,
     transport: Option<Arc<dyn DataTransport>>,
     handshake: Option<Listener>,
@@ -248,7 +267,7 @@ impl MooncakeEngine {
             registry,
             segments: RwLock::default(),
             names: Mutex::default(),
-            batches: Mutex::default(),
+            batches: Arc::default(),
             next_id: AtomicU64::new(1),
             transport: Some(transport),
             handshake: Some(handshake),
@@ -439,6 +458,14 @@ impl TransferEngine for MooncakeEngine {
 
     fn wait_transfer(&self, batch: BatchId, task: usize, wait: Duration) -> Result<TaskStatus, EngineError> {
         self.batch(batch)?.wait(task, wait, self.cfg.transfer_timeout)
+    }
+
+    fn batch_hooks(&self) -> bool {
+        true
+    }
+
+    fn on_batch_finished(&self, batch: BatchId, hook: BatchHook) -> Result<(), EngineError> {
+        self.batch(batch)?.on_finished(hook, Arc::downgrade(&self.batches))
     }
 
     fn free_batch_id(&self, batch: BatchId) -> Result<(), EngineError> {

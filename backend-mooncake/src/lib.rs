@@ -97,7 +97,7 @@ mod server;
 pub mod transport;
 
 pub use adapter::{AdapterConfig, AdapterError, AdapterMetrics, MooncakeTransfer, ReleasePolicy};
-pub use batch::{TaskStatus, TransferStatus};
+pub use batch::{BatchHook, TaskStatus, TransferStatus};
 #[cfg(any(test, feature = "mock"))]
 pub use engine::MockTransferEngine;
 pub use engine::{

@@ -123,6 +123,58 @@ fn a_notification_wakes_the_control_thread_instead_of_a_poll() {
     assert_eq!(pool.metrics().free, 1);
 }
 
+/// An operation settles only once every task finished, whoever sees it
+/// finish: the engine's completion hook (on its thread, for an operation
+/// without a DONE), or a waiter thread (an operation with a DONE, or
+/// `engine_hooks` off). Bytes, settlement and counters agree either way.
+#[test]
+fn operations_settle_alike_by_the_engines_hook_and_by_a_waiter() {
+    const SLOT: usize = 16 << 10;
+    for hooks in [true, false] {
+        let acfg = AdapterConfig { engine_hooks: hooks, ..AdapterConfig::default() };
+        let e = MooncakeEngine::new(EngineConfig::default()).unwrap();
+        let prefill = MooncakeTransfer::new(Arc::new(e), acfg).unwrap();
+        let ppool = prefill.register_pool(Arc::new(HostRegion::new(2 * SLOT).unwrap()), PoolConfig::new(SLOT)).unwrap();
+        let decode = side(2, SLOT);
+        let peer = decode.a.add_peer(prefill.segment_name()).unwrap();
+        for (round, notify) in [false, true, false].into_iter().enumerate() {
+            let (exposed, remote) = decode.a.expose(decode.pool.reserve(2).unwrap(), peer).unwrap();
+            let mut src = ppool.reserve(2).unwrap();
+            let data = [pattern(SLOT, round as u8), pattern(SLOT, round as u8 + 50)];
+            src.write_at(0, 0, &data[0]).unwrap();
+            src.write_at(1, 0, &data[1]).unwrap();
+            let h = block_on(prefill.write(src, &remote, TransferOptions::notify(notify))).unwrap();
+            let out = block_on(h).unwrap();
+            out.result.unwrap();
+            out.lease.release();
+            if notify {
+                block_on(exposed.settled()).release();
+            } else {
+                // No DONE: the decode side settles it by its ladder's ABORT,
+                // which our initiator acks (every task is finished).
+                drop(exposed);
+            }
+            wait_until("decode's slots back", Duration::from_secs(10), || decode.pool.metrics().free == 2);
+            // The slots the exposure named (a pool hands slots out in any order).
+            let got: Vec<u8> = remote
+                .slots
+                .iter()
+                .flat_map(|r| {
+                    let mut b = vec![0u8; SLOT];
+                    decode.region.read(r.slot.0 as usize * SLOT, &mut b).unwrap();
+                    b
+                })
+                .collect();
+            assert_eq!(got, data.concat(), "hooks {hooks}, round {round}: the target holds the prefill's bytes");
+        }
+        let m = prefill.metrics();
+        assert_eq!((m.ops_completed, m.ops_failed, m.ops_abandoned), (3, 0, 0), "hooks {hooks}");
+        assert_eq!(m.ops_settled_by_engine, if hooks { 2 } else { 0 }, "hooks {hooks}: who settled");
+        assert_eq!(ppool.metrics().free, 2);
+        ppool.check_invariants().unwrap();
+    }
+}
+
 /// A write outside the target's buffers is a typed error before anything is
 /// sent, and the lease comes back.
 #[test]

@@ -166,6 +166,14 @@ impl TransferEngine for CrashableEngine {
     fn free_batch_id(&self, batch: BatchId) -> Result<(), EngineError> {
         self.inner.free_batch_id(batch)
     }
+    // A crash stops what the engine sends and reads; the tasks it had
+    // running end as they would, and their hooks run.
+    fn batch_hooks(&self) -> bool {
+        self.inner.batch_hooks()
+    }
+    fn on_batch_finished(&self, batch: BatchId, hook: backend_mooncake::BatchHook) -> Result<(), EngineError> {
+        self.inner.on_batch_finished(batch, hook)
+    }
     fn send_notify(&self, target: SegmentId, msg: &str) -> Result<(), EngineError> {
         self.alive()?;
         self.inner.send_notify(target, msg)

@@ -86,21 +86,7 @@ fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
 fn on_abort(inner: &Arc<Inner>, from: &str, msg: ControlMessage) {
     bump(&inner.counters.aborts_received, 1);
     let ack = lock(&inner.inflight).tracker.on_abort(&Arc::from(from), msg);
-    queue_acks(inner, ack.into_iter().collect());
-}
-
-/// Queues ABORT_ACKs for the control thread to hand to the senders, and
-/// wakes it (only then: an operation's end wakes nobody otherwise).
-pub(super) fn queue_acks(inner: &Inner, acks: Vec<Outgoing<Arc<str>>>) {
-    if acks.is_empty() {
-        return;
-    }
-    let mut fl = lock(&inner.inflight);
-    for a in acks {
-        fl.outbox.push(a);
-    }
-    drop(fl);
-    inner.wake();
+    inner.settler.queue_acks(ack.into_iter().collect());
 }
 
 /// Hands the queued ABORT_ACKs to the sender threads (core's one retry

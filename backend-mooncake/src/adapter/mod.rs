@@ -12,12 +12,18 @@
 //! on the caller's thread and may block briefly: the first post to an
 //! endpoint fetches its descriptor (a handshake round trip).
 //!
-//! One batch per operation, one task per slot. A driver thread waits on each
-//! task with bounded [`TransferEngine::wait_transfer`] slices until **every**
-//! task is COMPLETED or FAILED; TIMEOUT and the other non-terminal states keep
-//! it waiting (no timer ends an operation: escalation is the target's ladder's
-//! job). Only then is the batch freed and the local lease settled
-//! (`Completed`: our own engine no longer touches it). The lease lives in the
+//! One batch per operation, one task per slot. Nothing happens to the lease
+//! until **every** task is COMPLETED or FAILED; TIMEOUT and the other
+//! non-terminal states keep it waiting (no timer ends an operation:
+//! escalation is the target's ladder's job). Only then is the batch freed and
+//! the local lease settled (`Completed`: our own engine no longer touches
+//! it). Who sees that moment: the engine's completion hook
+//! ([`TransferEngine::on_batch_finished`]), on the engine's thread that
+//! finished the last task, which settles an operation without a DONE right
+//! there; or, for an operation with a DONE to send (a send may block) and
+//! with an engine without hooks ([`AdapterConfig::engine_hooks`]), a waiter
+//! thread, which waits on each task in bounded
+//! [`TransferEngine::wait_transfer`] slices. The lease lives in the
 //! core's [`Completer`] meanwhile, so a dropped
 //! [`TransferHandle`] parks it until then. If every task COMPLETED under
 //! protocol v2 and the caller asked for it, a `W` notification naming the
@@ -107,11 +113,12 @@ use kv_transfer_core::{
 #[cfg(doc)]
 use kv_transfer_core::Transfer;
 
+use crate::batch::BatchHook;
 use crate::engine::{BatchId, SegmentId, TransferEngine, TransferRequest};
 use crate::error::{EngineError, TaskError};
 use crate::memory::MemoryRegion;
 use crate::proto::{ProtoVersion, TcpOpcode};
-use crate::TransferStatus;
+use crate::{TaskStatus, TransferStatus};
 
 /// What Mooncake over TCP can prove: drain and ack only. No revoke (the
 /// address is the key: no per-tenancy access key) and no fence (data
@@ -126,8 +133,16 @@ pub const CAPABILITIES_WITH_KEYS: Capabilities = Capabilities { drain: true, rev
 /// Adapter options.
 #[derive(Debug, Clone)]
 pub struct AdapterConfig {
-    /// Threads that wait for posted operations to finish (round robin).
+    /// Waiter threads (round robin): they send the DONEs after the data, and
+    /// with an engine without completion hooks (or `engine_hooks` off) wait
+    /// for posted operations to finish.
     pub drivers: usize,
+    /// Settle an operation without a DONE on the engine's thread that
+    /// finished its last task, where the engine has completion hooks
+    /// ([`TransferEngine::batch_hooks`]): no hand-off to a waiter thread.
+    /// `false`: a waiter thread waits for every operation, and the engine's
+    /// threads do nothing but transfer.
+    pub engine_hooks: bool,
     /// Longest single wait on one task before the driver checks for shutdown.
     pub wait_slice: Duration,
     /// How often the control thread polls notifications, with an engine
@@ -173,6 +188,7 @@ impl Default for AdapterConfig {
     fn default() -> Self {
         Self {
             drivers: 2,
+            engine_hooks: true,
             wait_slice: Duration::from_millis(100),
             poll_interval: Duration::from_millis(2),
             idle_wait: Duration::from_millis(50),
@@ -215,6 +231,9 @@ kv_transfer_core::backend_counters! {
     ops_failed,
     /// Operations abandoned because the engine lost their batch (lease quarantined).
     ops_abandoned,
+    /// Operations settled on the engine's thread by its completion hook (no
+    /// DONE to send: no waiter thread involved).
+    ops_settled_by_engine,
     /// Times a task was seen in TIMEOUT (kept waiting: not terminal).
     timeouts_seen,
     /// `free_batch_id` refused (BatchBusy) and retried after more waiting.
@@ -337,32 +356,47 @@ impl MooncakeTransfer {
         let caps = if cfg.keys.is_some() { CAPABILITIES_WITH_KEYS } else { CAPABILITIES };
         let drain = Driver::new(caps, cfg.release_policy);
         let drain_counters = drain.counters();
+        let pools: Arc<Mutex<HashMap<PoolId, PoolEntry>>> = Arc::default();
+        let inflight = Arc::new(Mutex::new(Inflight {
+            tracker: AbortTracker::with_policy(cfg_max_aborted, cfg_release_policy),
+            outbox: Outbox::default(),
+            next: 0,
+        }));
+        let counters: Arc<Counters> = Arc::default();
+        let wake: Arc<Wake> = Arc::default();
+        let jobs: Arc<[JobQueue]> = (0..drivers).map(|_| JobQueue::default()).collect();
+        let settler = Arc::new(Settler {
+            pools: pools.clone(),
+            inflight: inflight.clone(),
+            counters: counters.clone(),
+            wake: wake.clone(),
+            jobs: jobs.clone(),
+        });
+        let hooks = cfg.engine_hooks && engine.batch_hooks();
         let inner = Arc::new(Inner {
             self_proto,
             segment_name,
             engine,
             cfg,
-            pools: Mutex::default(),
+            pools,
             peers: Mutex::default(),
             drain: Mutex::new(drain),
             drain_counters,
             grants: Mutex::default(),
             ranges: Mutex::default(),
-            inflight: Mutex::new(Inflight {
-                tracker: AbortTracker::with_policy(cfg_max_aborted, cfg_release_policy),
-                outbox: Outbox::default(),
-                next: 0,
-            }),
+            inflight,
             sender: sender::SendQueues::new(sender::SendLimits {
                 per_peer: cfg_send.0.max(1),
                 per_peer_bytes: cfg_send.1.max(1),
                 strangers: cfg_send.2.max(1),
             }),
-            counters: Counters::default(),
-            wake: Arc::default(),
+            counters,
+            wake,
             notify_wakes: AtomicBool::new(false),
             stop: AtomicBool::new(false),
-            jobs: (0..drivers).map(|_| JobQueue::default()).collect(),
+            jobs,
+            hooks,
+            settler,
             next_driver: AtomicUsize::new(0),
         });
         // The waker holds the wake-up alone, never the adapter: an engine
@@ -488,6 +522,6 @@ pub use keys::TenancyKeys;
 #[cfg(test)]
 mod tests;
 
-use driver::{control_loop, queue_acks};
-use initiator::waiter_loop;
+use driver::control_loop;
+use initiator::{waiter_loop, InEngine, Settler};
 use state::*;

@@ -118,12 +118,23 @@ impl PostNow for MooncakeTransfer {
         });
         let keyed = remote.slots.iter().any(|s| s.key.is_some());
         let job = Job { id, batch, tasks, completer, notify, keyed };
+        if inner.hooks {
+            // Settled by the engine's thread when the last task finishes (or
+            // here, if it has): no hand-off to a waiter for an operation
+            // without a DONE.
+            if let Err(e) = inner.engine.on_batch_finished(batch, InEngine::hook(job, inner.settler.clone())) {
+                // Our batch, just submitted: cannot happen. The hook was
+                // dropped unrun, so the operation is abandoned (quarantined).
+                tracing::error!(batch, error = %e, "the engine refused the completion hook");
+            }
+            return Ok(handle);
+        }
         let n = inner.jobs.len().max(1);
         let k = inner.next_driver.fetch_add(1, Ordering::Relaxed) % n;
-        if let Some(job) = inner.jobs.get(k).and_then(|q| q.push(job)) {
-            // Driver gone (shutdown): the operation is in the engine, so it
+        if let Some(work) = inner.jobs.get(k).and_then(|q| q.push(Work::Wait(job))) {
+            // Waiter gone (shutdown): the operation is in the engine, so it
             // is abandoned (quarantined), never released.
-            drop(job.completer);
+            inner.settler.abandon(work.into_job());
         }
         Ok(handle)
     }

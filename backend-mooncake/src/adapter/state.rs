@@ -46,6 +46,94 @@ pub(super) struct Job {
     pub(super) keyed: bool,
 }
 
+/// What a waiter thread is handed.
+pub(super) enum Work {
+    /// An operation to wait for, task by task (an engine without
+    /// completion hooks, [`TransferEngine::batch_hooks`]).
+    Wait(Job),
+    /// An operation whose tasks all finished (the engine's hook saw them
+    /// and freed the batch), with a DONE to send: a send may block for the
+    /// engine's handshake timeout, so never on the engine's thread.
+    Notify(Job, Ending),
+}
+
+impl Work {
+    pub(super) fn into_job(self) -> Job {
+        match self {
+            Work::Wait(job) | Work::Notify(job, _) => job,
+        }
+    }
+}
+
+/// How an operation's tasks ended, gathered task by task.
+#[derive(Debug, Default)]
+pub(super) struct Ending {
+    /// A task ran under protocol v1: its COMPLETED proves nothing about the
+    /// target's memory.
+    pub(super) v1: bool,
+    /// A task FAILED mid-connection or for an unknown reason: it may have
+    /// left bytes in the target's socket that the target still applies.
+    pub(super) uncertain: bool,
+    /// The first failure.
+    pub(super) failure: Option<TransferError>,
+}
+
+impl Ending {
+    /// Adds a finished task's status (`keyed`: the exposure carried a key
+    /// per tenancy).
+    pub(super) fn add(&mut self, st: &TaskStatus, keyed: bool) {
+        self.v1 |= st.proto == ProtoVersion::V1;
+        if st.status == TransferStatus::Failed {
+            self.uncertain |= !matches!(
+                st.error,
+                Some(TaskError::AddrRejected)
+                    | Some(TaskError::Connect(_))
+                    | Some(TaskError::Dropped)
+                    | Some(TaskError::NoRemoteKey { .. })
+                    | Some(TaskError::RemoteAccess)
+            );
+            if self.failure.is_none() {
+                self.failure = Some(map_task_error(&st.error, keyed));
+            }
+        }
+    }
+
+    /// What the operation's end proves about the target's memory: nothing
+    /// if a task ran under v1 or failed mid-connection (then no ABORT_ACK
+    /// ever names its tenancies).
+    pub(super) fn proof(&self) -> OpEnd {
+        if self.v1 || self.uncertain {
+            OpEnd::Unproven
+        } else {
+            OpEnd::Proven
+        }
+    }
+}
+
+/// `keyed`: the exposure carried a key per tenancy.
+fn map_task_error(e: &Option<TaskError>, keyed: bool) -> TransferError {
+    match e {
+        // The target's NIC refused a key of the tenancy's own: it ended.
+        Some(TaskError::RemoteAccess) if keyed => TransferError::Rejected(RejectReason::StaleGeneration),
+        Some(TaskError::AddrRejected) | Some(TaskError::NoRemoteKey { .. }) | Some(TaskError::RemoteAccess) => {
+            TransferError::Rejected(RejectReason::OutOfBounds)
+        }
+        Some(TaskError::Connect(m)) | Some(TaskError::Connection(m)) | Some(TaskError::Rdma(m)) => {
+            TransferError::Transport(m.clone())
+        }
+        Some(other) => TransferError::Engine {
+            engine: "mooncake",
+            code: TransferStatus::Failed as i64,
+            message: other.to_string(),
+        },
+        None => TransferError::Engine {
+            engine: "mooncake",
+            code: TransferStatus::Failed as i64,
+            message: "task FAILED".into(),
+        },
+    }
+}
+
 /// One waiter thread's jobs: a post hands its operation over here (a lock,
 /// a push, a wake-up only when the thread may be asleep: cheaper than a
 /// channel), and the thread takes them in order.
@@ -57,7 +145,7 @@ pub(super) struct JobQueue {
 
 #[derive(Default)]
 struct JobQueueState {
-    jobs: VecDeque<Job>,
+    jobs: VecDeque<Work>,
     /// The thread has left (shutdown): nothing queued from now on runs.
     closed: bool,
     /// The thread is waiting for a job.
@@ -66,7 +154,7 @@ struct JobQueueState {
 
 impl JobQueue {
     /// Queues `job`; gives it back if the thread has left.
-    pub(super) fn push(&self, job: Job) -> Option<Job> {
+    pub(super) fn push(&self, job: Work) -> Option<Work> {
         let mut s = lock(&self.state);
         if s.closed {
             return Some(job);
@@ -81,7 +169,7 @@ impl JobQueue {
     }
 
     /// The next job, waiting up to `wait` for one.
-    pub(super) fn pop(&self, wait: Duration) -> Option<Job> {
+    pub(super) fn pop(&self, wait: Duration) -> Option<Work> {
         let mut s = lock(&self.state);
         if s.jobs.is_empty() {
             s.sleeping = true;
@@ -97,7 +185,7 @@ impl JobQueue {
 
     /// The thread leaves: later pushes are refused, and what is queued is
     /// handed back (to be abandoned: quarantined, never released).
-    pub(super) fn close(&self) -> Vec<Job> {
+    pub(super) fn close(&self) -> Vec<Work> {
         let mut s = lock(&self.state);
         s.closed = true;
         s.jobs.drain(..).collect()
@@ -111,7 +199,7 @@ pub(super) struct Inner {
     pub(super) self_proto: ProtoVersion,
     pub(super) cfg: AdapterConfig,
     pub(super) segment_name: String,
-    pub(super) pools: Mutex<HashMap<PoolId, PoolEntry>>,
+    pub(super) pools: Arc<Mutex<HashMap<PoolId, PoolEntry>>>,
     pub(super) peers: Mutex<Peers>,
     /// Target side of core's drain protocol (core's driver: the exposure
     /// table, the pools' authorities, the ladder).
@@ -121,10 +209,10 @@ pub(super) struct Inner {
     pub(super) grants: Mutex<keys::Grants>,
     /// The slot ranges the engine's data server may serve (exposed now).
     pub(super) ranges: Mutex<ranges::OpenRanges>,
-    pub(super) inflight: Mutex<Inflight>,
+    pub(super) inflight: Arc<Mutex<Inflight>>,
     /// ABORT_ACKs and ABORTs waiting for a sender thread.
     pub(super) sender: sender::SendQueues,
-    pub(super) counters: Counters,
+    pub(super) counters: Arc<Counters>,
     /// Wakes the control thread: posting threads, the pools' quarantines,
     /// and (where the engine can) each notification received.
     pub(super) wake: Arc<Wake>,
@@ -133,7 +221,12 @@ pub(super) struct Inner {
     pub(super) notify_wakes: AtomicBool,
     pub(super) stop: AtomicBool,
     /// One queue per waiter thread (`initiator`), round robin.
-    pub(super) jobs: Vec<JobQueue>,
+    pub(super) jobs: Arc<[JobQueue]>,
+    /// The engine settles operations through completion hooks
+    /// ([`TransferEngine::batch_hooks`]); else the waiters wait for them.
+    pub(super) hooks: bool,
+    /// What the engine's completion hooks settle operations with.
+    pub(super) settler: Arc<Settler>,
     pub(super) next_driver: AtomicUsize,
 }
 

@@ -42,6 +42,7 @@ fn mock_with(
     m.expect_local_segment_name().returning(|| "127.0.0.1:9".into());
     m.expect_serve_exposed_only().returning(|| true);
     m.expect_set_notify_waker().returning(|_| false);
+    m.expect_batch_hooks().returning(|| false);
     m.expect_expose_range().returning(|_, _, _| Ok(None));
     m.expect_unexpose_range().returning(|_| true);
     m.expect_register_memory().returning(|_| Ok(()));
@@ -186,6 +187,7 @@ fn submit_refused_returns_the_lease() {
     m.expect_local_segment_name().returning(|| "127.0.0.1:9".into());
     m.expect_serve_exposed_only().returning(|| true);
     m.expect_set_notify_waker().returning(|_| false);
+    m.expect_batch_hooks().returning(|| false);
     m.expect_expose_range().returning(|_, _, _| Ok(None));
     m.expect_unexpose_range().returning(|_| true);
     m.expect_register_memory().returning(|_| Ok(()));
