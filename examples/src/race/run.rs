@@ -196,8 +196,16 @@ impl<R: RaceRig> Run<'_, R> {
     /// post was refused (its source lease released).
     fn post(&mut self, from: Prefill, remote: &RemoteSlots, tags: &[Tag]) -> Result<Option<TransferHandle>, RaceError> {
         let k = self.cfg.slots_per_request;
-        let mut src =
-            self.rig.sides().source_pool(from).reserve(k).map_err(|e| step_err(format!("{from:?} reserve: {e}")))?;
+        // A source lease whose handle was given up on (`await_within`) comes
+        // back only when its operation ends, never before (on a lossy link
+        // that can take a TCP retransmission or two): wait for it, bounded,
+        // rather than fail the run on a pool sized without slack.
+        let pool = self.rig.sides().source_pool(from).clone();
+        let enough = || pool.metrics().free >= k as u64;
+        if !enough() && !wait_until(self.wait, enough) {
+            self.rep.timeouts += 1;
+        }
+        let mut src = pool.reserve(k).map_err(|e| step_err(format!("{from:?} reserve: {e}")))?;
         fill_lease(&mut src, tags, self.cfg.slot_size)?;
         Ok(match block_on(self.rig.sides().prefill(from).write(src, remote, self.opts())) {
             Ok(h) => Some(h),
