@@ -1,6 +1,6 @@
 //! The initiator side's post: checks, admission by the abort tracker
-//! before anything is submitted, the engine's batch, and the job handed to
-//! a waiter thread (`initiator`).
+//! before anything is submitted, the engine's batch, and the operation
+//! handed to the engine's completion hook or a waiter thread (`initiator`).
 
 use super::*;
 use std::cell::Cell;
@@ -14,8 +14,9 @@ thread_local! {
 
 kv_transfer_core::impl_transfer_via_post_now!(MooncakeTransfer, "mooncake");
 
-// The post never waits (the engine queues the batch; a waiter thread
-// completes it), so `Transfer::write` needs no boxed future per post.
+// The post never waits (the engine queues the batch; its completion hook
+// or a waiter thread settles it), so `Transfer::write` needs no boxed
+// future per post.
 impl PostNow for MooncakeTransfer {
     fn post_now(
         &self,
