@@ -39,8 +39,10 @@ pub(super) struct Job {
     pub(super) tasks: Range<usize>,
     pub(super) completer: Completer,
     /// The DONE to send after the data, with its target's segment and
-    /// segment name, and whether to digest the local slots into it.
-    pub(super) notify: Option<(SegmentId, Arc<str>, ControlMessage, bool)>,
+    /// segment name, and whether to digest the local slots into it (boxed:
+    /// a job without one stays small, and moves through the queues without
+    /// a copy of a message it does not carry).
+    pub(super) notify: Option<Box<(SegmentId, Arc<str>, ControlMessage, bool)>>,
     /// The exposure carried a key per tenancy: a refusal by the target's
     /// NIC then means the tenancy's key ended (a stale generation).
     pub(super) keyed: bool,

@@ -59,6 +59,7 @@ use kv_transfer_core::{
     Target, TransferError, TransferHandle, TransferOptions,
 };
 
+use channel::descriptor_name;
 pub use channel::{
     fresh_ticket, parse_descriptor, read_opening, Confirm, Deadline, Descriptor, Hello, Nonce, Opening, Ticket,
     MAX_CANDIDATES, MAX_NAME, NONE_CONFIRMED, TICKET_LEN,

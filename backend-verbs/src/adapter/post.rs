@@ -14,7 +14,7 @@ impl Inner {
         if let Err(kind) = check_shapes(&local, remote) {
             return Err(PostError { lease: local, kind });
         }
-        let Ok(Descriptor { name, .. }) = parse_descriptor(remote.endpoint.as_bytes()) else {
+        let Ok(name) = descriptor_name(&remote.endpoint) else {
             return Err(PostError {
                 lease: local,
                 kind: PostErrorKind::Peer(format!("bad endpoint {:?}", remote.endpoint)),
@@ -25,10 +25,10 @@ impl Inner {
         };
         // A peer being fenced that we dialed is reconnecting: wait for it
         // (bounded by the configured timeout).
-        let deadline = Instant::now() + self.cfg.timeout;
+        let mut deadline = None;
         let (mut st, peer, qp) = loop {
             let st = lock(&self.state);
-            let Some(peer) = st.by_name.get(&name).copied() else {
+            let Some(peer) = st.by_name.get(name).copied() else {
                 drop(st);
                 return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is not a peer")) });
             };
@@ -40,6 +40,8 @@ impl Inner {
                 let qp = p.qp;
                 break (st, peer, qp);
             }
+            // (The clock is read only when a peer is not live.)
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.cfg.timeout);
             if p.dialed.is_none() || Instant::now() >= deadline {
                 drop(st);
                 return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is fenced")) });
@@ -52,8 +54,6 @@ impl Inner {
             drop(st);
             return Err(PostError { lease: local, kind: PostErrorKind::ForeignPool });
         };
-        let offsets: Vec<u64> =
-            local.tenancies().iter().map(|t| u64::from(t.slot.0) * local.pool().slot_size() as u64).collect();
         st.next_op += 1;
         let op_id = st.next_op;
         // Admitted before anything is posted, under the lock ABORTs are
@@ -67,13 +67,15 @@ impl Inner {
         let (handle, completer) = TransferHandle::pair(exposed);
         let mut posted = 0u32;
         let mut error = None;
-        for (i, (off, rs)) in offsets.iter().zip(&remote.slots).enumerate() {
+        let slot_size = completer.lease().pool().slot_size() as u64;
+        for (i, (t, rs)) in completer.lease().tenancies().iter().zip(&remote.slots).enumerate() {
+            let off = u64::from(t.slot.0) * slot_size;
             let wr = self.wr_id();
             st.wrs.insert(wr, Pending::OpWr { op: op_id, peer });
             let rkey = remote.key_of(i) as u32;
             let r = match op {
-                Op::Write => WorkRequest::Write { local: mr, offset: *off, len, remote_addr: rs.addr, rkey },
-                Op::Read => WorkRequest::Read { local: mr, offset: *off, len, remote_addr: rs.addr, rkey },
+                Op::Write => WorkRequest::Write { local: mr, offset: off, len, remote_addr: rs.addr, rkey },
+                Op::Read => WorkRequest::Read { local: mr, offset: off, len, remote_addr: rs.addr, rkey },
             };
             let r = self.engine.post(qp, wr, r);
             match r {
