@@ -223,7 +223,8 @@ fn finish(inner: &Inner, job: Job, mut ending: Ending) {
     let Job { id, batch, completer, notify, .. } = job;
     let mut result = inner.settler.outcome(&mut ending);
     if result.is_ok() {
-        if let Some((seg, endpoint, mut msg, digests)) = notify.map(|n| *n) {
+        if let Some(n) = notify {
+            let Notify { seg, endpoint, mut msg, digests } = *n;
             if ending.v1 {
                 tracing::warn!(batch, "operation ran under protocol v1: no completion notification sent");
             } else {

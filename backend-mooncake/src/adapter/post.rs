@@ -115,7 +115,7 @@ impl PostNow for MooncakeTransfer {
         let (handle, completer) = TransferHandle::pair(exposed);
         let notify = opts.notify.then(|| {
             let done = ControlMessage::new(ControlKind::Done, remote.pool, remote.token, remote.tenancies());
-            Box::new((seg, name.clone(), done, opts.digest && op == Op::Write))
+            Box::new(Notify { seg, endpoint: name.clone(), msg: done, digests: opts.digest && op == Op::Write })
         });
         let keyed = remote.slots.iter().any(|s| s.key.is_some());
         let job = Job { id, batch, tasks, completer, notify, keyed };

@@ -38,14 +38,24 @@ pub(super) struct Job {
     pub(super) batch: BatchId,
     pub(super) tasks: Range<usize>,
     pub(super) completer: Completer,
-    /// The DONE to send after the data, with its target's segment and
-    /// segment name, and whether to digest the local slots into it (boxed:
-    /// a job without one stays small, and moves through the queues without
-    /// a copy of a message it does not carry).
-    pub(super) notify: Option<Box<(SegmentId, Arc<str>, ControlMessage, bool)>>,
+    /// The DONE to send after the data (boxed: a job without one stays
+    /// small, and moves through the queues without copying a message it
+    /// does not carry).
+    pub(super) notify: Option<Box<Notify>>,
     /// The exposure carried a key per tenancy: a refusal by the target's
     /// NIC then means the tenancy's key ended (a stale generation).
     pub(super) keyed: bool,
+}
+
+/// A DONE due after an operation's data.
+pub(super) struct Notify {
+    /// The target's segment.
+    pub(super) seg: SegmentId,
+    /// Its name (the abort tracker's key for it).
+    pub(super) endpoint: Arc<str>,
+    pub(super) msg: ControlMessage,
+    /// Whether to digest the local slots into the message.
+    pub(super) digests: bool,
 }
 
 /// What a waiter thread is handed.

@@ -376,7 +376,7 @@ impl Inner {
                 drain.fenced(proofs)
             };
             st.aborts.forget_peer(&peer);
-            let named = st.peers.get(&peer).is_some_and(|p| p.confirmed && st.by_name.get(&p.name) == Some(&peer));
+            let named = st.peers.get(&peer).is_some_and(|p| p.confirmed && st.peer_named(&p.name) == Some(peer));
             if !named {
                 self.drop_record(&mut st, peer);
             }

@@ -271,7 +271,7 @@ impl Inner {
         let p = st.peers.get_mut(&id).filter(|p| p.state == PeerState::Live)?;
         p.confirmed = true;
         let name = p.name.clone();
-        if let Some(old) = st.by_name.insert(name, id).filter(|o| *o != id) {
+        if let Some(old) = st.name_peer(name, id).filter(|o| *o != id) {
             self.drop_record(&mut st, old);
         }
         Some(id)
@@ -429,7 +429,7 @@ impl Inner {
         // a reconnect after a fence (or after the NIC put the old QP in
         // ERR, which this side may not have polled yet) takes it over.
         if confirmed {
-            let old = st.by_name.get(&theirs.name).copied();
+            let old = st.peer_named(&theirs.name);
             let old_live = old.and_then(|o| st.peers.get(&o)).filter(|p| p.state == PeerState::Live);
             let old_dead = old_live.is_some_and(|p| self.engine.qp_state(p.qp).map_or(true, |s| s == QpState::Error));
             let taken = old_live.is_some() && !old_dead;
@@ -440,7 +440,7 @@ impl Inner {
             }
             if taken {
                 tracing::warn!(name = %theirs.name, "a second connection under a live peer's name: not given the name");
-            } else if let Some(old) = st.by_name.insert(theirs.name.clone(), id) {
+            } else if let Some(old) = st.name_peer(theirs.name.clone(), id) {
                 // The record the name leaves, if fenced already, has no one
                 // to name it any more.
                 self.drop_record(&mut st, old);

@@ -14,12 +14,6 @@ impl Inner {
         if let Err(kind) = check_shapes(&local, remote) {
             return Err(PostError { lease: local, kind });
         }
-        let Ok(name) = descriptor_name(&remote.endpoint) else {
-            return Err(PostError {
-                lease: local,
-                kind: PostErrorKind::Peer(format!("bad endpoint {:?}", remote.endpoint)),
-            });
-        };
         let Ok(len) = u32::try_from(remote.slot_size) else {
             return Err(PostError { lease: local, kind: PostErrorKind::Descriptor("slots larger than 4 GiB".into()) });
         };
@@ -27,14 +21,17 @@ impl Inner {
         // (bounded by the configured timeout).
         let mut deadline = None;
         let (mut st, peer, qp) = loop {
-            let st = lock(&self.state);
-            let Some(peer) = st.by_name.get(name).copied() else {
-                drop(st);
-                return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is not a peer")) });
+            let mut st = lock(&self.state);
+            let peer = match st.peer_at(&remote.endpoint) {
+                Ok(p) => p,
+                Err(why) => {
+                    drop(st);
+                    return Err(PostError { lease: local, kind: PostErrorKind::Peer(why) });
+                }
             };
             let Some(p) = st.peers.get(&peer) else {
                 drop(st);
-                return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is gone")) });
+                return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("peer {} is gone", peer.0)) });
             };
             if p.state == PeerState::Live {
                 let qp = p.qp;
@@ -43,8 +40,9 @@ impl Inner {
             // (The clock is read only when a peer is not live.)
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.cfg.timeout);
             if p.dialed.is_none() || Instant::now() >= deadline {
+                let why = format!("{} is fenced", p.name);
                 drop(st);
-                return Err(PostError { lease: local, kind: PostErrorKind::Peer(format!("{name} is fenced")) });
+                return Err(PostError { lease: local, kind: PostErrorKind::Peer(why) });
             }
             drop(st);
             std::thread::sleep(Duration::from_millis(2));

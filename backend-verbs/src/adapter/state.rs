@@ -184,7 +184,14 @@ pub(super) struct OpEntry {
 pub(super) struct State {
     pub(super) pools: HashMap<PoolId, PoolEntry>,
     pub(super) peers: HashMap<PeerId, Peer>,
-    pub(super) by_name: HashMap<String, PeerId>,
+    /// Who each name is (private: every change goes through
+    /// [`State::name_peer`], which forgets the post's cache).
+    by_name: HashMap<String, PeerId>,
+    /// The last endpoint a post named and the peer its name named then: a
+    /// post to the same target neither checks its descriptor again nor
+    /// hashes the name. Only a well-formed endpoint is kept, and any change
+    /// to `by_name` forgets it.
+    last_endpoint: Option<(Box<str>, PeerId)>,
     pub(super) next_peer: u32,
     pub(super) wrs: HashMap<u64, Pending>,
     pub(super) ops: HashMap<u64, OpEntry>,
@@ -199,12 +206,41 @@ pub(super) struct State {
     pub(super) known: HashMap<String, Descriptor>,
 }
 
+impl State {
+    /// The peer `name` names.
+    pub(super) fn peer_named(&self, name: &str) -> Option<PeerId> {
+        self.by_name.get(name).copied()
+    }
+
+    /// `name` names `id` from now on; the peer it named before, if any.
+    pub(super) fn name_peer(&mut self, name: String, id: PeerId) -> Option<PeerId> {
+        self.last_endpoint = None;
+        self.by_name.insert(name, id)
+    }
+
+    /// The peer a post's `endpoint` (a target's descriptor) names: the
+    /// cached answer for the last endpoint, else its name checked and
+    /// looked up. `Err`: what is wrong with it.
+    pub(super) fn peer_at(&mut self, endpoint: &str) -> Result<PeerId, String> {
+        if let Some((e, p)) = &self.last_endpoint {
+            if **e == *endpoint {
+                return Ok(*p);
+            }
+        }
+        let name = descriptor_name(endpoint).map_err(|_| format!("bad endpoint {endpoint:?}"))?;
+        let peer = self.by_name.get(name).copied().ok_or_else(|| format!("{name} is not a peer"))?;
+        self.last_endpoint = Some((endpoint.into(), peer));
+        Ok(peer)
+    }
+}
+
 impl Default for State {
     fn default() -> Self {
         Self {
             pools: HashMap::default(),
             peers: HashMap::default(),
             by_name: HashMap::default(),
+            last_endpoint: None,
             next_peer: 0,
             wrs: HashMap::default(),
             ops: HashMap::default(),
@@ -242,7 +278,7 @@ impl Inner {
 
     pub(super) fn live_peer(&self, name: &str) -> Option<PeerId> {
         let st = lock(&self.state);
-        st.by_name.get(name).copied().filter(|p| st.peers.get(p).is_some_and(|p| p.state == PeerState::Live))
+        st.peer_named(name).filter(|p| st.peers.get(p).is_some_and(|p| p.state == PeerState::Live))
     }
 
     /// Sends each message (ABORT_ACKs now due) to its peer, if live.
@@ -303,5 +339,38 @@ impl Inner {
         if let (Some(i), Some(p)) = (slot, st.peers.get_mut(&peer)) {
             p.send_free.push(i);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint(name: &str, ticket: u8) -> String {
+        Descriptor { name: name.into(), addr: "10.0.0.2:4791".into(), ticket: [ticket; TICKET_LEN] }.encode()
+    }
+
+    /// The post's cache of its last endpoint answers as the name table
+    /// does, and forgets itself whenever a name changes hands.
+    #[test]
+    fn a_cached_endpoint_names_the_peer_its_name_names_now() {
+        let mut st = State::default();
+        let (a, b) = (endpoint("decode-0", 1), endpoint("decode-1", 2));
+        assert!(st.peer_at(&a).is_err(), "no peer has the name yet");
+        assert_eq!(st.name_peer("decode-0".into(), PeerId(1)), None);
+        st.name_peer("decode-1".into(), PeerId(2));
+        assert_eq!(st.peer_at(&a), Ok(PeerId(1)));
+        assert_eq!(st.peer_at(&a), Ok(PeerId(1)), "cached");
+        assert_eq!(st.peer_at(&b), Ok(PeerId(2)));
+        // The name is taken over (a reconnect): the cached answer goes.
+        assert_eq!(st.name_peer("decode-0".into(), PeerId(3)), Some(PeerId(1)));
+        assert_eq!(st.peer_at(&a), Ok(PeerId(3)));
+        // Another ticket under the same name: the name decides.
+        assert_eq!(st.peer_at(&endpoint("decode-0", 9)), Ok(PeerId(3)));
+        // A malformed endpoint is refused, and never cached.
+        let bad = a.replace('#', "!");
+        assert!(st.peer_at(&bad).is_err());
+        assert!(st.peer_at(&bad).is_err());
+        assert_eq!(st.peer_at(&a), Ok(PeerId(3)));
     }
 }
