@@ -40,7 +40,7 @@ pub(super) struct Job {
     pub(super) completer: Completer,
     /// The DONE to send after the data (boxed: a job without one stays
     /// small, and moves through the queues without copying a message it
-    /// does not carry).
+    /// does not carry; with one, one allocation replaces those copies).
     pub(super) notify: Option<Box<Notify>>,
     /// The exposure carried a key per tenancy: a refusal by the target's
     /// NIC then means the tenancy's key ended (a stale generation).

@@ -283,12 +283,14 @@ fn split_descriptor(s: &str) -> Result<(&str, &str, &str), VerbsError> {
     }
 }
 
-/// The value of one ASCII hex digit (checked by the caller).
+/// The value of one ASCII hex digit (`split_descriptor` checked that it
+/// is one: anything else reads as 0).
 fn hex_digit(c: u8) -> u8 {
     match c {
         b'0'..=b'9' => c - b'0',
         b'a'..=b'f' => c - b'a' + 10,
-        _ => c.wrapping_sub(b'A').wrapping_add(10),
+        b'A'..=b'F' => c - b'A' + 10,
+        _ => 0,
     }
 }
 
