@@ -47,9 +47,11 @@ pub fn block_on<F: Future>(f: F) -> F::Output {
     })
 }
 
-/// Polls `fut` on the current thread until it resolves or `timeout` passes.
-/// `None` on timeout: the future is left as it is (not dropped), so the
-/// caller decides what giving up means (for a lease: abort it, quarantine).
+/// Polls `fut` on the current thread until it resolves or `timeout` passes
+/// (counted from the end of the first poll that finds it pending: a future
+/// ready at once costs no clock read). `None` on timeout: the future is left
+/// as it is (not dropped), so the caller decides what giving up means (for a
+/// lease: abort it, quarantine).
 ///
 /// ```
 /// use kv_transfer_core::poll_until;
@@ -60,14 +62,18 @@ pub fn block_on<F: Future>(f: F) -> F::Output {
 /// assert_eq!(poll_until(never.as_mut(), Duration::from_millis(5)), None);
 /// ```
 pub fn poll_until<F: Future + ?Sized>(mut fut: Pin<&mut F>, timeout: Duration) -> Option<F::Output> {
-    let deadline = Instant::now() + timeout;
     THREAD_WAKER.with(|waker| {
         let mut cx = Context::from_waker(waker);
+        // The clock is read only once the future is pending: an operation
+        // that finished before its wait (the common case of a fast transfer)
+        // costs no clock read.
+        let mut deadline = None;
         loop {
             if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
                 return Some(v);
             }
             let now = Instant::now();
+            let deadline = *deadline.get_or_insert_with(|| now + timeout);
             if now >= deadline {
                 return None;
             }

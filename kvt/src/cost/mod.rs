@@ -13,6 +13,14 @@
 //! ratios do; a path that polls may still vary a little with scheduling,
 //! so each figure is the median of `--repeat` runs.
 //!
+//! A third path, counted once, is the floor: the core's own work per
+//! transfer with no engine and no second thread (the operation admitted by
+//! an abort tracker, the lease exposed, a completion handle, the lease
+//! settled by its proof and handed back). Every adapter does at least that,
+//! so a backend's adapter / raw can be no lower than `1 + floor / raw`: the
+//! table's `lowest` column. What an adapter costs above `lowest` is its
+//! backend's own (hand-offs, lookups); what `lowest` costs is the core's.
+//!
 //! ```text
 //! kvt cost --backend tcp-sim,mooncake,nixl,verbs,mori --sizes 4KiB,64KiB,1MiB
 //! ```
@@ -65,6 +73,9 @@ pub(crate) enum Path {
     Adapter,
     /// Through the engine alone.
     Raw,
+    /// The core's own per-transfer work alone, no engine (the same for
+    /// every backend: counted once).
+    Floor,
 }
 
 impl Path {
@@ -72,6 +83,7 @@ impl Path {
         match self {
             Self::Adapter => "adapter",
             Self::Raw => "raw",
+            Self::Floor => "floor",
         }
     }
 }
@@ -110,6 +122,8 @@ struct Row {
     adapter: f64,
     raw: f64,
     ratio: f64,
+    /// The lowest `ratio` the core's own work allows: 1 + floor / raw.
+    lowest: f64,
     /// MORI only: the adapter against the bare verbs raw loop.
     #[serde(skip_serializing_if = "Option::is_none")]
     vs_bare_verbs: Option<f64>,
@@ -132,26 +146,29 @@ pub(crate) fn cmd(a: CostArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("the path of this kvt")?;
     let per_figure = 2 * u64::from(a.repeat);
     let figures: u64 =
-        a.backend.iter().map(|b| if *b == CostBackend::Mori { 3 } else { 2 }).sum::<u64>() * a.sizes.len() as u64;
+        a.backend.iter().map(|b| if *b == CostBackend::Mori { 3 } else { 2 }).sum::<u64>() * a.sizes.len() as u64 + 1;
     let pb =
         crate::bar(figures * per_figure, a.json, "{elapsed_precise} [{bar:30}] {pos}/{len} runs under callgrind {msg}");
+    let count = |backend: CostBackend, path: Path, size: usize| -> anyhow::Result<f64> {
+        pb.set_message(format!("{} {} {}", backend.name(), path.name(), units::fmt_size(size)));
+        let mut each = Vec::new();
+        for _ in 0..a.repeat {
+            let short = instructions(&exe, backend, path, size, a.transfers)?;
+            pb.inc(1);
+            let long = instructions(&exe, backend, path, size, 2 * a.transfers)?;
+            pb.inc(1);
+            // Signed: a path whose polling threads ran longer in
+            // the shorter run can come out negative (noise, shown).
+            each.push((long as f64 - short as f64) / a.transfers as f64);
+        }
+        Ok(crate::measure::median(&each))
+    };
+    // The floor moves no bytes: one figure serves every size.
+    let floor = count(a.backend[0], Path::Floor, 4096)?;
     let mut rows = Vec::new();
     for &b in &a.backend {
         for &size in &a.sizes {
-            let count = |backend: CostBackend, path: Path| -> anyhow::Result<f64> {
-                pb.set_message(format!("{} {} {}", backend.name(), path.name(), units::fmt_size(size)));
-                let mut each = Vec::new();
-                for _ in 0..a.repeat {
-                    let short = instructions(&exe, backend, path, size, a.transfers)?;
-                    pb.inc(1);
-                    let long = instructions(&exe, backend, path, size, 2 * a.transfers)?;
-                    pb.inc(1);
-                    // Signed: a path whose polling threads ran longer in
-                    // the shorter run can come out negative (noise, shown).
-                    each.push((long as f64 - short as f64) / a.transfers as f64);
-                }
-                Ok(crate::measure::median(&each))
-            };
+            let count = |backend, path| count(backend, path, size);
             let adapter = count(b, Path::Adapter)?;
             let raw = count(b, Path::Raw)?;
             let vs_bare_verbs = if b == CostBackend::Mori {
@@ -160,32 +177,46 @@ pub(crate) fn cmd(a: CostArgs) -> anyhow::Result<()> {
             } else {
                 None
             };
-            rows.push(Row { backend: b, size, adapter, raw, ratio: adapter / raw, vs_bare_verbs });
+            rows.push(Row {
+                backend: b,
+                size,
+                adapter,
+                raw,
+                ratio: adapter / raw,
+                lowest: 1.0 + floor / raw,
+                vs_bare_verbs,
+            });
         }
     }
     pb.finish_and_clear();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "floor": floor, "rows": rows }))?);
     } else {
-        print!("{}", table(&rows, a.transfers, a.repeat));
+        print!("{}", table(&rows, floor, a.transfers, a.repeat));
     }
     Ok(())
 }
 
-fn table(rows: &[Row], n: u64, repeat: u32) -> String {
+fn table(rows: &[Row], floor: f64, n: u64, repeat: u32) -> String {
     let mut s = format!(
         "instructions per transfer (callgrind, all threads; one WRITE of one slot, posted and awaited; \
-         (I(2N) - I(N)) / N with N = {n}, median of {repeat})\n"
+         (I(2N) - I(N)) / N with N = {n}, median of {repeat})\n\
+         the core's own work per transfer, no engine (admission, exposure, handle, settlement): {floor:.0}; \
+         no adapter / raw can be below `lowest` = 1 + {floor:.0} / raw\n"
     );
-    s += &format!("{:<9} {:>8} {:>12} {:>12} {:>14}\n", "backend", "size", "adapter", "raw", "adapter / raw");
+    s += &format!(
+        "{:<9} {:>8} {:>12} {:>12} {:>14} {:>8}\n",
+        "backend", "size", "adapter", "raw", "adapter / raw", "lowest"
+    );
     for r in rows {
         s += &format!(
-            "{:<9} {:>8} {:>12.0} {:>12.0} {:>14.3}",
+            "{:<9} {:>8} {:>12.0} {:>12.0} {:>14.3} {:>8.3}",
             r.backend.name(),
             units::fmt_size(r.size),
             r.adapter,
             r.raw,
-            r.ratio
+            r.ratio,
+            r.lowest
         );
         if let Some(v) = r.vs_bare_verbs {
             s += &format!("   (adapter / bare verbs raw: {v:.3})");
@@ -238,6 +269,7 @@ fn run_spec(spec: &str) -> anyhow::Result<()> {
     let path = match it.next() {
         Some("adapter") => Path::Adapter,
         Some("raw") => Path::Raw,
+        Some("floor") => Path::Floor,
         _ => return Err(bad()),
     };
     let size: usize = it.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
@@ -268,6 +300,7 @@ mod tests {
             "nope:adapter:4096:1",
             "tcp-sim:both:4096:1",
             "tcp-sim:raw:0:1",
+            "tcp-sim:floor:4096",
             "tcp-sim:raw:1099511627776:1",
         ] {
             assert!(run_spec(spec).is_err(), "{spec:?} accepted");

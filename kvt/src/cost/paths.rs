@@ -7,7 +7,10 @@
 
 use super::{CostBackend, Path};
 use anyhow::{anyhow, bail};
-use kv_transfer_core::{block_on, poll_until, PoolConfig, RemoteSlots, SlotPool, Transfer, TransferOptions};
+use kv_transfer_core::{
+    block_on, poll_until, PoolConfig, RemoteSlots, Reserved, SlotLease, SlotPool, Transfer, TransferHandle,
+    TransferOptions,
+};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +43,7 @@ pub(super) fn available(b: CostBackend) -> anyhow::Result<()> {
 pub(super) fn run(b: CostBackend, path: Path, size: usize, count: u64) -> anyhow::Result<()> {
     let total = WARMUP + count;
     match (b, path) {
+        (_, Path::Floor) => floor(size, total),
         (CostBackend::TcpSim, Path::Adapter) => adapter(
             crate::backends::loopback_rig(crate::Backend::TcpSim, 1, size, crate::backends::Placement::default())?,
             total,
@@ -84,11 +88,54 @@ fn adapter_loop(t: &Arc<dyn Transfer>, pool: &SlotPool, remote: &RemoteSlots, to
     for i in 0..total {
         let mut h = block_on(t.write(lease, &one, TransferOptions::notify(false)))
             .map_err(|e| anyhow!("post {i} refused: {}", e.kind))?;
-        let out = poll_until(std::pin::Pin::new(&mut h), WAIT)
-            .ok_or_else(|| anyhow!("transfer {i} did not complete within {WAIT:?}"))?
-            .map_err(|e| anyhow!("transfer {i}: {e}"))?;
-        out.result.map_err(|e| anyhow!("transfer {i}: {e}"))?;
-        lease = out.lease.into_reserved();
+        lease = awaited(&mut h, i)?;
+    }
+    lease.release();
+    Ok(())
+}
+
+/// Transfer `i`'s handle awaited (as the adapter path and the floor both
+/// wait: the same wait on both sides of the comparison), its lease back.
+fn awaited(h: &mut TransferHandle, i: u64) -> anyhow::Result<SlotLease<Reserved>> {
+    let out = poll_until(std::pin::Pin::new(h), WAIT)
+        .ok_or_else(|| anyhow!("transfer {i} did not complete within {WAIT:?}"))?
+        .map_err(|e| anyhow!("transfer {i}: {e}"))?;
+    out.result.map_err(|e| anyhow!("transfer {i}: {e}"))?;
+    Ok(out.lease.into_reserved())
+}
+
+/// The core's own work per transfer, with no engine and no second thread:
+/// the operation admitted by an abort tracker, the lease exposed, a
+/// completion handle paired, the lease settled by its completion proof and
+/// handed back through the handle (ready when polled: nothing parks), the
+/// tracker told the operation ended. Every adapter does at least this per
+/// transfer, so no backend's adapter / raw ratio can be below
+/// 1 + floor / raw. The cheapest tracker key (`()`, as tcp-sim's) keeps it
+/// a lower bound.
+fn floor(size: usize, total: u64) -> anyhow::Result<()> {
+    use kv_transfer_core::drain::{AbortTracker, ExposureToken, OpEnd};
+    use kv_transfer_core::{Generation, HostRegion, PeerId, PoolId, RemoteSlot, SlotId};
+    let (pool, authority) = SlotPool::new(Arc::new(HostRegion::new(size)?), PoolConfig::new(size))?;
+    let remote = RemoteSlots {
+        endpoint: "floor".into(),
+        pool: PoolId(u64::MAX),
+        key: 0,
+        slot_size: size as u64,
+        memory: Default::default(),
+        token: ExposureToken::random(),
+        slots: vec![RemoteSlot { slot: SlotId(0), generation: Generation(1), addr: 0, key: None }],
+    };
+    let mut tracker = AbortTracker::<()>::new(1024);
+    let mut lease = pool.reserve(1).map_err(|e| anyhow!("the slot: {e}"))?;
+    for op in 0..total {
+        tracker.admit(op, &(), &remote, false).map_err(|e| anyhow!("admission {op}: {e}"))?;
+        let (mut handle, completer) = TransferHandle::pair(authority.expose_local(lease, PeerId(1)));
+        let proof = authority.completed_lease(completer.lease());
+        completer.complete(proof, Ok(())).map_err(|e| anyhow!("settlement {op}: {e:?}"))?;
+        if !tracker.finished(op, OpEnd::Proven).is_empty() {
+            bail!("operation {op}: an ABORT_ACK came due with no ABORT sent");
+        }
+        lease = awaited(&mut handle, op)?;
     }
     lease.release();
     Ok(())
