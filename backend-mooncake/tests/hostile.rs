@@ -344,7 +344,8 @@ fn hostile_forged_aborts_to_black_holes_do_not_delay_an_honest_done() {
     for checked in [false, true] {
         let holes: Vec<_> = (0..8).map(|_| black_hole()).collect();
         let ecfg = EngineConfig { handshake_timeout: Duration::from_millis(500), ..Default::default() };
-        let acfg = AdapterConfig { send_on_control_thread: !checked, ..Default::default() };
+        let acfg =
+            AdapterConfig { send_on_control_thread: !checked, aborts_from_strangers: !checked, ..Default::default() };
         let decode = side_with(ecfg, acfg, 2, SLOT);
         let prefill = side(2, SLOT);
         let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
@@ -391,6 +392,8 @@ fn hostile_forged_aborts_to_black_holes_do_not_delay_an_honest_done() {
         let took = took.expect("the honest DONE settles");
         if checked {
             assert!(took < Duration::from_millis(500), "honest DONE took {took:?}");
+            // Names this side never dialed buy no abort state at all now.
+            assert_eq!(m.aborts_from_strangers, u64::from(n));
         } else {
             assert!(took > Duration::from_millis(1500), "the old control thread was not stalled: {took:?}");
         }
@@ -510,4 +513,74 @@ fn hostile_stalled_read_inside_a_live_exposure_does_not_delay_its_settlement() {
     assert!(settled.bytes().unwrap().iter().all(|b| *b == 0x42));
     assert_eq!(decode.a.metrics().ranges_open, 0);
     settled.release();
+}
+
+/// Issue 46, attack 1: ABORTs under made-up notify names (each name a
+/// stranger this side never dialed, each ABORT for 64 made-up tenancies
+/// under a token nobody carries). Positive control
+/// (`aborts_from_strangers`, the old behaviour): every name buys a peer's
+/// worth of abort state, linear in names. Checked: 10x the tracker's peer
+/// cap in names buys no peer and no entry, each ABORT counted, and an
+/// honest WRITE and DONE to the same prefill settle within 500 ms.
+#[test]
+fn hostile_made_up_notify_names_buy_no_abort_state() {
+    let _g = serial();
+    let names = 10 * kv_transfer_core::drain::DEFAULT_MAX_PEERS as u32;
+    for checked in [false, true] {
+        let acfg = AdapterConfig { aborts_from_strangers: !checked, ..Default::default() };
+        let prefill = side_with(EngineConfig::default(), acfg, 2, SLOT);
+        let decode = side(2, SLOT);
+        let hs = prefill.engine.handshake_addr().unwrap();
+        let before = mem();
+        for i in 0..names {
+            use kv_transfer_core::drain::{ControlKind, ControlMessage, ExposureToken};
+            use kv_transfer_core::{Generation, PoolId, SlotId, Tenancy};
+            let mut t = [0x66; 16];
+            t[..4].copy_from_slice(&i.to_le_bytes());
+            let tenancies = (0..64).map(|s| Tenancy::new(SlotId(s), Generation(1))).collect();
+            let msg = ControlMessage::new(ControlKind::Abort, PoolId(0xBAD), ExposureToken::from_bytes(t), tenancies);
+            let name = format!("127.0.0.9:{}", 10_000 + i);
+            assert_eq!(raw_notify(ATTACKER, hs, &name, &msg.encode_text().unwrap()).unwrap(), "success");
+        }
+        wait_until("made-up ABORTs received", Duration::from_secs(20), || {
+            prefill.a.metrics().aborts_received == u64::from(names)
+        });
+        let m = prefill.a.metrics();
+        // The honest decode exposes a slot; the prefill WRITEs it and the DONE settles it.
+        let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
+        let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+        let t0 = Instant::now();
+        let out =
+            block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
+                .unwrap();
+        out.result.unwrap();
+        out.lease.release();
+        let mut exposed = Some(exposed);
+        let mut settled = None;
+        while t0.elapsed() < Duration::from_secs(10) {
+            match exposed.take().unwrap().try_settled() {
+                Ok(s) => {
+                    settled = Some((s, t0.elapsed()));
+                    break;
+                }
+                Err(e) => exposed = Some(e),
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let after = mem();
+        let (settled, took) = settled.expect("the honest DONE settles");
+        eprintln!(
+            "checked={checked}: {names} made-up names x 64 ABORTed tenancies: abort state {} peers, {} entries; \
+             strangers dropped {}; honest WRITE+DONE {took:?}; RSS {} -> {} KiB",
+            m.abort_state_peers, m.abort_state_entries, m.aborts_from_strangers, before.rss_kib, after.rss_kib
+        );
+        if checked {
+            assert_eq!((m.abort_state_peers, m.abort_state_entries), (0, 0), "a made-up name bought abort state");
+            assert_eq!(m.aborts_from_strangers, u64::from(names));
+            assert!(took < Duration::from_millis(500), "honest WRITE+DONE took {took:?}");
+        } else {
+            assert!(m.abort_state_entries >= 64 * 256, "positive control: names bought no state ({m:?})");
+        }
+        settled.release();
+    }
 }

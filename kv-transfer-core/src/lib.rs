@@ -66,6 +66,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+pub mod auth;
 mod clock;
 mod counters;
 pub mod drain;

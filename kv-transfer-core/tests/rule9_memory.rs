@@ -8,6 +8,9 @@ use kv_transfer_core::drain::{AbortTracker, ControlKind, ControlMessage, Exposur
 use kv_transfer_core::{Generation, PoolId, RemoteSlot, RemoteSlots, SlotId, Tenancy};
 
 const FLOOD: u64 = 200_000;
+
+/// The resident set is the process's: the tests measure one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const CAP: usize = 1 << 12;
 
 fn rss_kib() -> u64 {
@@ -57,6 +60,7 @@ fn flood(policy: ReleasePolicy, n: u64) -> (usize, u64) {
 
 #[test]
 fn rule9_hostile_abort_floods_hold_the_peers_cap_in_memory() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (control_entries, control_kib) = flood(ReleasePolicy::Safe, 0);
     let (safe_entries, safe_kib) = flood(ReleasePolicy::Safe, FLOOD);
     let (naive_entries, naive_kib) = flood(ReleasePolicy::Naive, FLOOD);
@@ -68,4 +72,54 @@ fn rule9_hostile_abort_floods_hold_the_peers_cap_in_memory() {
     assert!(safe_kib < 4 * 1024, "safe tracker grew {safe_kib} KiB under the flood");
     assert!(naive_entries > 10 * CAP, "positive control: the old tracker keeps every repeat ({naive_entries})");
     assert!(naive_kib > safe_kib, "positive control: the old tracker grows ({naive_kib} KiB vs {safe_kib} KiB)");
+}
+
+/// ABORTs under `names` made-up sender names, each filling its name's
+/// early-abort share (`PER_NAME` tenancies under a token nobody carries),
+/// then the honest peer's own ABORT for its in-flight operation. Returns
+/// (peers held, entries, RSS growth in KiB, the honest ABORT's ack after
+/// its operation ended).
+fn many_names(max_peers: usize, names: u32) -> (usize, usize, u64, bool) {
+    const PER_NAME: u32 = 1024;
+    let before = rss_kib();
+    let mut tr: AbortTracker<u32> = AbortTracker::new(PER_NAME as usize).with_max_peers(max_peers);
+    let r = remote();
+    tr.admit(1, &0, &r, false).unwrap();
+    for name in 1..=names {
+        let mut t = [0x77; 16];
+        t[..4].copy_from_slice(&name.to_le_bytes());
+        let tenancies = (0..PER_NAME).map(|s| Tenancy::new(SlotId(s), Generation(1))).collect();
+        let _ = tr.on_abort(
+            &name,
+            ControlMessage::new(ControlKind::Abort, PoolId(7), ExposureToken::from_bytes(t), tenancies),
+        );
+    }
+    let honest = ControlMessage::new(ControlKind::Abort, r.pool, r.token, r.tenancies());
+    let waiting = tr.on_abort(&0, honest).is_none();
+    let acked = waiting && tr.finished(1, kv_transfer_core::drain::OpEnd::Proven).len() == 1;
+    let (peers, entries) = (tr.peers(), tr.remembered());
+    let grown = rss_kib().saturating_sub(before);
+    drop(tr);
+    (peers, entries, grown, acked)
+}
+
+#[test]
+fn rule9_hostile_made_up_sender_names_buy_at_most_the_peer_cap() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    const MAX_PEERS: usize = 64;
+    // Ten times the cap in names.
+    let names = 10 * MAX_PEERS as u32;
+    let (_, control_entries, control_kib, control_acked) = many_names(MAX_PEERS, 0);
+    let (peers, entries, kib, acked) = many_names(MAX_PEERS, names);
+    let (open_peers, open_entries, open_kib, _) = many_names(usize::MAX, names);
+    eprintln!(
+        "rule9 made-up names ({names} names x 1,024 early ABORTs): no flood {control_entries} entries +{control_kib} KiB; \
+         capped at {MAX_PEERS} peers: {peers} peers, {entries} entries +{kib} KiB; positive control (no peer cap): \
+         {open_peers} peers, {open_entries} entries +{open_kib} KiB"
+    );
+    assert!(control_acked && acked, "the honest peer's ABORT is answered once its operation ends, flood or not");
+    assert!(peers <= MAX_PEERS + 1, "{peers} peers held (cap {MAX_PEERS}, plus the honest one)");
+    assert!(entries <= MAX_PEERS * 1024 + 1, "{entries} entries (the cap's names' shares and the honest ABORT)");
+    assert_eq!(open_peers, names as usize + 1, "positive control: every made-up name bought a peer");
+    assert!(open_entries >= 9 * entries, "positive control: {open_entries} entries against {entries}");
 }

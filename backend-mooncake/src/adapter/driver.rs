@@ -83,9 +83,22 @@ fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
 
 /// Initiator side: an ABORT from `from` (a segment name we answer to; an
 /// ABORT_ACK only ever names tenancies of our own operations' ends).
+///
+/// Only a peer this side chose (a segment it opened: `add_peer`, or a post
+/// to its descriptor) buys abort state here; an ABORT under any other name
+/// is dropped and counted (`aborts_from_strangers`), so made-up names buy
+/// nothing. Dropping it is safe: the target keeps its slots quarantined and
+/// asks again, and by then a post of ours to it has made it a peer.
 fn on_abort(inner: &Arc<Inner>, from: &str, msg: ControlMessage) {
     bump(&inner.counters.aborts_received, 1);
-    let ack = lock(&inner.inflight).tracker.on_abort(&Arc::from(from), msg);
+    let known = inner.peer_name(from);
+    let known = if inner.cfg.aborts_from_strangers { known.or_else(|| Some(Arc::from(from))) } else { known };
+    let Some(name) = known else {
+        bump(&inner.counters.aborts_from_strangers, 1);
+        tracing::debug!(from, "ABORT from a name this side never dialed; dropped");
+        return;
+    };
+    let ack = lock(&inner.inflight).tracker.on_abort(&name, msg);
     inner.settler.queue_acks(ack.into_iter().collect());
 }
 

@@ -185,6 +185,10 @@ pub struct AdapterConfig {
     /// to whatever name an ABORT declared), so one black-holed destination
     /// stalls every settlement behind it.
     pub send_on_control_thread: bool,
+    /// The old behaviour, for the hostile tests' positive control only: an
+    /// ABORT under any notify name buys abort state and an answer, not only
+    /// one from a peer this side chose (issue 46, attack 1).
+    pub aborts_from_strangers: bool,
 }
 
 impl Default for AdapterConfig {
@@ -203,6 +207,7 @@ impl Default for AdapterConfig {
             max_queued_bytes_per_peer: 4 << 20,
             max_stranger_peers: 64,
             send_on_control_thread: false,
+            aborts_from_strangers: false,
         }
     }
 }
@@ -259,6 +264,14 @@ kv_transfer_core::backend_counters! {
     v1_ops,
     /// ABORTs received (as initiator).
     aborts_received,
+    /// ABORTs dropped because their sender is not a peer this side chose
+    /// (made-up notify names buy no abort state).
+    aborts_from_strangers,
+    /// Peers the abort tracker holds state for (a gauge).
+    abort_state_peers,
+    /// Entries the abort tracker holds for all peers: tombstones, early
+    /// aborts, unproven ends, waiting ABORTs (a gauge).
+    abort_state_entries,
     /// ABORT_ACKs sent.
     abort_acks_sent,
     /// Tenancies an ABORT_ACK was withheld for because a task on them ran
@@ -468,7 +481,12 @@ impl MooncakeTransfer {
     pub fn metrics(&self) -> AdapterMetrics {
         let mut m = self.inner.counters.snapshot(&self.inner.drain_counters);
         m.wrong_peer += m.unknown_sender_or_pool;
-        m.abort_acks_withheld = lock(&self.inner.inflight).tracker.stats().acks_withheld;
+        {
+            let inflight = lock(&self.inner.inflight);
+            m.abort_acks_withheld = inflight.tracker.stats().acks_withheld;
+            m.abort_state_peers = inflight.tracker.peers() as u64;
+            m.abort_state_entries = inflight.tracker.remembered() as u64;
+        }
         m.shadowed = lock(&self.inner.grants).shadowed() as u64;
         m.sends_queued = self.inner.sender.queued() as u64;
         m.ranges_open = lock(&self.inner.ranges).len() as u64;

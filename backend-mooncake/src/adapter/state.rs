@@ -363,6 +363,13 @@ impl Inner {
         peers.by_id.get(&id).map(|p| (id, p.segment, p.proto))
     }
 
+    /// The shared name of the peer named `name`, if this side added it.
+    pub(super) fn peer_name(&self, name: &str) -> Option<Arc<str>> {
+        let peers = lock(&self.peers);
+        let id = *peers.by_name.get(name)?;
+        peers.by_id.get(&id).map(|p| p.name.clone())
+    }
+
     /// The peer named `name` (added if new): its id, segment and shared name.
     pub(super) fn peer_for(&self, name: &str) -> Result<(PeerId, SegmentId, Arc<str>), EngineError> {
         let known = |name: &str| {

@@ -113,6 +113,10 @@ pub struct TrackerStats {
     /// Times a peer's state that must not forget ran out of room, so that
     /// the peer was closed to posts and acks until fenced (fail closed).
     pub peers_saturated: u64,
+    /// ABORTs dropped unanswered, buying nothing, because they came from a
+    /// peer this tracker holds nothing for while it already holds state for
+    /// [`AbortTracker::max_peers`] peers (made-up names buy no entries).
+    pub peers_refused: u64,
 }
 
 /// How an [`AbortTracker`] remembers.
@@ -169,6 +173,9 @@ pub struct AbortTracker<K> {
     /// Per peer: the most tombstoned slots, early-abort tenancies, unproven
     /// tenancies and waiting ABORTs, each.
     cap: usize,
+    /// The most peers whose unsolicited ABORTs may create state here (our
+    /// own posts' peers always may: this side chose them).
+    max_peers: usize,
     mode: Remembering,
     /// Only under [`Remembering::SharedFifo`]: the shared eviction order.
     fifo: VecDeque<(K, PoolId, SlotId)>,
@@ -184,6 +191,9 @@ pub struct AbortTracker<K> {
 const SPARE_LISTS: usize = 64;
 const SPARE_LEN: usize = 1024;
 
+/// The default of [`AbortTracker::max_peers`].
+pub const DEFAULT_MAX_PEERS: usize = 256;
+
 impl<K: Clone + Eq + Hash> AbortTracker<K> {
     /// A tracker that remembers, per peer, at most `max_remembered`
     /// tombstoned slots, early-abort tenancies, unproven tenancies and
@@ -193,6 +203,7 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
             ops: HashMap::default(),
             peers: HashMap::default(),
             cap: max_remembered.max(1),
+            max_peers: DEFAULT_MAX_PEERS,
             mode: Remembering::PerPeer,
             fifo: VecDeque::new(),
             stats: TrackerStats::default(),
@@ -217,6 +228,32 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
 
     fn per_peer(&self) -> bool {
         self.mode == Remembering::PerPeer
+    }
+
+    /// Caps the peers whose ABORTs may create state here at `n` (default
+    /// [`DEFAULT_MAX_PEERS`]). An ABORT from a peer this tracker holds
+    /// nothing for, past the cap, is dropped unanswered and buys nothing
+    /// (`peers_refused`); the peers of our own posts are never refused.
+    /// So a flood under made-up names holds at most `n` × 4 × the per-peer
+    /// cap entries, however many names it uses.
+    pub fn with_max_peers(mut self, n: usize) -> Self {
+        self.max_peers = n.max(1);
+        self
+    }
+
+    /// The peer cap ([`with_max_peers`](Self::with_max_peers)).
+    pub fn max_peers(&self) -> usize {
+        self.max_peers
+    }
+
+    /// Peers this tracker holds state for.
+    pub fn peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Entries all peers' messages hold here (see [`remembered_for`](Self::remembered_for)).
+    pub fn remembered(&self) -> usize {
+        self.peers.values().map(|p| p.tombstoned + p.early_len + p.unproven.len() + p.pending.len()).sum()
     }
 
     /// Counters.
@@ -439,6 +476,15 @@ impl<K: Clone + Eq + Hash> AbortTracker<K> {
         let per_peer = self.per_peer();
         if self.peers.get(from).is_some_and(|p| p.saturated) {
             return self.refuse_abort("the peer's state is full");
+        }
+        if per_peer
+            && !ours
+            && self.peers.len() >= self.max_peers
+            && !self.peers.contains_key(from)
+            && !self.ops.values().any(|o| o.peer == *from)
+        {
+            self.stats.peers_refused += 1;
+            return self.refuse_abort("state for the most peers is held already");
         }
         if !per_peer || ours || self.knows(from, &msg) {
             if !self.record(from, msg.pool, msg.token, &msg.tenancies) {

@@ -47,7 +47,7 @@ mod exposures;
 mod outbox;
 mod shadows;
 
-pub use aborts::{AbortTracker, OpEnd, Outgoing, Refusal, TrackerStats};
+pub use aborts::{AbortTracker, OpEnd, Outgoing, Refusal, TrackerStats, DEFAULT_MAX_PEERS};
 pub use codec::{
     digest, ControlKind, ControlMessage, DecodeError, Digest, EncodeError, ExposureToken, DIGEST_LEN, HEADER_LEN,
     MAGIC, MAX_LEN, MAX_TENANCIES, TEXT_PREFIX, VERSION,

@@ -1,0 +1,257 @@
+//! Who a peer is: a mutual handshake under the cluster's key.
+//!
+//! A peer is what a handshake proves, never what a message says. Every
+//! connection that carries kv-transfer's own protocol starts with one: both
+//! ends prove they hold the deployment's [`ClusterKey`] (HMAC-SHA256
+//! challenge–response over a transcript that covers both fresh nonces, both
+//! names and endpoints, the protocol, and the address the dialer dialed),
+//! and agree on a [`Session`] whose keys tag every later control message.
+//! Per-peer state is keyed by the [`PeerIdentity`] it yields.
+//!
+//! - **Wrong key**: a proof does not verify ([`AuthError::WrongKey`]).
+//! - **Replayed**: a recorded HELLO is refused by nonce
+//!   ([`AuthError::Replayed`]); past the cache, the acceptor's own fresh
+//!   nonce makes a recorded FINISH fail as a wrong key.
+//! - **Relayed**: a third party that makes an honest peer dial it and
+//!   forwards that peer's messages to us is refused, because the peer's
+//!   HELLO names the address it dialed ([`AuthError::AddressMismatch`]);
+//!   altering that field breaks the peer's proof.
+//!
+//! The construction is the usual PSK mutual authentication (as in TLS 1.3's
+//! PSK mode without the certificates); the primitives are RustCrypto's
+//! `hmac`, `sha2` and `hkdf`, nothing written here. `docs/THREAT-MODEL.md`
+//! says why and what it does not protect (every key holder is trusted; a
+//! key holder can claim any name).
+//!
+//! The state machines ([`Dialer`], [`Acceptor`]) do no I/O; [`dial`] and
+//! [`accept`] drive them over any `Read + Write` (a backend passes a socket
+//! wrapped in its own deadlines).
+//!
+//! ```
+//! use kv_transfer_core::auth::*;
+//! let key = ClusterKey::from_secret(b"a deployment's shared secret").unwrap();
+//! let decode = AcceptorConfig::new(key.clone(), "demo", Identity::new("decode", "10.0.0.2:7000"));
+//! let (dialer, hello) = Dialer::start(DialerConfig {
+//!     key: key.clone(),
+//!     context: "demo".into(),
+//!     me: Identity::new("prefill", "10.0.0.1:7000"),
+//!     dialed: "10.0.0.2:7000".into(),
+//!     expect_name: Some("decode".into()),
+//! }).unwrap();
+//! let (acceptor, challenge) = Acceptor::on_hello(&decode, hello, None).unwrap();
+//! let (mut at_prefill, finish) = dialer.on_challenge(challenge).unwrap();
+//! let mut at_decode = acceptor.on_finish(finish).unwrap();
+//! assert_eq!(at_decode.peer.identity.name, "prefill");
+//! let tag = at_prefill.session.seal(b"DONE");
+//! assert!(at_decode.session.open(b"DONE", &tag).is_ok());
+//! assert!(at_decode.session.open(b"DONE", &tag).is_err()); // once, in order
+//! ```
+
+mod handshake;
+mod key;
+
+pub use handshake::{
+    Acceptor, AcceptorConfig, Dialer, DialerConfig, Established, Frame, FrameKind, Identity, PeerIdentity, RefusalCode,
+    ReplayCache, Session, HEADER_LEN, MAC_LEN, MAX_BODY, MAX_FIELD, NONCE_LEN,
+};
+pub use key::{ClusterKey, KeyError, KeySource, CLUSTER_KEY_ENV, CLUSTER_KEY_FILE_ENV, MAX_SECRET_LEN, MIN_SECRET_LEN};
+
+use std::io::{Read, Write};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Why a handshake (or a session's message) was refused. Each is counted
+/// ([`AuthCounters`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuthError {
+    /// The connection failed or a deadline passed.
+    #[error("handshake I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// Not a handshake message of this shape.
+    #[error("malformed handshake: {0}")]
+    Malformed(&'static str),
+    /// Another version of the handshake.
+    #[error("handshake version {0} (this is 1)")]
+    Version(u8),
+    /// The other end's proof did not verify: it holds another key, or a
+    /// relay altered what it sent.
+    #[error("the peer's proof did not verify: another cluster key, or an altered transcript")]
+    WrongKey,
+    /// The HELLO's nonce was seen before: a recorded handshake.
+    #[error("a replayed handshake (its nonce was seen before)")]
+    Replayed,
+    /// The dialer dialed an address that is not this side's: a relay.
+    #[error("the peer dialed {dialed:?}, which is not this side's address (a relayed handshake)")]
+    AddressMismatch {
+        /// What the dialer says it dialed.
+        dialed: String,
+    },
+    /// A handshake for another protocol.
+    #[error("a handshake for {got:?}, this side speaks {expected:?}")]
+    ContextMismatch {
+        /// This side's protocol.
+        expected: String,
+        /// The other's.
+        got: String,
+    },
+    /// The acceptor proved a name other than the one this side dialed for.
+    #[error("dialed {expected:?}, the peer proved {got:?}")]
+    NameMismatch {
+        /// The name dialed for.
+        expected: String,
+        /// The name proved.
+        got: String,
+    },
+    /// The other end refused the handshake.
+    #[error("the peer refused the handshake: {0:?}")]
+    Refused(RefusalCode),
+    /// A session message whose tag is not the next one of this session.
+    #[error("a message not sealed by this session's peer (or out of order)")]
+    BadTag,
+}
+
+/// Counters of one listener's or dialer's handshakes.
+#[derive(Debug, Default)]
+pub struct AuthCounters {
+    established: AtomicU64,
+    wrong_key: AtomicU64,
+    replayed: AtomicU64,
+    address_mismatch: AtomicU64,
+    context_mismatch: AtomicU64,
+    name_mismatch: AtomicU64,
+    refused_by_peer: AtomicU64,
+    malformed: AtomicU64,
+    io: AtomicU64,
+}
+
+/// A snapshot of [`AuthCounters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AuthStats {
+    /// Handshakes that ended in a session.
+    pub established: u64,
+    /// Refused: a proof did not verify.
+    pub wrong_key: u64,
+    /// Refused: a HELLO's nonce was seen before.
+    pub replayed: u64,
+    /// Refused: the dialer dialed another address (a relay).
+    pub address_mismatch: u64,
+    /// Refused: another protocol.
+    pub context_mismatch: u64,
+    /// Refused: the acceptor proved another name than the one dialed for.
+    pub name_mismatch: u64,
+    /// The other end refused ours.
+    pub refused_by_peer: u64,
+    /// Refused: malformed, another version, or a bad session tag.
+    pub malformed: u64,
+    /// The connection failed or its deadline passed.
+    pub io: u64,
+}
+
+impl AuthCounters {
+    /// Counts a handshake's end.
+    pub fn count(&self, r: &Result<Established, AuthError>) {
+        let c = match r {
+            Ok(_) => &self.established,
+            Err(AuthError::WrongKey) => &self.wrong_key,
+            Err(AuthError::Replayed) => &self.replayed,
+            Err(AuthError::AddressMismatch { .. }) => &self.address_mismatch,
+            Err(AuthError::ContextMismatch { .. }) => &self.context_mismatch,
+            Err(AuthError::NameMismatch { .. }) => &self.name_mismatch,
+            Err(AuthError::Refused(_)) => &self.refused_by_peer,
+            Err(AuthError::Io(_)) => &self.io,
+            Err(AuthError::Malformed(_) | AuthError::Version(_) | AuthError::BadTag) => &self.malformed,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counts so far.
+    pub fn snapshot(&self) -> AuthStats {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        AuthStats {
+            established: g(&self.established),
+            wrong_key: g(&self.wrong_key),
+            replayed: g(&self.replayed),
+            address_mismatch: g(&self.address_mismatch),
+            context_mismatch: g(&self.context_mismatch),
+            name_mismatch: g(&self.name_mismatch),
+            refused_by_peer: g(&self.refused_by_peer),
+            malformed: g(&self.malformed),
+            io: g(&self.io),
+        }
+    }
+}
+
+/// Reads one handshake message; the size is checked before the body is read.
+pub fn read_frame(r: &mut impl Read) -> Result<Frame, AuthError> {
+    let mut h = [0u8; HEADER_LEN];
+    r.read_exact(&mut h)?;
+    let (kind, len) = Frame::check_header(&h)?;
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    Ok(Frame { kind, body })
+}
+
+fn write_frame(w: &mut impl Write, f: &Frame) -> Result<(), AuthError> {
+    w.write_all(&f.encode())?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Tells the other end why, best effort (it may be gone), and returns `e`.
+fn refuse(s: &mut impl Write, e: AuthError) -> AuthError {
+    if !matches!(e, AuthError::Io(_) | AuthError::Refused(_)) {
+        let _ = write_frame(s, &Frame::refused(RefusalCode::of(&e)));
+    }
+    e
+}
+
+/// The dialer's side of a handshake over `s` (bounded by `s`'s own
+/// timeouts), counted in `counters`.
+pub fn dial<S: Read + Write>(s: &mut S, cfg: DialerConfig, counters: &AuthCounters) -> Result<Established, AuthError> {
+    let r = (|| {
+        let (dialer, hello) = Dialer::start(cfg)?;
+        write_frame(s, &hello)?;
+        let challenge = read_frame(s)?;
+        match dialer.on_challenge(challenge) {
+            Ok((est, finish)) => {
+                write_frame(s, &finish)?;
+                Ok(est)
+            }
+            Err(e) => Err(refuse(s, e)),
+        }
+    })();
+    counters.count(&r);
+    if let Err(e) = &r {
+        tracing::debug!(error = %e, "outbound handshake refused");
+    }
+    r
+}
+
+/// The acceptor's side of a handshake over `s`, from `source` (bounded by
+/// `s`'s own timeouts), counted in `counters`.
+pub fn accept<S: Read + Write>(
+    s: &mut S,
+    cfg: &AcceptorConfig,
+    source: Option<IpAddr>,
+    counters: &AuthCounters,
+) -> Result<Established, AuthError> {
+    let r = (|| {
+        let hello = read_frame(s)?;
+        let (acceptor, challenge) = match Acceptor::on_hello(cfg, hello, source) {
+            Ok(x) => x,
+            Err(e) => return Err(refuse(s, e)),
+        };
+        write_frame(s, &challenge)?;
+        let finish = read_frame(s)?;
+        acceptor.on_finish(finish).map_err(|e| refuse(s, e))
+    })();
+    counters.count(&r);
+    if let Err(e) = &r {
+        tracing::debug!(?source, error = %e, "inbound handshake refused");
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests;
