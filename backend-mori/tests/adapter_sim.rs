@@ -471,6 +471,15 @@ fn hostile_a_stalled_write_across_the_revoke_deadline_is_fenced_not_freed() {
 
     // A raw wire client says HELLO and becomes a peer of the decode side.
     let mut s = std::net::TcpStream::connect(nic.endpoint()).unwrap();
+    s.set_read_timeout(Some(LONG)).unwrap();
+    wire::authenticate_dialed(
+        &mut s,
+        &kv_transfer_core::auth::ClusterKey::from_env().expect("the deployment's cluster key"),
+        "staller",
+        "127.0.0.1:9",
+        nic.endpoint(),
+    )
+    .unwrap();
     let hello = wire::encode_head(&Body::Hello { name: "staller".into(), endpoint: "127.0.0.1:9".into() }, 0).unwrap();
     s.write_all(&hello).unwrap();
     let mut pre = [0u8; wire::PREFIX_LEN];

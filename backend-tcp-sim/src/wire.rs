@@ -18,6 +18,13 @@
 //! CONTROL    one DONE / ABORT / ABORT_ACK in core's drain codec (kv_transfer_core::drain)
 //! ```
 //!
+//!
+//! Before the HELLO, each connection runs core's peer handshake
+//! (`kv_transfer_core::auth`) under the context [`AUTH_CONTEXT`]: both ends
+//! prove the cluster key, and the HELLO must name what the handshake
+//! proved. [`authenticate_dialed`] and [`authenticate_accepted`] run it on
+//! a socket, for a peer that speaks the wire format by hand.
+//!
 //! ```
 //! use backend_tcp_sim::wire::{self, AccessHeader, Body, WireStatus};
 //! use kv_transfer_core::{Generation, SlotId};
@@ -644,6 +651,48 @@ pub fn encode_head(body: &Body, payload_len: usize) -> Result<Vec<u8>, EncodeErr
     let len = (out.len() - PREFIX_LEN + payload_len) as u32;
     out[4..8].copy_from_slice(&len.to_le_bytes());
     Ok(out)
+}
+
+/// The peer handshake's context for the simulator's connections: a
+/// handshake for another protocol is refused.
+pub const AUTH_CONTEXT: &str = "kvt-tcp-sim";
+
+/// The dialer's side of the peer handshake on `s`, as `name` at `endpoint`,
+/// having dialed `dialed` (exactly as connected to), under `key`; the HELLO
+/// exchange follows it. Bounded by `s`'s timeouts.
+pub fn authenticate_dialed(
+    s: &mut std::net::TcpStream,
+    key: &kv_transfer_core::auth::ClusterKey,
+    name: &str,
+    endpoint: &str,
+    dialed: &str,
+) -> Result<kv_transfer_core::auth::Established, kv_transfer_core::auth::AuthError> {
+    use kv_transfer_core::auth::{dial, AuthCounters, DialerConfig, Identity};
+    let cfg = DialerConfig {
+        key: key.clone(),
+        context: AUTH_CONTEXT.into(),
+        me: Identity::new(name, endpoint),
+        dialed: dialed.into(),
+        expect_name: None,
+    };
+    dial(s, cfg, &AuthCounters::default())
+}
+
+/// The acceptor's side of the peer handshake on an accepted `s`, as `name`
+/// at `endpoint`, under `key`. Bounded by `s`'s timeouts.
+pub fn authenticate_accepted(
+    s: &mut std::net::TcpStream,
+    key: &kv_transfer_core::auth::ClusterKey,
+    name: &str,
+    endpoint: &str,
+) -> Result<kv_transfer_core::auth::Established, kv_transfer_core::auth::AuthError> {
+    use kv_transfer_core::auth::{accept, AcceptorConfig, AuthCounters, Identity};
+    let mut cfg = AcceptorConfig::new(key.clone(), AUTH_CONTEXT, Identity::new(name, endpoint));
+    if let Ok(local) = s.local_addr() {
+        cfg.addresses.push(local.to_string());
+    }
+    let source = s.peer_addr().ok().map(|a| a.ip());
+    accept(s, &cfg, source, &AuthCounters::default())
 }
 
 #[cfg(test)]

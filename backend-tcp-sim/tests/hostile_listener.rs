@@ -23,8 +23,17 @@ fn run(limits: ListenerLimits, flood: usize) -> (bool, u128, u64, u64, NicStats)
     cfg.handshake_timeout = Duration::from_secs(2);
     let decode = SimNic::start(cfg).expect("decode");
     let addr: SocketAddr = decode.endpoint().parse().expect("addr");
-    let hello =
-        wire::encode_head(&Body::Hello { name: "idler".into(), endpoint: "127.0.0.2:9".into() }, 0).expect("hello");
+    // Half of the first handshake message (the peer handshake's HELLO).
+    let hello = kv_transfer_core::auth::Dialer::start(kv_transfer_core::auth::DialerConfig {
+        key: kv_transfer_core::auth::ClusterKey::from_env().expect("the deployment's cluster key"),
+        context: wire::AUTH_CONTEXT.into(),
+        me: kv_transfer_core::auth::Identity::new("idler", "127.0.0.2:9"),
+        dialed: decode.endpoint().into(),
+        expect_name: None,
+    })
+    .expect("hello")
+    .1
+    .encode();
     let before = rss_kib();
     let mut held = Vec::new();
     for i in 0..flood {
@@ -76,7 +85,18 @@ fn connection_flood(limits: ListenerLimits) -> (NicStats, bool, u128, u64, u64) 
         let hello = wire::encode_head(&Body::Hello { name: format!("flood-{i}"), endpoint: "127.0.0.2:9".into() }, 0)
             .expect("hello");
         let mut s = connect_from(Ipv4Addr::new(127, 0, 0, 2), addr).expect("flood connection");
-        let _ = s.write_all(&hello);
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let name = format!("flood-{i}");
+        let proven = wire::authenticate_dialed(
+            &mut s,
+            &kv_transfer_core::auth::ClusterKey::from_env().expect("the deployment's cluster key"),
+            &name,
+            "127.0.0.2:9",
+            &addr.to_string(),
+        );
+        if proven.is_ok() {
+            let _ = s.write_all(&hello);
+        }
         held.push(s);
         // One at a time, so each sees the ones before established
         // (bounded: 1 s each).

@@ -218,6 +218,14 @@ fn bad_accesses_are_typed_and_write_nothing() {
 fn raw_conn(nic: &SimNic) -> TcpStream {
     let mut s = TcpStream::connect(nic.endpoint()).unwrap();
     s.set_read_timeout(Some(WAIT)).unwrap();
+    wire::authenticate_dialed(
+        &mut s,
+        &kv_transfer_core::auth::ClusterKey::from_env().expect("the deployment's cluster key"),
+        "raw",
+        "127.0.0.1:1",
+        nic.endpoint(),
+    )
+    .unwrap();
     let hello = wire::encode_head(&Body::Hello { name: "raw".into(), endpoint: "127.0.0.1:1".into() }, 0).unwrap();
     s.write_all(&hello).unwrap();
     let mut pre = [0u8; wire::PREFIX_LEN];
@@ -875,6 +883,13 @@ fn early_completion_settles_while_sending(policy: ReleasePolicy) -> bool {
     let hostile = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         s.set_read_timeout(Some(WAIT)).unwrap();
+        wire::authenticate_accepted(
+            &mut s,
+            &kv_transfer_core::auth::ClusterKey::from_env().expect("the deployment's cluster key"),
+            "hostile",
+            "127.0.0.1:1",
+        )
+        .unwrap();
         let read_frame_head = |s: &mut TcpStream| {
             let mut pre = [0u8; wire::PREFIX_LEN];
             s.read_exact(&mut pre).unwrap();

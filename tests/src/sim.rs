@@ -36,6 +36,9 @@ static RIGS: AtomicU64 = AtomicU64::new(0);
 /// wire format by hand, for the stale, malformed and stalled-peer scenarios.
 pub(crate) fn raw_hello(endpoint: &str, name: &str) -> Result<TcpStream, Failure> {
     let mut s = TcpStream::connect(endpoint).map_err(|e| fail("raw connect")(&e))?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| fail("timeout")(&e))?;
+    let key = kv_transfer_core::auth::ClusterKey::from_env().map_err(|e| fail("cluster key")(&e))?;
+    wire::authenticate_dialed(&mut s, &key, name, "127.0.0.1:9", endpoint).map_err(|e| fail("peer handshake")(&e))?;
     let hello = wire::encode_head(&Body::Hello { name: name.into(), endpoint: "127.0.0.1:9".into() }, 0)
         .map_err(|e| fail("encode")(&e))?;
     s.write_all(&hello).map_err(|e| fail("raw hello")(&e))?;

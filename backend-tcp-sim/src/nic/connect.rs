@@ -5,7 +5,8 @@
 use super::conn::{Conn, ConnState};
 use super::{lock, InboundEvent, NicError, NicInner};
 use crate::stats::inc;
-use crate::wire::{self, Body, PREFIX_LEN};
+use crate::wire::{self, Body, AUTH_CONTEXT, PREFIX_LEN};
+use kv_transfer_core::auth::{self, AcceptorConfig, DialerConfig, Established, Identity};
 use kv_transfer_core::GateRefusal;
 use kv_transfer_core::PeerId;
 use std::io::{Read, Write};
@@ -26,6 +27,20 @@ struct DeadlineReader<'a> {
     idle: Duration,
 }
 
+impl std::io::Write for DeadlineReader<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the handshake's deadline passed"));
+        }
+        self.s.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
+        (&*self.s).write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl Read for DeadlineReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let left = self.deadline.saturating_duration_since(Instant::now());
@@ -42,6 +57,19 @@ impl NicInner {
     fn hello(&self) -> Result<Vec<u8>, NicError> {
         wire::encode_head(&Body::Hello { name: self.cfg.name.clone(), endpoint: self.endpoint.clone() }, 0)
             .map_err(|e| NicError::Handshake(e.to_string()))
+    }
+
+    /// The peer handshake (core's `auth`): both ends prove the cluster key,
+    /// and the HELLO that follows must name what the handshake proved.
+    fn check_hello(proven: &Established, name: &str, endpoint: &str) -> Result<(), NicError> {
+        let id = &proven.peer.identity;
+        if id.name != name || id.endpoint != endpoint {
+            return Err(NicError::Handshake(format!(
+                "HELLO names {name:?} at {endpoint:?}, the handshake proved {:?} at {:?}",
+                id.name, id.endpoint
+            )));
+        }
+        Ok(())
     }
 
     fn read_hello(&self, s: &mut impl Read) -> Result<(String, String), NicError> {
@@ -66,10 +94,23 @@ impl NicInner {
         // The whole handshake by its deadline: a listener that trickles its
         // HELLO a byte at a time holds this call no longer.
         let deadline = Instant::now() + self.cfg.handshake_timeout;
+        let dialer = DialerConfig {
+            key: self.cluster_key.clone(),
+            context: AUTH_CONTEXT.into(),
+            me: Identity::new(self.cfg.name.clone(), self.endpoint.clone()),
+            dialed: endpoint.into(),
+            expect_name: None,
+        };
+        let proven = auth::dial(
+            &mut DeadlineReader { s: &s, deadline, idle: self.cfg.handshake_timeout },
+            dialer,
+            &self.auth_counters,
+        )?;
         s.set_write_timeout(Some(self.cfg.handshake_timeout))?;
         s.write_all(&self.hello()?)?;
         s.set_write_timeout(None)?;
         let (name, ep) = self.read_hello(&mut DeadlineReader { s: &s, deadline, idle: self.cfg.handshake_timeout })?;
+        Self::check_hello(&proven, &name, &ep)?;
         s.set_read_timeout(None)?;
         inc(&self.counters.connections_opened);
         self.add_conn(s, name, ep, None)
@@ -142,7 +183,23 @@ impl NicInner {
         let deadline = Instant::now() + self.cfg.handshake_timeout;
         let res = (|| -> Result<(), NicError> {
             s.set_nodelay(true)?;
-            let (name, ep) = self.read_hello(&mut DeadlineReader { s: &s, deadline, idle: self.cfg.listener.idle })?;
+            // What the dialer must have dialed: the endpoint this NIC
+            // publishes, or the address its connection reached.
+            let mut acceptor = AcceptorConfig::new(
+                self.cluster_key.clone(),
+                AUTH_CONTEXT,
+                Identity::new(self.cfg.name.clone(), self.endpoint.clone()),
+            );
+            acceptor.replay = Arc::clone(&self.replay);
+            if let Ok(local) = s.local_addr() {
+                acceptor.addresses.push(local.to_string());
+            }
+            acceptor.addresses.extend(self.cfg.answers_to.iter().cloned());
+            let source = s.peer_addr().ok().map(|a| a.ip());
+            let mut timed = DeadlineReader { s: &s, deadline, idle: self.cfg.listener.idle };
+            let proven = auth::accept(&mut timed, &acceptor, source, &self.auth_counters)?;
+            let (name, ep) = self.read_hello(&mut timed)?;
+            Self::check_hello(&proven, &name, &ep)?;
             s.set_read_timeout(None)?;
             inc(&self.counters.connections_accepted);
             // Our HELLO goes out once the connection is registered here:

@@ -110,6 +110,11 @@ impl Signal {
 struct NicInner {
     cfg: NicConfig,
     endpoint: String,
+    /// The cluster key every connection's handshake proves.
+    cluster_key: kv_transfer_core::auth::ClusterKey,
+    /// The listener's recently seen handshake nonces.
+    replay: Arc<kv_transfer_core::auth::ReplayCache>,
+    auth_counters: kv_transfer_core::auth::AuthCounters,
     key_salt: u64,
     regs: RwLock<Vec<Arc<Reg>>>,
     conns: Mutex<HashMap<PeerId, Arc<Conn>>>,
@@ -199,6 +204,10 @@ impl SimNic {
     /// Starts a NIC: binds its listener and starts its acceptor and
     /// escalation driver.
     pub fn start(cfg: NicConfig) -> Result<SimNic, NicError> {
+        let cluster_key = match &cfg.cluster_key {
+            Some(k) => k.clone(),
+            None => kv_transfer_core::auth::ClusterKey::from_env()?,
+        };
         let listener = TcpListener::bind(&cfg.listen)?;
         let endpoint = listener.local_addr()?.to_string();
         static NICS: AtomicU64 = AtomicU64::new(0);
@@ -214,6 +223,9 @@ impl SimNic {
         let inner = Arc::new(NicInner {
             cfg,
             endpoint,
+            cluster_key,
+            replay: Default::default(),
+            auth_counters: Default::default(),
             key_salt: salt & 0xFFFF_FFFF_0000_0000,
             regs: RwLock::new(Vec::new()),
             conns: Mutex::new(HashMap::default()),
@@ -247,6 +259,12 @@ impl SimNic {
             .spawn(move || d.driver_loop())?;
         lock(&inner.threads).extend([acceptor, driver]);
         Ok(SimNic { _owner: Arc::new(Owner { inner: inner.clone() }), inner })
+    }
+
+    /// Counts of this NIC's peer handshakes, both ways: established, and
+    /// each refusal by kind (wrong key, replayed, relayed, ...).
+    pub fn auth_stats(&self) -> kv_transfer_core::auth::AuthStats {
+        self.inner.auth_counters.snapshot()
     }
 
     /// The NIC's name.

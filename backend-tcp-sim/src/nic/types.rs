@@ -96,6 +96,16 @@ pub struct NicConfig {
     /// Most per-WR delay records kept for [`SimNic::fault_log`] (1,000,000
     /// by default, about 24 MB; 0 for long runs that never read it).
     pub fault_log_limit: usize,
+    /// The cluster's key, which every connection's handshake proves both
+    /// ends hold (`kv_transfer_core::auth`). `None`: the deployment's
+    /// (`ClusterKey::from_env`: `KV_TRANSFER_CLUSTER_KEY` or its file; else
+    /// single-host mode, with a warning), read when the NIC starts.
+    pub cluster_key: Option<kv_transfer_core::auth::ClusterKey>,
+    /// Addresses besides its endpoint that a dialer may have dialed to
+    /// reach this NIC (a DNS name, a forwarded port). A handshake that
+    /// dialed any other address is a relayed one and is refused; listing a
+    /// relay's address here is what the hostile tests' positive control does.
+    pub answers_to: Vec<String>,
 }
 
 impl NicConfig {
@@ -112,7 +122,14 @@ impl NicConfig {
             listener: ListenerLimits::default(),
             socket_buffer: Some(4 << 20),
             fault_log_limit: 1_000_000,
+            cluster_key: None,
+            answers_to: Vec::new(),
         }
+    }
+    /// Sets the cluster key (instead of the deployment's, read at start).
+    pub fn with_cluster_key(mut self, key: kv_transfer_core::auth::ClusterKey) -> Self {
+        self.cluster_key = Some(key);
+        self
     }
     /// Replaces the release policy.
     pub fn with_policy(mut self, policy: ReleasePolicy) -> Self {
@@ -141,6 +158,13 @@ pub enum NicError {
     /// The peer did not complete the handshake.
     #[error("handshake failed: {0}")]
     Handshake(String),
+    /// The peer handshake was refused: another cluster key, a replayed or
+    /// relayed handshake (typed, and counted in [`SimNic::auth_stats`](crate::SimNic::auth_stats)).
+    #[error("peer handshake: {0}")]
+    Auth(#[from] kv_transfer_core::auth::AuthError),
+    /// The deployment's cluster key could not be read.
+    #[error(transparent)]
+    Key(#[from] kv_transfer_core::auth::KeyError),
     /// The pool could not be built.
     #[error(transparent)]
     Pool(#[from] PoolError),

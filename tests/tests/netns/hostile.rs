@@ -120,6 +120,9 @@ pub(super) fn tcp_sim() -> Result<(), Failed> {
     let addr: SocketAddr = p.decode.endpoint().parse().map_err(err("endpoint"))?;
     fn hello(s: &mut TcpStream) -> std::io::Result<()> {
         use std::io::{Read, Write};
+        let key = kv_transfer_core::auth::ClusterKey::from_env().map_err(std::io::Error::other)?;
+        let dialed = s.peer_addr()?.to_string();
+        wire::authenticate_dialed(s, &key, "hostile", "10.0.0.9:1", &dialed).map_err(std::io::Error::other)?;
         let h = wire::encode_head(&Body::Hello { name: "hostile".into(), endpoint: "10.0.0.9:1".into() }, 0)
             .map_err(std::io::Error::other)?;
         s.write_all(&h)?;
