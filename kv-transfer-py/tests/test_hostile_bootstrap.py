@@ -41,6 +41,23 @@ def _http(port: int, method: str, path: str, source: str, body: bytes = None, he
     return out
 
 
+def _challenge(port: int, source: str) -> bytes:
+    """A one-time challenge from the server (``GET /challenge``)."""
+    status, body, _ = _http(port, "GET", "/challenge", source)
+    assert status == 200, body
+    return bytes.fromhex(json.loads(body)["challenge"])
+
+
+def _signed_put(port: int, source: str, body: bytes, secret: bytes):
+    """A registration as the launch's prefill makes it: a fresh challenge,
+    the MAC over it; returns (status, the headers sent: a recording)."""
+    from kv_transfer.sglang import bootstrap
+
+    c = _challenge(port, source)
+    headers = {bootstrap.CHALLENGE_HEADER: c.hex(), bootstrap.AUTH_HEADER: bootstrap.put_mac(secret, c, body)}
+    return _http(port, "PUT", "/route", source, body, headers)[0], headers
+
+
 @pytest.mark.parametrize("first_writer_wins", [False, True])
 def test_hostile_second_registration_for_a_rank_cannot_replace_the_first(first_writer_wins):
     from kv_transfer.sglang.bootstrap import BootstrapServer, RegistryLimits
@@ -78,10 +95,11 @@ def test_hostile_registrations_carry_the_launch_secret_and_a_fake_bootstrap_is_r
         impostor, real = _reg(0, 6666, b"impostor"), _reg(0, 5000, b"real")
         # Without the secret a claimant cannot even be first.
         assert _http(server.port, "PUT", "/route", ATTACKER, impostor.to_json())[0] == 403
-        bad = {bootstrap.AUTH_HEADER: bootstrap.mac(b"guess", impostor.to_json())}
+        c = _challenge(server.port, ATTACKER)
+        bad = {bootstrap.AUTH_HEADER: bootstrap.put_mac(b"guess", c, impostor.to_json()),
+               bootstrap.CHALLENGE_HEADER: c.hex()}
         assert _http(server.port, "PUT", "/route", ATTACKER, impostor.to_json(), bad)[0] == 403
-        good = {bootstrap.AUTH_HEADER: bootstrap.mac(secret, real.to_json())}
-        assert _http(server.port, "PUT", "/route", HONEST, real.to_json(), good)[0] == 200
+        assert _signed_put(server.port, HONEST, real.to_json(), secret)[0] == 200
         assert server.registry.stats()["refused_unauthenticated"] == 2
         # The decode checks the server's MAC: the real server passes, the fake one is refused.
         data = bootstrap.fetch_registration(f"http://127.0.0.1:{server.port}/route?rank=0", 5, secret)
@@ -94,6 +112,235 @@ def test_hostile_registrations_carry_the_launch_secret_and_a_fake_bootstrap_is_r
     finally:
         server.close()
         fake.close()
+
+
+SECRET = b"shared-through-the-launch-config"
+
+
+def test_hostile_a_lookup_answers_mac_is_not_a_registration_mac(monkeypatch):
+    """Issue 46, attack 4 (domain separation): the MAC an unauthenticated
+    ``GET /route`` hands out must not register anything. The attacker asks
+    a restarted bootstrap server (one launch, same secret) for a challenge,
+    sends those bytes as its nonce to a server that holds the prefill's
+    registration, and PUTs the answer with that challenge: refused (403,
+    ``refused_replayed_mac``). Positive controls: with the GET label equal
+    to the PUT label, and under the v1 scheme (MAC over the body alone), the
+    same moves register the rank without the secret and the restarted
+    prefill is refused (409)."""
+    from kv_transfer.sglang import bootstrap
+
+    real, after_restart = _reg(0, 5000, b"real"), _reg(0, 5001, b"restarted")
+    fresh = bootstrap.RegistryLimits()
+    v1 = bootstrap.RegistryLimits(fresh_registrations=False)
+    servers = {k: bootstrap.BootstrapServer("127.0.0.1", 0, secret=SECRET, registry_limits=lim)
+               for k, lim in [("first", fresh), ("restarted", fresh), ("unlabelled", fresh),
+                              ("v1_first", v1), ("v1_restarted", v1)]}
+    p = {k: s.port for k, s in servers.items()}
+
+    def answer_put_with(first: str, target: str, with_challenge: bool = True) -> int:
+        c = _challenge(p[target], ATTACKER) if with_challenge else bootstrap._new_nonce()
+        status, body, auth = _http(p[first], "GET", f"/route?rank=0&nonce={c.hex()}", ATTACKER)
+        assert status == 200 and body == real.to_json() and auth
+        headers = {bootstrap.AUTH_HEADER: auth, bootstrap.CHALLENGE_HEADER: c.hex()} if with_challenge \
+            else {bootstrap.AUTH_HEADER: auth}
+        return _http(p[target], "PUT", "/route", ATTACKER, body, headers)[0]
+
+    try:
+        assert _signed_put(p["first"], HONEST, real.to_json(), SECRET)[0] == 200
+        assert answer_put_with("first", "restarted") == 403
+        assert answer_put_with("first", "restarted", with_challenge=False) == 403
+        st = servers["restarted"].registry.stats()
+        assert st["refused_replayed_mac"] == 1 and st["refused_unauthenticated"] == 1 and st["ranks"] == 0
+        assert servers["restarted"].stats()["bootstrap_refused_replayed_mac"] == 1  # in get_metrics()' family
+        assert servers["restarted"].rejected == 2
+        # The restarted prefill registers, unhindered.
+        assert _signed_put(p["restarted"], HONEST, after_restart.to_json(), SECRET)[0] == 200
+
+        # Positive control 1: no domain separation (one label for both). The lookup answer is a PUT MAC.
+        monkeypatch.setattr(bootstrap, "GET_LABEL", bootstrap.PUT_LABEL)
+        assert _signed_put(p["first"], HONEST, real.to_json(), SECRET)[0] == 200  # reregistered_same
+        assert answer_put_with("first", "unlabelled") == 200
+        assert servers["unlabelled"].registry.get(0)[0] == real.to_json()  # taken without the secret
+        monkeypatch.undo()
+
+        # Positive control 2: the v1 scheme. The GET answer's MAC is exactly a PUT's, with no challenge.
+        v1_real = {bootstrap.AUTH_HEADER: bootstrap.legacy_mac(SECRET, real.to_json())}
+        assert _http(p["v1_first"], "PUT", "/route", HONEST, real.to_json(), v1_real)[0] == 200
+        assert answer_put_with("v1_first", "v1_restarted", with_challenge=False) == 200
+        v1_after = {bootstrap.AUTH_HEADER: bootstrap.legacy_mac(SECRET, after_restart.to_json())}
+        assert _http(p["v1_restarted"], "PUT", "/route", HONEST, after_restart.to_json(), v1_after)[0] == 409
+        assert servers["v1_restarted"].registry.get(0)[0] == real.to_json()  # the decode takes the stale one
+    finally:
+        for s in servers.values():
+            s.close()
+
+
+def test_hostile_a_replayed_registration_is_refused_and_a_restarted_prefill_registers():
+    """Issue 46, attack 4 (freshness): a recorded, valid PUT replayed (its
+    challenge spent, or unknown to a restarted server) is refused (403,
+    ``refused_stale_challenge``); the restarted prefill, holding the secret,
+    registers with a fresh challenge (200) and replaces its old registration,
+    and decodes get the new one. Positive control (the v1 scheme): the
+    replay is accepted (200), the restarted prefill refused (409), and the
+    decode-facing GET keeps returning the stale registration."""
+    from kv_transfer.sglang import bootstrap
+
+    old, new = _reg(0, 5000, b"before-restart"), _reg(0, 5001, b"after-restart")
+    server = bootstrap.BootstrapServer("127.0.0.1", 0, secret=SECRET)
+    restarted = bootstrap.BootstrapServer("127.0.0.1", 0, secret=SECRET)
+    v1 = bootstrap.RegistryLimits(fresh_registrations=False)
+    v1_server = bootstrap.BootstrapServer("127.0.0.1", 0, secret=SECRET, registry_limits=v1)
+    v1_restarted = bootstrap.BootstrapServer("127.0.0.1", 0, secret=SECRET, registry_limits=v1)
+    try:
+        code, recorded = _signed_put(server.port, HONEST, old.to_json(), SECRET)
+        assert code == 200
+        # The recorded PUT, replayed: to the same server (challenge spent) and to a restarted one (unknown).
+        assert _http(server.port, "PUT", "/route", ATTACKER, old.to_json(), recorded)[0] == 403
+        assert _http(restarted.port, "PUT", "/route", ATTACKER, old.to_json(), recorded)[0] == 403
+        for s in (server, restarted):
+            assert s.registry.stats()["refused_stale_challenge"] == 1
+            assert s.stats()["bootstrap_refused_stale_challenge"] == 1
+        assert restarted.registry.stats()["ranks"] == 0
+        # The restarted prefill registers, on both: it replaces its old registration on the first.
+        for s in (server, restarted):
+            t0 = time.perf_counter()
+            bootstrap.put_registration(f"http://127.0.0.1:{s.port}", new.to_json(), 5, SECRET)
+            got = bootstrap.fetch_registration(f"http://127.0.0.1:{s.port}/route?rank=0", 5, SECRET)
+            assert got == new.to_json() and (time.perf_counter() - t0) * 1000 < HONEST_BOUND_MS
+        assert server.registry.stats()["replaced"] == 1 and restarted.registry.stats()["registered"] == 1
+        # Still refused afterwards; a challenge past its deadline is as stale as a spent one.
+        assert _http(server.port, "PUT", "/route", ATTACKER, old.to_json(), recorded)[0] == 403
+        assert _http(server.port, "GET", "/route?rank=0", HONEST)[1] == new.to_json()
+        reg = bootstrap.BootstrapRegistry(bootstrap.RegistryLimits(challenge_ttl_s=0.05), SECRET)
+        c = bytes.fromhex(json.loads(reg.challenge(HONEST)[1])["challenge"])
+        time.sleep(0.1)
+        assert reg.put(new.to_json(), bootstrap.put_mac(SECRET, c, new.to_json()), HONEST, c.hex())[0] == 403
+        assert reg.stats()["refused_stale_challenge"] == 1 and reg.stats()["challenges_expired"] == 1
+
+        # Positive control: the v1 scheme (nothing makes a registration fresh).
+        v1_old = {bootstrap.AUTH_HEADER: bootstrap.legacy_mac(SECRET, old.to_json())}
+        v1_new = {bootstrap.AUTH_HEADER: bootstrap.legacy_mac(SECRET, new.to_json())}
+        assert _http(v1_server.port, "PUT", "/route", HONEST, old.to_json(), v1_old)[0] == 200
+        assert _http(v1_restarted.port, "PUT", "/route", ATTACKER, old.to_json(), v1_old)[0] == 200  # the replay
+        assert _http(v1_restarted.port, "PUT", "/route", HONEST, new.to_json(), v1_new)[0] == 409  # cannot start
+        assert _http(v1_restarted.port, "GET", "/route?rank=0", HONEST)[1] == old.to_json()  # the stale one
+    finally:
+        for s in (server, restarted, v1_server, v1_restarted):
+            s.close()
+
+
+class _Replayer:
+    """An attacker's bootstrap (or one on the path) that answers every GET
+    with a recorded answer: its bytes and its ``X-KVT-Auth``."""
+
+    def __init__(self, body: bytes, auth: str):
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        paths = self.paths = []
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):  # noqa: N802
+                paths.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("X-KVT-Auth", auth)
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = HTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/route?rank=0"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_hostile_a_recorded_lookup_answer_replayed_to_a_decode_is_refused(monkeypatch):
+    """Issue 46, attack 4 (decode side): an answer recorded before the
+    prefill restarted, replayed to a decode (which sends its own fresh
+    nonce), is refused; the real server's answer is taken. Positive
+    controls: a decode that sent the recorded nonce again takes the stale
+    registration, and under the v1 scheme the recorded answer passes the old
+    decode check (MAC over the body alone) whatever was asked."""
+    import hashlib
+    import hmac
+
+    from kv_transfer.sglang import bootstrap, wire
+
+    old, new = _reg(0, 5000, b"before-restart"), _reg(0, 5001, b"after-restart")
+    server = bootstrap.BootstrapServer("127.0.0.1", 0, secret=SECRET)
+    v1_server = bootstrap.BootstrapServer("127.0.0.1", 0, secret=SECRET,
+                                          registry_limits=bootstrap.RegistryLimits(fresh_registrations=False))
+    replayers = []
+    try:
+        assert _signed_put(server.port, HONEST, old.to_json(), SECRET)[0] == 200
+        n1 = bootstrap._new_nonce()
+        status, body, auth = _http(server.port, "GET", f"/route?rank=0&nonce={n1.hex()}", ATTACKER)  # recorded
+        assert status == 200 and body == old.to_json() and auth == bootstrap.answer_mac(SECRET, n1, body)
+        assert _signed_put(server.port, HONEST, new.to_json(), SECRET)[0] == 200  # the prefill restarted
+        replay = _Replayer(body, auth)
+        replayers.append(replay)
+        with pytest.raises(wire.ProtocolError, match="not authenticated"):
+            bootstrap.fetch_registration(replay.url, 5, SECRET)
+        assert len(replay.paths) == 1 and f"nonce={n1.hex()}" not in replay.paths[0] and "nonce=" in replay.paths[0]
+        assert bootstrap.fetch_registration(f"http://127.0.0.1:{server.port}/route?rank=0", 5, SECRET) == new.to_json()
+        # A malformed nonce is refused and counted.
+        assert _http(server.port, "GET", "/route?rank=0&nonce=zz", ATTACKER)[0] == 400
+        assert server.registry.stats()["lookups_refused"] == 1
+
+        # Positive control 1: the same nonce again (no freshness): the decode takes the stale registration.
+        monkeypatch.setattr(bootstrap, "_new_nonce", lambda: n1)
+        assert bootstrap.fetch_registration(replay.url, 5, SECRET) == old.to_json()
+        monkeypatch.undo()
+
+        # Positive control 2: the v1 scheme. A recorded answer passes the old decode check, whatever the decode asks.
+        v1_old = {bootstrap.AUTH_HEADER: bootstrap.legacy_mac(SECRET, old.to_json())}
+        assert _http(v1_server.port, "PUT", "/route", HONEST, old.to_json(), v1_old)[0] == 200
+        status, v1_body, v1_auth = _http(v1_server.port, "GET", "/route?rank=0", ATTACKER)  # recorded
+        assert status == 200 and v1_body == old.to_json()
+        old_decode_check = hmac.compare_digest(v1_auth, hmac.new(SECRET, v1_body, hashlib.sha256).hexdigest())
+        assert old_decode_check  # the v1 decode would take it, replayed any time later
+        v1_replay = _Replayer(v1_body, v1_auth)
+        replayers.append(v1_replay)
+        with pytest.raises(wire.ProtocolError, match="not authenticated"):  # today's decode refuses it too
+            bootstrap.fetch_registration(v1_replay.url, 5, SECRET)
+    finally:
+        for r in replayers:
+            r.close()
+        server.close()
+        v1_server.close()
+
+
+def test_hostile_challenges_are_bounded_per_address_in_all_and_in_time():
+    """``GET /challenge`` needs no secret, so what it keeps is bounded: per
+    address, in all, and by deadline (expired ones are dropped), refusals
+    counted (429). Positive control: with the caps lifted, every request
+    leaves a challenge behind."""
+    from kv_transfer.sglang import bootstrap
+
+    lim = bootstrap.RegistryLimits(max_challenges=64, max_challenges_per_address=8, challenge_ttl_s=0.2)
+    reg = bootstrap.BootstrapRegistry(lim, SECRET)
+    codes = [reg.challenge(ATTACKER)[0] for _ in range(100)]
+    assert codes.count(200) == 8 and codes.count(429) == 92
+    for i in range(7):  # more addresses fill the total
+        [reg.challenge(f"127.0.1.{i}") for _ in range(8)]
+    assert reg.stats()["challenges_outstanding"] == 64 and reg.challenge(HONEST)[0] == 429
+    assert reg.stats()["challenges_refused"] == 93
+    time.sleep(0.25)
+    assert reg.challenge(HONEST)[0] == 200  # past the deadline the stale ones are dropped
+    assert reg.stats()["challenges_outstanding"] == 1 and reg.stats()["challenges_expired"] == 64
+    # Without a secret there is nothing to challenge and nothing is kept.
+    assert bootstrap.BootstrapRegistry(lim, None).challenge(HONEST)[0] == 404
+    # Positive control: caps lifted, the map grows with every request.
+    naive = bootstrap.BootstrapRegistry(bootstrap.RegistryLimits(max_challenges=1 << 30,
+                                                                 max_challenges_per_address=1 << 30), SECRET)
+    assert [naive.challenge(ATTACKER)[0] for _ in range(1000)].count(200) == 1000
+    assert naive.stats()["challenges_outstanding"] == 1000
 
 
 def test_hostile_registration_flood_is_capped_per_address():

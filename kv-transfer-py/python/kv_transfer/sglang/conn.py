@@ -86,10 +86,11 @@ def _index_bytes(indices: Any) -> bytes:
 
 class KvTransferBootstrapServer(bootstrap.BootstrapServer, BaseKVBootstrapServer):
     """The prefill ranks' registry (:mod:`kv_transfer.sglang.bootstrap`):
-    ``PUT /route`` (a prefill rank registers; validated, first writer wins,
-    optionally authenticated by the launch config's shared secret),
-    ``GET /route?rank=N``. Serves in a daemon thread, its connections
-    bounded per address and in all, with idle and whole-request deadlines."""
+    ``PUT /route`` (a prefill rank registers; validated; first writer wins,
+    or with the launch config's shared secret a fresh challenged and
+    authenticated registration, ``GET /challenge``), ``GET /route?rank=N``.
+    Serves in a daemon thread, its connections bounded per address and in
+    all, with idle and whole-request deadlines."""
 
     def __init__(self, host: str, port: int, **limits: Any):
         bootstrap.BootstrapServer.__init__(self, host, port, **limits)
@@ -185,9 +186,12 @@ class KvTransferManager(BaseKVManager):
             )
 
     # --- prefill: bootstrap registration and the control server ----------
-    def _bootstrap_url(self) -> str:
+    def _bootstrap_base(self) -> str:
         port = getattr(self.server_args, "disaggregation_bootstrap_port", 8998)
-        return f"http://{_local_host(self.server_args)}:{port}/route"
+        return f"http://{_local_host(self.server_args)}:{port}"
+
+    def _bootstrap_url(self) -> str:
+        return f"{self._bootstrap_base()}/route"
 
     def register_to_bootstrap(self) -> None:
         assert self.control is not None
@@ -204,15 +208,10 @@ class KvTransferManager(BaseKVManager):
             state_item_lens=self.state_item_lens,
         )
         body = reg.to_json()
-        headers = {}
-        secret = bootstrap.secret_from_env()
-        if secret is not None:
-            headers[bootstrap.AUTH_HEADER] = bootstrap.mac(secret, body)
-        req = urllib.request.Request(self._bootstrap_url(), data=body, method="PUT", headers=headers)
         for attempt in range(5):
             try:
-                with urllib.request.urlopen(req, timeout=CTRL_TIMEOUT_S) as r:
-                    r.read()
+                # With the launch's secret: a fresh challenge each attempt, the MAC over it and the body.
+                bootstrap.put_registration(self._bootstrap_base(), body, CTRL_TIMEOUT_S)
                 return
             except urllib.error.HTTPError as e:
                 raise kv_transfer.DescriptorError(f"the bootstrap server refused our registration: {e.read()!r}") from None
