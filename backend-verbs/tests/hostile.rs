@@ -17,19 +17,39 @@
 //!   succeeds within a bound. Positive control (serial handshakes, the old
 //!   acceptor): it fails.
 //!
+//! - **a relayed nonce** (issue 46, attack 3): a third party M makes B
+//!   dial a descriptor with M's address and the decode's ticket, forwards
+//!   B's side channel to the decode with M's own queue pair spliced into
+//!   B's hello. Checks on: the decode refuses the handshake (it dialed M's
+//!   address: `auth_address_mismatch`), `add_peer(B)` returns B's own
+//!   connection, M reads nothing, B is served with 0 foreign bytes.
+//!   Positive control (the address binding off for M's address): the
+//!   decode's `add_peer(B)` returns M's queue pair and M reads the
+//!   previous tenant's bytes.
+//! - **another cluster key**: refused both ways, typed and counted.
+//!
 //! Network only on loopback; the flooding address is 127.0.0.2 (all of
 //! 127/8 is loopback on Linux).
 
 use netns_lab::{connect_from, rss_kib};
 use std::io::Write;
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use backend_verbs::adapter::{Hello, PeerIdentity, SideChannelLimits};
-use backend_verbs::{Endpoint, FakeFabric, Gid, VerbsConfig, VerbsTransfer};
+use backend_verbs::adapter::{
+    parse_descriptor, read_opening, AdapterError, Descriptor, Hello, Opening, PeerIdentity, SideChannelLimits,
+    AUTH_CONTEXT,
+};
+use backend_verbs::WorkRequest;
+use backend_verbs::{Endpoint, Engine, FakeFabric, Gid, MrAccess, QpId, VerbsConfig, VerbsTransfer, WcStatus};
+use kv_transfer_core::auth::{
+    read_frame, AuthCounters, AuthError, ClusterKey, Dialer, DialerConfig, Frame, FrameKind, Identity, RefusalCode,
+};
 use kv_transfer_core::TransferOptions;
-use kv_transfer_core::{block_on, poll_until, EscalationLadder, HostRegion, PoolConfig, SlotPool, Transfer};
+use kv_transfer_core::{
+    block_on, poll_until, EscalationLadder, HostRegion, PoolConfig, Region, RemoteSlots, SlotPool, Transfer,
+};
 
 const WAIT: Duration = Duration::from_secs(5);
 const SLOT: usize = 4096;
@@ -40,6 +60,14 @@ const HONEST: u8 = 0xbb;
 struct Side {
     t: VerbsTransfer,
     pool: SlotPool,
+    /// Its NIC on the fabric.
+    nic: usize,
+}
+
+/// The cluster key of these tests' deployment (set explicitly: the
+/// environment's, if any, is not these tests').
+fn key() -> ClusterKey {
+    ClusterKey::from_secret(b"backend-verbs hostile tests: the cluster's secret").expect("key")
 }
 
 fn quiet() -> EscalationLadder {
@@ -49,11 +77,27 @@ fn quiet() -> EscalationLadder {
 fn side(fabric: &FakeFabric, name: &str, tune: impl FnOnce(&mut VerbsConfig)) -> Side {
     let mut cfg = VerbsConfig::new(name, "fake", 1);
     cfg.timeout = Duration::from_secs(3);
+    cfg.cluster_key = Some(key());
     tune(&mut cfg);
-    let t = VerbsTransfer::with_engine(cfg, Arc::new(fabric.fake_nic())).expect("adapter");
+    let fake = fabric.fake_nic();
+    let nic = fake.id();
+    let t = VerbsTransfer::with_engine(cfg, Arc::new(fake)).expect("adapter");
     let region = Arc::new(HostRegion::new(4 * SLOT).expect("region"));
     let pool = t.register_pool(region, PoolConfig::new(SLOT).with_ladder(quiet())).expect("pool");
-    Side { t, pool }
+    Side { t, pool, nic }
+}
+
+/// Core's handshake as a dialer named `name` to `to`'s side channel, under
+/// `key` (what every side-channel connection starts with).
+fn auth_dial(s: &mut TcpStream, to: &VerbsTransfer, name: &str, key: ClusterKey) -> Result<(), AuthError> {
+    let cfg = DialerConfig {
+        key,
+        context: AUTH_CONTEXT.into(),
+        me: Identity::new(name, ""),
+        dialed: addr_of(to).to_string(),
+        expect_name: None,
+    };
+    kv_transfer_core::auth::dial(s, cfg, &AuthCounters::default()).map(|_| ())
 }
 
 fn addr_of(t: &VerbsTransfer) -> SocketAddr {
@@ -207,13 +251,16 @@ fn claim_flood(decode: &VerbsTransfer, src: Ipv4Addr, name: &str, n: usize) -> u
     let mut held = Vec::new();
     for i in 0..n {
         let Ok(mut s) = connect_from(src, addr) else { continue };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        if auth_dial(&mut s, decode, name, key()).is_err() {
+            continue;
+        }
         let endpoint = Endpoint { qpn: 0x100 + i as u32, psn: 1, gid: Gid([0; 16]), mtu: 1024 };
         let mut b = Hello { name: name.into(), endpoint, ticket }.encode().expect("hello");
         b.extend_from_slice(&[i as u8; 16]);
         if s.write_all(&b).is_err() {
             continue;
         }
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
         if Hello::read_from(&mut s).is_ok() {
             answered += 1;
         }
@@ -275,11 +322,14 @@ fn hostile_claim_flood_is_capped_per_address_and_the_named_peer_still_connects()
 }
 
 /// Holds `n` connections from `src` to `to` open: odd ones idle, even
-/// ones after half a hello (with the right ticket).
+/// ones after half a handshake's HELLO (under the cluster key, to `to`'s
+/// address).
 fn idle_flood(to: &VerbsTransfer, src: Ipv4Addr, n: usize) -> Vec<TcpStream> {
-    let (addr, ticket) = (addr_of(to), ticket_of(to));
-    let endpoint = Endpoint { qpn: 0x200, psn: 1, gid: Gid([0; 16]), mtu: 1024 };
-    let hello = Hello { name: "idler".into(), endpoint, ticket }.encode().expect("hello");
+    let addr = addr_of(to);
+    let me = Identity::new("idler", "");
+    let cfg =
+        DialerConfig { key: key(), context: AUTH_CONTEXT.into(), me, dialed: addr.to_string(), expect_name: None };
+    let hello = Dialer::start(cfg).expect("hello").1.encode();
     let mut held = Vec::new();
     for i in 0..n {
         let Ok(mut s) = connect_from(src, addr) else { continue };
@@ -367,4 +417,275 @@ fn fenced_claims_are_dropped_with_their_rings() {
     assert_eq!(decode.t.counter("peers"), 0, "{c:?}");
     assert_eq!(decode.t.counter("records_dropped"), kept as u64, "{c:?}");
     assert!(kept > 2, "the claims came back once fenced: {kept}");
+}
+
+/// M's relay (issue 46, attack 3): takes one connection (B's, lured to M's
+/// address), dials the decode, and forwards B's side channel: core's
+/// handshake as is (HELLO, then CHALLENGE or REFUSED, then FINISH), then
+/// B's hello and nonce with M's own queue pair spliced in. With the
+/// decode's hello it connects M's queue pair to the decode's and forwards
+/// that hello to B. Returns the decode's endpoint if it got that far.
+fn relay(listener: TcpListener, decode: SocketAddr, m: Arc<dyn Engine>, m_ep: Endpoint) -> Option<Endpoint> {
+    let (mut b, _) = listener.accept().ok()?;
+    drop(listener);
+    let mut d = TcpStream::connect(decode).ok()?;
+    for s in [&b, &d] {
+        s.set_read_timeout(Some(WAIT)).ok()?;
+    }
+    let hello = read_frame(&mut b).ok()?;
+    d.write_all(&hello.encode()).ok()?;
+    let challenge = read_frame(&mut d).ok()?;
+    b.write_all(&challenge.encode()).ok()?;
+    if challenge.kind != FrameKind::Challenge {
+        return None;
+    }
+    let finish = read_frame(&mut b).ok()?;
+    d.write_all(&finish.encode()).ok()?;
+    let Ok(Opening::Hello(mut h, nonce)) = read_opening(&mut b) else { return None };
+    h.endpoint = m_ep;
+    let mut bytes = h.encode().ok()?;
+    bytes.extend_from_slice(&nonce);
+    d.write_all(&bytes).ok()?;
+    let theirs = Hello::read_from(&mut d).ok()?;
+    m.connect(QpId(m_ep.qpn), &theirs.endpoint).ok()?;
+    b.write_all(&theirs.encode().ok()?).ok()?;
+    Some(theirs.endpoint)
+}
+
+/// M READs the exposure's first slot through its own queue pair: `None`
+/// if refused (the exposure's window is not granted through the decode's
+/// queue pair that M's is connected to), else the previous tenant's bytes
+/// it got.
+fn m_reads(m: &Arc<dyn Engine>, qpn: u32, remote: &RemoteSlots) -> Option<usize> {
+    let region: Arc<dyn Region> = Arc::new(HostRegion::new(SLOT).expect("region"));
+    let mr = m.register(Arc::clone(&region), MrAccess::Local).expect("M's memory");
+    let wr = WorkRequest::Read {
+        local: mr.id,
+        offset: 0,
+        len: SLOT as u32,
+        remote_addr: remote.slots[0].addr,
+        rkey: remote.key_of(0) as u32,
+    };
+    if m.post(QpId(qpn), 7, wr).is_err() {
+        return None;
+    }
+    let mut status = None;
+    kv_transfer_testkit::wait::wait_until(WAIT, || {
+        status = m.poll(16).ok().and_then(|c| c.into_iter().find(|c| c.wr_id == 7)).map(|c| c.status).or(status);
+        status.is_some()
+    });
+    if status != Some(WcStatus::Success) {
+        return None;
+    }
+    let mut buf = vec![0u8; SLOT];
+    region.read(0, &mut buf).expect("read");
+    Some(buf.iter().filter(|b| **b == PREVIOUS).count())
+}
+
+/// What one relay run showed.
+#[derive(Debug)]
+struct Relayed {
+    /// B's `add_peer` of the lure (M's address, the decode's name and ticket).
+    b_dialed: Result<(), String>,
+    /// The decode's handshakes refused as relayed.
+    address_mismatch: u64,
+    /// The relay got a decode queue pair connected to M's.
+    spliced: bool,
+    /// The decode's `add_peer(B)` returned the queue pair M spliced in (the
+    /// exposure to it is granted through M's queue pair: M's READ worked).
+    got_m: bool,
+    /// Previous tenant's bytes M READ out of the exposure.
+    read_previous: usize,
+    /// B's WRITE succeeded and its DONE settled the slot.
+    honest_served: bool,
+    /// Foreign bytes in the settled slot.
+    foreign: usize,
+    /// Claims under B's name that B did not confirm (at the decode).
+    unconfirmed: u64,
+}
+
+/// Attack 3 of issue 46 through public APIs and wire formats: B is made to
+/// dial `decode@<M's address>#<the decode's ticket>`; M relays (see
+/// [`relay`]); the decode adds B's real descriptor and exposes a slot
+/// holding the previous tenant's bytes to what `add_peer` returned; M
+/// READs it; B, given the decode's real descriptor, WRITEs and notifies.
+/// `accept_off`: M's address taken as its own by the decode's acceptor;
+/// `confirm_off`: by B's confirmations (both: the positive control).
+fn relayed(accept_off: bool, confirm_off: bool) -> Relayed {
+    let fabric = FakeFabric::new(46);
+    let listener = TcpListener::bind("127.0.0.1:0").expect("M listens");
+    let m_addr = listener.local_addr().expect("M's address").to_string();
+    let extra = |off: bool| if off { vec![m_addr.clone()] } else { Vec::new() };
+    let decode = side(&fabric, "decode", |c| c.positive_control_addresses = extra(accept_off));
+    let b = side(&fabric, "prefill-b", |c| c.positive_control_addresses = extra(confirm_off));
+    let mut previous = decode.pool.reserve(1).expect("reserve");
+    previous.write_at(0, 0, &[PREVIOUS; SLOT]).expect("previous tenant");
+    let slot = previous.tenancies()[0].slot.0 as usize;
+    previous.release();
+
+    // M: a NIC of its own, and the queue pair it splices into B's hello.
+    let m = fabric.nic();
+    let m_ep = m.create_qp(1024).expect("M's queue pair");
+    let relaying = {
+        let (m, to) = (Arc::clone(&m), addr_of(&decode.t));
+        std::thread::spawn(move || relay(listener, to, m, m_ep))
+    };
+    let real = parse_descriptor(decode.t.descriptor().as_bytes()).expect("descriptor");
+    let lure = Descriptor { addr: m_addr, ..real }.encode();
+    let b_dialed = b.t.add_peer(&lure).map(|_| ()).map_err(|e| format!("{e:?}"));
+    if let Err(e) = &b_dialed {
+        // Typed: the decode refused the relayed handshake as a relay.
+        assert!(
+            e.contains("Auth") && e.contains("Refused(AddressMismatch)"),
+            "B's dial through M failed otherwise: {e}"
+        );
+    }
+    let _ = relaying.join().expect("relay");
+    let address_mismatch = decode.t.counter("auth_address_mismatch");
+
+    let peer = decode.t.add_peer(b.t.descriptor()).expect("the decode adds B");
+    let spliced = fabric.queue_pairs().iter().any(|q| q.1 == decode.nic && q.2 == Some(m_ep.qpn));
+    let (exposed, remote) = decode.t.expose(decode.pool.reserve(1).expect("reserve"), peer).expect("expose");
+    assert_eq!(remote.slots[0].slot.0 as usize, slot, "LIFO: the previous tenant's slot");
+    let read = m_reads(&m, m_ep.qpn, &remote);
+    let (got_m, read_previous) = (read.is_some(), read.unwrap_or(0));
+
+    // B WRITEs and notifies (it now has the decode's real descriptor).
+    b.t.add_peer(decode.t.descriptor()).expect("B adds the decode");
+    let mut src = b.pool.reserve(1).expect("reserve");
+    src.write_at(0, 0, &[HONEST; SLOT]).expect("fill");
+    let wrote = match block_on(b.t.write(src, &remote, TransferOptions::notify(true))) {
+        Ok(mut h) => match poll_until(std::pin::Pin::new(&mut h), WAIT) {
+            Some(Ok(out)) => {
+                let ok = out.result.is_ok();
+                out.lease.release();
+                ok
+            }
+            _ => false,
+        },
+        Err(_) => false,
+    };
+    let deadline = Instant::now() + WAIT;
+    let mut exposed = exposed;
+    let settled = loop {
+        exposed = match exposed.try_settled() {
+            Ok(s) => break Some(s),
+            Err(l) => l,
+        };
+        if !wrote || Instant::now() >= deadline {
+            exposed.abort();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let (honest_served, foreign) = match settled {
+        Some(s) => {
+            let bytes = s.bytes().expect("the settled slot");
+            s.release();
+            (true, bytes.iter().filter(|b| **b != HONEST).count())
+        }
+        None => (false, SLOT),
+    };
+    let unconfirmed = decode.t.counter("identity_unconfirmed");
+    let r = Relayed { b_dialed, address_mismatch, spliced, got_m, read_previous, honest_served, foreign, unconfirmed };
+    eprintln!(
+        "binding off (accept {accept_off}, confirm {confirm_off}): {r:?}; decode {:?}; B {:?}",
+        decode.t.auth_stats(),
+        b.t.auth_stats()
+    );
+    r
+}
+
+/// Issue 46, attack 3, checks on: the decode refuses the relayed handshake
+/// (B dialed M's address), counted as an address mismatch; its
+/// `add_peer(B)` returns B's own connection, never M's queue pair; M reads
+/// 0 bytes; B is served, 0 foreign bytes. Positive control, in the same
+/// test: the same relay with the address binding off for M's address
+/// succeeds (the decode's `add_peer(B)` returns M's queue pair, M reads
+/// the previous tenant's bytes).
+#[test]
+fn hostile_relayed_side_channel_is_refused_by_address_and_positive_control_binding_off_lets_m_in() {
+    let r = relayed(false, false);
+    assert!(r.b_dialed.is_err(), "B's dial through M went through: {r:?}");
+    assert_eq!(r.address_mismatch, 1, "{r:?}");
+    assert!(!r.spliced, "the relay got a decode queue pair: {r:?}");
+    assert!(!r.got_m, "the decode's add_peer(B) returned M's queue pair: {r:?}");
+    assert_eq!(r.read_previous, 0, "M read the previous tenant's bytes: {r:?}");
+    assert!(r.honest_served, "B was refused: {r:?}");
+    assert_eq!(r.foreign, 0, "{r:?}");
+
+    let c = relayed(true, true);
+    assert!(c.b_dialed.is_ok(), "positive control: B's dial through M should go through: {c:?}");
+    assert_eq!(c.address_mismatch, 0, "positive control: {c:?}");
+    assert!(c.got_m, "positive control: the decode's add_peer(B) should return M's queue pair: {c:?}");
+    assert_eq!(c.read_previous, SLOT, "positive control: M should read the previous tenant: {c:?}");
+}
+
+/// Issue 46, attack 3, the confirmation's own binding (defence in depth):
+/// with the decode's acceptor taking M's address as its own (as if M were
+/// a key holder that passes the handshake), B still confirms the relayed
+/// nonce to no one, since it sent it on a connection dialed to M's
+/// address, not the decode's: the decode's `add_peer(B)` never returns M's
+/// queue pair and M reads nothing. (B's own WRITE then goes to the
+/// connection it dialed through M, which the exposure's window does not
+/// grant: B is not served, which a relay that passes the handshake can
+/// still cause; not asserted here.)
+#[test]
+fn hostile_relayed_nonce_is_not_confirmed_to_an_asker_at_another_address() {
+    let r = relayed(true, false);
+    assert!(r.b_dialed.is_ok(), "the decode's acceptor was to take M's address: {r:?}");
+    assert!(r.spliced, "the relay was to get a decode queue pair (a claim): {r:?}");
+    assert!(!r.got_m, "the decode's add_peer(B) returned M's queue pair: {r:?}");
+    assert_eq!(r.read_previous, 0, "M read the previous tenant's bytes: {r:?}");
+    assert!(r.unconfirmed >= 1, "the relayed claim was not asked about: {r:?}");
+}
+
+/// A side channel under another cluster key is refused, typed and counted,
+/// both ways, before any queue pair exists: a prefill holding another key
+/// fails its `add_peer` with `WrongKey` (the decode's proof did not
+/// verify; the decode counts our refusal), and a raw dialer that cannot
+/// prove the key (a FINISH it could not compute) is refused by the decode
+/// as `WrongKey`. Positive control: a prefill under the same key connects.
+#[test]
+fn hostile_side_channel_under_another_cluster_key_is_refused() {
+    let fabric = FakeFabric::new(47);
+    let decode = side(&fabric, "decode", |_| {});
+    let other_key = ClusterKey::from_secret(b"another deployment's secret, not ours").expect("key");
+    let other = side(&fabric, "prefill-b", |c| c.cluster_key = Some(other_key.clone()));
+    let e = other.t.add_peer(decode.t.descriptor()).expect_err("another key's add_peer");
+    assert!(matches!(e, AdapterError::Auth(AuthError::WrongKey)), "{e:?}");
+    assert_eq!(other.t.auth_stats().wrong_key, 1, "{:?}", other.t.auth_stats());
+    let refused = kv_transfer_testkit::wait::wait_until(WAIT, || decode.t.auth_stats().refused_by_peer == 1);
+    assert!(refused, "{:?}", decode.t.auth_stats());
+
+    // A raw dialer under the other key: the decode's CHALLENGE comes, a
+    // FINISH that is not the key's proof goes.
+    let mut s = TcpStream::connect(addr_of(&decode.t)).expect("connect");
+    s.set_read_timeout(Some(WAIT)).expect("timeout");
+    let cfg = DialerConfig {
+        key: other_key,
+        context: AUTH_CONTEXT.into(),
+        me: Identity::new("prefill-b", ""),
+        dialed: addr_of(&decode.t).to_string(),
+        expect_name: Some("decode".into()),
+    };
+    let (dialer, hello) = Dialer::start(cfg).expect("hello");
+    s.write_all(&hello.encode()).expect("hello");
+    let challenge = read_frame(&mut s).expect("the decode's challenge");
+    assert!(matches!(dialer.on_challenge(challenge), Err(AuthError::WrongKey)));
+    s.write_all(&Frame { kind: FrameKind::Finish, body: vec![0x5a; 32] }.encode()).expect("finish");
+    match read_frame(&mut s) {
+        Ok(f) => assert_eq!(f, Frame::refused(RefusalCode::WrongKey)),
+        Err(e) => panic!("the decode's refusal: {e:?}"),
+    }
+    let counted = kv_transfer_testkit::wait::wait_until(WAIT, || decode.t.counter("auth_wrong_key") == 1);
+    assert!(counted, "{:?}", decode.t.counters());
+    assert_eq!(decode.t.counter("peers"), 0);
+    assert_eq!(other.t.counter("peers"), 0);
+    assert!(fabric.queue_pairs().is_empty(), "a queue pair for a refused handshake: {:?}", fabric.queue_pairs());
+
+    // Positive control: the same key connects.
+    let same = side(&fabric, "prefill-c", |_| {});
+    same.t.add_peer(decode.t.descriptor()).expect("the same key's add_peer");
+    assert!(decode.t.auth_stats().established >= 1, "{:?}", decode.t.auth_stats());
 }

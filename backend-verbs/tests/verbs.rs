@@ -536,6 +536,16 @@ mod on_device {
         // It read the decode's descriptor: it has the side channel's ticket.
         let d = parse_descriptor(a.decode.descriptor().as_bytes()).map_err(|x| e(&x))?;
         let mut s = std::net::TcpStream::connect(&d.addr).map_err(|x| e(&x))?;
+        // Every side-channel connection starts with core's handshake under
+        // the cluster key (the lab's adapters take it from the environment).
+        let auth = kv_transfer_core::auth::DialerConfig {
+            key: kv_transfer_core::auth::ClusterKey::from_env().map_err(|x| e(&x))?,
+            context: backend_verbs::adapter::AUTH_CONTEXT.into(),
+            me: kv_transfer_core::auth::Identity::new(format!("garbler-{}", std::process::id()), ""),
+            dialed: d.addr.clone(),
+            expect_name: Some(d.name.clone()),
+        };
+        kv_transfer_core::auth::dial(&mut s, auth, &Default::default()).map_err(|x| e(&x))?;
         let ours = Hello {
             name: format!("garbler-{}", std::process::id()),
             endpoint: qp.endpoint(MTU).map_err(|x| e(&x))?,

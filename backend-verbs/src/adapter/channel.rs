@@ -22,6 +22,15 @@
 //! who the dialer is. The nonce does: the acceptor asks the owner of the
 //! descriptor *it* was given, at that descriptor's address, whether it sent
 //! that nonce to it ([`Confirm`]; see the adapter's `handshake` module).
+//!
+//! Before any of this, every side-channel connection (a hello's and a
+//! [`Confirm`]'s) starts with core's mutual handshake under the cluster key
+//! ([`kv_transfer_core::auth`], context [`AUTH_CONTEXT`]): the dialer names
+//! the exact `host:port` it dialed (its descriptor's address) and its own
+//! descriptor's address; the acceptor refuses a handshake that dialed
+//! anything but its own descriptor's address (a relay), or that proves
+//! another key. A [`Confirm`] is answered yes only for a nonce sent on a
+//! connection dialed to the asker's own (proved) address.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -29,6 +38,10 @@ use std::time::Duration;
 
 use crate::error::VerbsError;
 use crate::work::{Endpoint, ENDPOINT_LEN};
+
+/// The context of the side channel's handshake (core's
+/// [`DialerConfig::context`](kv_transfer_core::auth::DialerConfig)).
+pub const AUTH_CONTEXT: &str = "kvt-verbs-side-channel";
 
 const MAGIC: [u8; 4] = *b"KVTV";
 const VERSION: u8 = 2;
@@ -230,6 +243,23 @@ impl Read for Deadline<'_> {
         // A zero timeout means "none" to set_read_timeout: at least 1 ms.
         self.stream.set_read_timeout(Some(left.min(self.idle).max(Duration::from_millis(1))))?;
         (&*self.stream).read(buf)
+    }
+}
+
+/// Writes wait at most until the deadline (as the side channel's writes do), so
+/// core's handshake runs inside the same whole-handshake deadline.
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the handshake's deadline passed"));
+        }
+        self.stream.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
+        (&*self.stream).write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        (&*self.stream).flush()
     }
 }
 

@@ -22,6 +22,19 @@
 //! a cap are closed at once and counted. The positive control
 //! ([`SideChannelLimits::serial`]) runs handshakes one at a time on the
 //! accepting thread, as this adapter did before.
+//!
+//! **Every connection starts with core's handshake** under the cluster key
+//! ([`kv_transfer_core::auth`]), inside the same whole-handshake deadline:
+//! the dialer names the `host:port` it dialed (the descriptor's) and its
+//! own descriptor's address, and the acceptor refuses a handshake that
+//! dialed anything but its own descriptor's address. A relay that makes a
+//! peer dial it (a descriptor with the relay's address and our ticket) and
+//! forwards the peer's bytes to us is refused there (issue 46). And a
+//! [`Confirm`] is answered yes only for a nonce sent on a connection this
+//! side dialed to the asker's own address, as the asker proved it in the
+//! confirmation's handshake: a nonce a relay collected is never confirmed
+//! to anyone (binding by address, not only by ticket). The ticket and the
+//! confirmation stay, as defence in depth.
 
 use kv_transfer_core::GateRefusal;
 use std::net::{IpAddr, TcpListener, TcpStream};
@@ -29,9 +42,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kv_transfer_core::auth::{AuthError, DialerConfig, Established};
 use kv_transfer_core::{HostRegion, PeerId, Region};
 
-use super::channel::{self, read_opening, Confirm, Deadline, Nonce, Opening, MAX_CANDIDATES, NONE_CONFIRMED};
+use super::channel::{
+    self, read_opening, Confirm, Deadline, Nonce, Opening, AUTH_CONTEXT, MAX_CANDIDATES, NONE_CONFIRMED,
+};
 use super::{
     fresh_ticket, inc, lock, tickets_match, AdapterError, Descriptor, Hello, Inner, Peer, PeerState, Pending, RECVS,
     SENDS, TICKET_LEN,
@@ -164,16 +180,25 @@ impl Inner {
         }
     }
 
-    /// One accepted connection: a hello (a connection) or a confirmation
-    /// request, within the whole-handshake deadline.
+    /// One accepted connection: core's handshake first, then a hello (a
+    /// connection) or a confirmation request, all within the
+    /// whole-handshake deadline.
     fn serve(&self, mut s: TcpStream, from: IpAddr) {
         let deadline = Instant::now() + self.cfg.side_channel.deadline;
-        let opening = read_opening(&mut Deadline::new(&s, deadline, self.cfg.side_channel.idle));
-        let r = match opening {
-            Ok(Opening::Confirm(q)) => self.answer_confirm(&mut s, &q, deadline).map(|_| ()),
-            Ok(Opening::Hello(theirs, nonce)) => self.accept_hello(&mut s, theirs, nonce, from, deadline).map(|_| ()),
-            Err(e) => Err(e.into()),
+        let mut serve = || -> Result<(), AdapterError> {
+            let (proved, opening) = {
+                let mut io = Deadline::new(&s, deadline, self.cfg.side_channel.idle);
+                let est = kv_transfer_core::auth::accept(&mut io, &self.auth, Some(from), &self.auth_counters)?;
+                (est.peer.identity, read_opening(&mut io)?)
+            };
+            match opening {
+                Opening::Confirm(q) => self.answer_confirm(&mut s, &q, &proved.endpoint, deadline),
+                Opening::Hello(theirs, nonce) => {
+                    self.accept_hello(&mut s, theirs, &proved.name, nonce, from, deadline).map(|_| ())
+                }
+            }
         };
+        let r = serve();
         if let Err(e) = r {
             inc(&self.counters.side_channel_refused);
             tracing::warn!(%from, error = %e, "side-channel handshake refused");
@@ -182,19 +207,28 @@ impl Inner {
 
     /// Answers "did you dial me on one of these connections?": the index
     /// of the nonce this side sent to the asker (a connection it dialed to
-    /// a descriptor carrying the asker's ticket), or none. Refused without
-    /// this side's ticket.
-    fn answer_confirm(&self, s: &mut TcpStream, q: &Confirm, deadline: Instant) -> Result<(), AdapterError> {
+    /// a descriptor carrying the asker's ticket *and* the asker's own
+    /// address, `asker_addr`, as the asker proved it in this connection's
+    /// handshake), or none. Refused without this side's ticket.
+    fn answer_confirm(
+        &self,
+        s: &mut TcpStream,
+        q: &Confirm,
+        asker_addr: &str,
+        deadline: Instant,
+    ) -> Result<(), AdapterError> {
         if !tickets_match(&q.ticket, &self.ticket) {
             return Err(VerbsError::Endpoint("a confirmation request without this side's ticket".into()).into());
         }
+        // The positive control's addresses are taken for anyone's.
+        let to_asker = |addr: &str| addr == asker_addr || self.cfg.positive_control_addresses.iter().any(|a| a == addr);
         let st = lock(&self.state);
         let ours = |c: &Nonce| {
-            st.dialing.get(c).is_some_and(|t| tickets_match(t, &q.asker))
+            st.dialing.get(c).is_some_and(|(t, addr)| tickets_match(t, &q.asker) && to_asker(addr))
                 || st.peers.values().any(|p| {
                     p.state == PeerState::Live
                         && p.nonce == *c
-                        && p.dialed.as_ref().is_some_and(|d| tickets_match(&d.ticket, &q.asker))
+                        && p.dialed.as_ref().is_some_and(|d| tickets_match(&d.ticket, &q.asker) && to_asker(&d.addr))
                 })
         };
         let answer = q.candidates.iter().position(ours).map_or(NONE_CONFIRMED, |i| i as u8);
@@ -211,6 +245,7 @@ impl Inner {
         let addr = d.addr.parse().map_err(|_| VerbsError::Endpoint(format!("{} is not host:port", d.addr)))?;
         let deadline = Instant::now() + self.cfg.timeout.min(self.cfg.side_channel.deadline);
         let mut s = TcpStream::connect_timeout(&addr, deadline.saturating_duration_since(Instant::now()))?;
+        self.auth_dial(&s, d, deadline, self.cfg.side_channel.idle)?;
         let q = Confirm { ticket: d.ticket, asker: self.ticket, candidates: candidates.to_vec() };
         channel::write_all(&mut s, &q.encode()?, deadline)?;
         let mut answer = [0u8; 1];
@@ -281,14 +316,17 @@ impl Inner {
     /// fresh nonce, their hello under the name we dialed; the peer is
     /// recorded as `d`'s (we chose the address).
     pub(super) fn dial_handshake(&self, s: &mut TcpStream, d: &Descriptor) -> Result<PeerId, AdapterError> {
+        let deadline = Instant::now() + self.cfg.timeout;
+        // Core's handshake first: nothing of ours (no QP) for a side that
+        // does not prove the key and the descriptor's name.
+        self.auth_dial(s, d, deadline, self.cfg.timeout)?;
         let endpoint = self.engine.create_qp(self.cfg.mtu)?;
         let qp = QpId(endpoint.qpn);
         let nonce = fresh_ticket();
         // Known before the hello leaves: the dialed side may ask about it
         // before it answers.
-        lock(&self.state).dialing.insert(nonce, d.ticket);
+        lock(&self.state).dialing.insert(nonce, (d.ticket, d.addr.clone()));
         let r = (|| {
-            let deadline = Instant::now() + self.cfg.timeout;
             let ours = Hello { name: self.cfg.name.clone(), endpoint, ticket: d.ticket };
             let mut b = ours.encode().map_err(|e| (e.into(), false))?;
             b.extend_from_slice(&nonce);
@@ -305,8 +343,29 @@ impl Inner {
         r.map_err(|(e, recorded)| self.unrecorded(qp, e, recorded))
     }
 
+    /// Core's handshake as the dialer, on `s` (dialed to `d`'s address),
+    /// within `deadline`: this side's name and descriptor address, the
+    /// address dialed, and `d`'s name, which the other end must prove.
+    fn auth_dial(
+        &self,
+        s: &TcpStream,
+        d: &Descriptor,
+        deadline: Instant,
+        idle: Duration,
+    ) -> Result<Established, AuthError> {
+        let cfg = DialerConfig {
+            key: self.auth.key.clone(),
+            context: AUTH_CONTEXT.into(),
+            me: self.auth.me.clone(),
+            dialed: d.addr.clone(),
+            expect_name: Some(d.name.clone()),
+        };
+        kv_transfer_core::auth::dial(&mut Deadline::new(s, deadline, idle), cfg, &self.auth_counters)
+    }
+
     /// The acceptor's half, once the dialer's hello is read: refused
-    /// without this side's ticket; otherwise a connection, confirmed (its
+    /// without this side's ticket, or under another name than the one its
+    /// handshake proved (`proved`); otherwise a connection, confirmed (its
     /// descriptor's owner says it dialed it, or the positive control takes
     /// the declared name) or a capped claim. Recorded before we answer, so
     /// that when the dialer's `add_peer` returns, ours finds it.
@@ -314,6 +373,7 @@ impl Inner {
         &self,
         s: &mut TcpStream,
         theirs: Hello,
+        proved: &str,
         nonce: Nonce,
         from: IpAddr,
         deadline: Instant,
@@ -322,6 +382,13 @@ impl Inner {
             return Err(
                 VerbsError::Endpoint(format!("a hello from {:?} without this side's ticket", theirs.name)).into()
             );
+        }
+        if theirs.name != proved {
+            return Err(VerbsError::Endpoint(format!(
+                "a hello under {:?} on a handshake that proved {proved:?}",
+                theirs.name
+            ))
+            .into());
         }
         let confirmed = match self.cfg.identity {
             PeerIdentity::DeclaredName => true,

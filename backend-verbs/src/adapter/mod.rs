@@ -31,6 +31,11 @@
 //!   descriptor's owner, asked at the descriptor's address, confirms it
 //!   (see the `handshake` module and [`PeerIdentity`]). The side channel's
 //!   acceptor runs handshakes concurrently within [`SideChannelLimits`].
+//!   Every side-channel connection starts with core's mutual handshake
+//!   under the cluster key ([`VerbsConfig::cluster_key`]), bound to the
+//!   address dialed: a relay that makes a peer dial it is refused
+//!   (`auth_address_mismatch`), and a confirmation is bound to the asker's
+//!   own address.
 //!
 //! The `naive` positive control
 //! registers the pool's memory with remote access and hands out its own key
@@ -62,9 +67,10 @@ use kv_transfer_core::{
 use channel::descriptor_name;
 pub use channel::{
     fresh_ticket, parse_descriptor, read_opening, Confirm, Deadline, Descriptor, Hello, Nonce, Opening, Ticket,
-    MAX_CANDIDATES, MAX_NAME, NONE_CONFIRMED, TICKET_LEN,
+    AUTH_CONTEXT, MAX_CANDIDATES, MAX_NAME, NONE_CONFIRMED, TICKET_LEN,
 };
 pub use handshake::{PeerIdentity, SideChannelLimits};
+use kv_transfer_core::auth::{AcceptorConfig, AuthCounters, AuthError, AuthStats, ClusterKey, Identity, KeyError};
 
 use crate::engine::Engine;
 use crate::error::VerbsError;
@@ -133,6 +139,18 @@ pub struct VerbsConfig {
     pub identity: PeerIdentity,
     /// Caps and deadlines of the side channel's acceptor.
     pub side_channel: SideChannelLimits,
+    /// The deployment's cluster key, which every side-channel connection's
+    /// handshake proves both ends hold. `None`: [`ClusterKey::from_env`]
+    /// when the adapter is built (its error is the adapter's; no variable
+    /// set: the public single-host key, with a warning).
+    pub cluster_key: Option<ClusterKey>,
+    /// The positive control only (issue 46): addresses, a relay's, that
+    /// this side takes as its own, i.e. the address binding off for them:
+    /// its acceptor takes a handshake that dialed one of them, and it
+    /// confirms a nonce it sent on a connection dialed to one of them to
+    /// any asker holding the ticket (the behaviour before issue 46). Keep
+    /// it empty.
+    pub positive_control_addresses: Vec<String>,
 }
 
 impl VerbsConfig {
@@ -154,6 +172,8 @@ impl VerbsConfig {
             busy_poll: true,
             identity: PeerIdentity::Confirmed,
             side_channel: SideChannelLimits::default(),
+            cluster_key: None,
+            positive_control_addresses: Vec::new(),
         }
     }
 }
@@ -171,6 +191,13 @@ pub enum AdapterError {
     /// The pool could not be built.
     #[error(transparent)]
     Pool(#[from] kv_transfer_core::PoolError),
+    /// No cluster key: the deployment's variables are set but wrong.
+    #[error("cluster key: {0}")]
+    Key(#[from] KeyError),
+    /// A side-channel connection's handshake was refused (another cluster
+    /// key, a relay, a replay, ...).
+    #[error("side-channel handshake: {0}")]
+    Auth(#[from] AuthError),
 }
 
 /// Core's [`Transfer`](kv_transfer_core::Transfer) and [`Target`] over verbs; see the [module docs](self).
@@ -204,11 +231,20 @@ impl VerbsTransfer {
         // Blocking: a connection is served at once (a hostile flood costs
         // the acceptor its handshakes, not a poll interval each); the drop
         // wakes it by shutting a clone of the socket down.
+        let key = match &cfg.cluster_key {
+            Some(k) => k.clone(),
+            None => ClusterKey::from_env()?,
+        };
         let listener = TcpListener::bind(&cfg.listen)?;
         let acceptor = listener.try_clone()?;
         let ticket = fresh_ticket();
-        let descriptor =
-            Descriptor { name: cfg.name.clone(), addr: listener.local_addr()?.to_string(), ticket }.encode();
+        let addr = listener.local_addr()?.to_string();
+        // The acceptor answers to the address its descriptor publishes (and,
+        // as the positive control only, to those the config adds); one
+        // replay cache for every handshake of this listener.
+        let mut auth = AcceptorConfig::new(key, AUTH_CONTEXT, Identity::new(cfg.name.clone(), addr.clone()));
+        auth.addresses.extend(cfg.positive_control_addresses.iter().cloned());
+        let descriptor = Descriptor { name: cfg.name.clone(), addr, ticket }.encode();
         let drain = Driver::new(CAPABILITIES, cfg.release_policy);
         let drain_counters = drain.counters();
         let gate = kv_transfer_core::PeerGate::new(cfg.side_channel.handshakes, cfg.side_channel.per_address);
@@ -225,6 +261,8 @@ impl VerbsTransfer {
             next_wr: AtomicU64::new(1),
             counters: Counters::default(),
             gate,
+            auth,
+            auth_counters: AuthCounters::default(),
         });
         let mut threads = Vec::new();
         let i = Arc::clone(&inner);
@@ -264,11 +302,18 @@ impl VerbsTransfer {
         self.inner.add_peer(parse_descriptor(descriptor.as_bytes())?)
     }
 
+    /// The side channel's handshakes (both ways), by outcome (also in
+    /// [`counters`](Self::counters), as `auth_*`).
+    pub fn auth_stats(&self) -> AuthStats {
+        self.inner.auth_counters.snapshot()
+    }
+
     /// Counters, by name.
     pub fn counters(&self) -> Vec<(&'static str, u64)> {
         let c = &self.inner.counters;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let d = self.inner.drain_counters.snapshot();
+        let a = self.inner.auth_counters.snapshot();
         vec![
             ("posts", g(&c.posts)),
             ("ops_ok", g(&c.ops_ok)),
@@ -298,6 +343,18 @@ impl VerbsTransfer {
             ("confirms_answered", g(&c.confirms_answered)),
             // Fenced peer records dropped with their rings (nothing names them).
             ("records_dropped", g(&c.records_dropped)),
+            // Side-channel handshakes under the cluster key, both ways:
+            // established, and refused by cause (a relay is an address
+            // mismatch; `auth_refused_by_peer`: the other end refused ours).
+            ("auth_established", a.established),
+            ("auth_wrong_key", a.wrong_key),
+            ("auth_replayed", a.replayed),
+            ("auth_address_mismatch", a.address_mismatch),
+            ("auth_context_mismatch", a.context_mismatch),
+            ("auth_name_mismatch", a.name_mismatch),
+            ("auth_refused_by_peer", a.refused_by_peer),
+            ("auth_malformed", a.malformed),
+            ("auth_io", a.io),
             // A gauge: peer records (live, fencing, or fenced and still
             // named), each with its QP.
             ("peers", lock(&self.inner.state).peers.len() as u64),

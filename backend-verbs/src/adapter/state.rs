@@ -200,8 +200,9 @@ pub(super) struct State {
     /// when an ABORT may be answered.
     pub(super) aborts: kv_transfer_core::drain::AbortTracker<PeerId>,
     /// Nonces of handshakes this side is dialing, with the dialed ticket
-    /// (a confirmation request may come before the peer is recorded).
-    pub(super) dialing: HashMap<Nonce, Ticket>,
+    /// and address (a confirmation request may come before the peer is
+    /// recorded).
+    pub(super) dialing: HashMap<Nonce, (Ticket, String)>,
     /// The descriptors `add_peer` was given, by name: who a name is.
     pub(super) known: HashMap<String, Descriptor>,
 }
@@ -269,6 +270,11 @@ pub(super) struct Inner {
     pub(super) counters: Counters,
     /// Side-channel handshakes in flight (the acceptor's caps).
     pub(super) gate: kv_transfer_core::PeerGate<std::net::IpAddr>,
+    /// The side channel's acceptor: the cluster key, this side's identity,
+    /// the addresses it answers to, and the listener's one replay cache.
+    pub(super) auth: kv_transfer_core::auth::AcceptorConfig,
+    /// Side-channel handshakes, both ways.
+    pub(super) auth_counters: kv_transfer_core::auth::AuthCounters,
 }
 
 impl Inner {

@@ -280,9 +280,12 @@ pub struct Established {
 /// Bounded: the oldest nonce is forgotten past `capacity`.
 #[derive(Debug)]
 pub struct ReplayCache {
-    inner: parking_lot::Mutex<(VecDeque<[u8; NONCE_LEN]>, crate::hash::HashSet<[u8; NONCE_LEN]>)>,
+    inner: parking_lot::Mutex<Seen>,
     capacity: usize,
 }
+
+/// Nonces in the order seen, and as a set.
+type Seen = (VecDeque<[u8; NONCE_LEN]>, crate::hash::HashSet<[u8; NONCE_LEN]>);
 
 impl ReplayCache {
     /// A cache of the last `capacity` nonces.
@@ -434,7 +437,7 @@ impl Acceptor {
         if name_d.is_empty() {
             return Err(AuthError::Malformed("an empty name"));
         }
-        if !cfg.addresses.iter().any(|a| *a == dialed) {
+        if !cfg.addresses.contains(&dialed) {
             return Err(AuthError::AddressMismatch { dialed });
         }
         if !cfg.replay.fresh(&nonce_d) {
