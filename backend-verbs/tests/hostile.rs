@@ -70,6 +70,43 @@ fn key() -> ClusterKey {
     ClusterKey::from_secret(b"backend-verbs hostile tests: the cluster's secret").expect("key")
 }
 
+/// `from` WRITEs a slot of HONEST bytes to `remote` with a DONE, then waits
+/// (bounded by WAIT) for `exposed` to settle: whether the WRITE succeeded,
+/// and the settled lease (none: aborted after the bound, or the WRITE failed).
+fn honest_write_then_settle(
+    from: &Side,
+    remote: &RemoteSlots,
+    exposed: kv_transfer_core::SlotLease<kv_transfer_core::Exposed>,
+) -> (bool, Option<kv_transfer_core::SlotLease<kv_transfer_core::Settled>>) {
+    let mut src = from.pool.reserve(1).expect("reserve");
+    src.write_at(0, 0, &[HONEST; SLOT]).expect("fill");
+    let wrote = match block_on(from.t.write(src, remote, TransferOptions::notify(true))) {
+        Ok(mut h) => match poll_until(std::pin::Pin::new(&mut h), WAIT) {
+            Some(Ok(out)) => {
+                let ok = out.result.is_ok();
+                out.lease.release();
+                ok
+            }
+            _ => false,
+        },
+        Err(_) => false,
+    };
+    let deadline = Instant::now() + WAIT;
+    let mut exposed = exposed;
+    let settled = loop {
+        exposed = match exposed.try_settled() {
+            Ok(s) => break Some(s),
+            Err(l) => l,
+        };
+        if !wrote || Instant::now() >= deadline {
+            exposed.abort();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    (wrote, settled)
+}
+
 fn quiet() -> EscalationLadder {
     EscalationLadder { drain: WAIT * 6, revoke: WAIT * 6, fence: WAIT * 6 }
 }
@@ -177,32 +214,7 @@ fn squat(identity: PeerIdentity) -> Squat {
     let landed = buf.iter().filter(|b| **b == SQUAT).count();
 
     // The honest prefill WRITEs and notifies.
-    let mut src = prefill.pool.reserve(1).expect("reserve");
-    src.write_at(0, 0, &[HONEST; SLOT]).expect("fill");
-    let wrote = match block_on(prefill.t.write(src, &remote, TransferOptions::notify(true))) {
-        Ok(mut h) => match poll_until(std::pin::Pin::new(&mut h), WAIT) {
-            Some(Ok(out)) => {
-                let ok = out.result.is_ok();
-                out.lease.release();
-                ok
-            }
-            _ => false,
-        },
-        Err(_) => false,
-    };
-    let deadline = Instant::now() + WAIT;
-    let mut exposed = exposed;
-    let settled = loop {
-        exposed = match exposed.try_settled() {
-            Ok(s) => break Some(s),
-            Err(l) => l,
-        };
-        if !wrote || Instant::now() >= deadline {
-            exposed.abort();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    };
+    let (wrote, settled) = honest_write_then_settle(&prefill, &remote, exposed);
     let honest_ms = t0.elapsed().as_millis();
     let (honest_served, foreign) = match settled {
         Some(s) => {
@@ -552,32 +564,7 @@ fn relayed(accept_off: bool, confirm_off: bool) -> Relayed {
 
     // B WRITEs and notifies (it now has the decode's real descriptor).
     b.t.add_peer(decode.t.descriptor()).expect("B adds the decode");
-    let mut src = b.pool.reserve(1).expect("reserve");
-    src.write_at(0, 0, &[HONEST; SLOT]).expect("fill");
-    let wrote = match block_on(b.t.write(src, &remote, TransferOptions::notify(true))) {
-        Ok(mut h) => match poll_until(std::pin::Pin::new(&mut h), WAIT) {
-            Some(Ok(out)) => {
-                let ok = out.result.is_ok();
-                out.lease.release();
-                ok
-            }
-            _ => false,
-        },
-        Err(_) => false,
-    };
-    let deadline = Instant::now() + WAIT;
-    let mut exposed = exposed;
-    let settled = loop {
-        exposed = match exposed.try_settled() {
-            Ok(s) => break Some(s),
-            Err(l) => l,
-        };
-        if !wrote || Instant::now() >= deadline {
-            exposed.abort();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    };
+    let (wrote, settled) = honest_write_then_settle(&b, &remote, exposed);
     let (honest_served, foreign) = match settled {
         Some(s) => {
             let bytes = s.bytes().expect("the settled slot");

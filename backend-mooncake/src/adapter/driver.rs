@@ -84,15 +84,17 @@ fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
 /// Initiator side: an ABORT from `from` (a segment name we answer to; an
 /// ABORT_ACK only ever names tenancies of our own operations' ends).
 ///
-/// Only a peer this side chose (a segment it opened: `add_peer`, or a post
+/// With [`AdapterConfig::aborts_only_from_known_peers`](super::AdapterConfig),
+/// only a peer this side chose (a segment it opened: `add_peer`, or a post
 /// to its descriptor) buys abort state here; an ABORT under any other name
 /// is dropped and counted (`aborts_from_strangers`), so made-up names buy
-/// nothing. Dropping it is safe: the target keeps its slots quarantined and
-/// asks again, and by then a post of ours to it has made it a peer.
+/// nothing. Dropping it is safe (the target keeps its slots quarantined and
+/// asks again), but it answers only once this side knows the peer. Without
+/// it, core's tracker caps the peers that unsolicited ABORTs create state for.
 fn on_abort(inner: &Arc<Inner>, from: &str, msg: ControlMessage) {
     bump(&inner.counters.aborts_received, 1);
     let known = inner.peer_name(from);
-    let known = if inner.cfg.aborts_from_strangers { known.or_else(|| Some(Arc::from(from))) } else { known };
+    let known = if inner.cfg.aborts_only_from_known_peers { known } else { known.or_else(|| Some(Arc::from(from))) };
     let Some(name) = known else {
         bump(&inner.counters.aborts_from_strangers, 1);
         tracing::debug!(from, "ABORT from a name this side never dialed; dropped");

@@ -185,10 +185,15 @@ pub struct AdapterConfig {
     /// to whatever name an ABORT declared), so one black-holed destination
     /// stalls every settlement behind it.
     pub send_on_control_thread: bool,
-    /// The old behaviour, for the hostile tests' positive control only: an
-    /// ABORT under any notify name buys abort state and an answer, not only
-    /// one from a peer this side chose (issue 46, attack 1).
-    pub aborts_from_strangers: bool,
+    /// An ABORT buys abort state only under the notify name of a segment
+    /// this side opened (`add_peer`, or a post to its descriptor); any other
+    /// name's is dropped and counted (`aborts_from_strangers`), so made-up
+    /// names buy nothing (issue 46, attack 1). Off by default: a decode that
+    /// aborts before this prefill ever posted to it (or added it) would get
+    /// no answer, and Mooncake can neither revoke nor fence, so its slot
+    /// would stay quarantined. Turn it on where prefills `add_peer` every
+    /// decode before its descriptors arrive.
+    pub aborts_only_from_known_peers: bool,
 }
 
 impl Default for AdapterConfig {
@@ -207,7 +212,7 @@ impl Default for AdapterConfig {
             max_queued_bytes_per_peer: 4 << 20,
             max_stranger_peers: 64,
             send_on_control_thread: false,
-            aborts_from_strangers: false,
+            aborts_only_from_known_peers: false,
         }
     }
 }
