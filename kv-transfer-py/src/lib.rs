@@ -32,6 +32,7 @@
 // PyO3's macros expand to `unsafe` and to conversions clippy dislikes.
 #![allow(clippy::useless_conversion)]
 
+pub mod auth;
 pub mod bench;
 pub mod endpoint;
 pub mod errors;
@@ -51,6 +52,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // under logger names that start with the crate's (`backend_tcp_sim`, ...).
     logging::install(log::LevelFilter::Warn);
     errors::register(m)?;
+    auth::register(m)?;
     m.add_class::<endpoint::Endpoint>()?;
     m.add_class::<pool::PagePool>()?;
     m.add_class::<lease::PageLease>()?;

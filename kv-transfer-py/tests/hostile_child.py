@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import http.client
+import itertools
 import json
 import os
 import socket
@@ -25,6 +26,8 @@ import time
 import kv_transfer
 from kv_transfer.sglang import wire
 from kv_transfer.sglang.bootstrap import BootstrapServer, RegistryLimits
+from kv_transfer import peers
+from kv_transfer.peers import ControlPlane, PlaneLimits
 from kv_transfer.sglang.control import PrefillControlPlane, RoomLimits
 from kv_transfer.ports import ServerLimits
 
@@ -56,10 +59,63 @@ def dial(port: int, source: str, timeout: float = 5.0) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout, source_address=(source, 0))
 
 
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return bytes(buf)
+
+
+class RawPeer:
+    """A peer that speaks the control plane's wire by hand (as an attacker
+    would): the handshake under the cluster key (the deployment's: in these
+    tests single-host mode, so anyone can), then sealed frames."""
+
+    def __init__(self, port: int, source: str, name: str, key=None, dialed: str = "", timeout: float = 5.0):
+        self.s = dial(port, source, timeout)
+        key = key if key is not None else kv_transfer.ClusterKey.from_env()
+        hs, hello = kv_transfer.PeerHandshake.dial(key, peers.CONTEXT, name, "", dialed or f"127.0.0.1:{port}")
+        self.s.sendall(hello)
+        header = _recv_exact(self.s, kv_transfer.handshake_header_len())
+        challenge = header + _recv_exact(self.s, kv_transfer.handshake_body_len(header))
+        self.session, finish = hs.on_challenge(challenge)
+        self.s.sendall(finish)
+        self.ids = itertools.count(1)
+
+    def frame(self, body: bytes) -> bytes:
+        hdr = peers._HDR.pack(len(body), next(self.ids), peers.REQUEST)
+        return hdr + body + self.session.seal(hdr + body)
+
+    def request(self, body: bytes) -> tuple:
+        """One request and its answer: (kind, body), the answer's tag checked."""
+        self.s.sendall(self.frame(body))
+        hdr = _recv_exact(self.s, peers._HDR.size)
+        n, _, kind = peers._HDR.unpack(hdr)
+        rest = _recv_exact(self.s, n + peers.TAG_LEN)
+        self.session.open(hdr + rest[:n], rest[n:])
+        return kind, rest[:n]
+
+    def ask(self, body: bytes) -> dict:
+        """One request and its answer: the JSON reply, or ``{"error": text}``."""
+        kind, reply = self.request(body)
+        if kind == peers.ERROR:
+            return {"error": reply.decode(errors="replace")}
+        return json.loads(reply)
+
+    def close(self) -> None:
+        self.s.close()
+
+
 def ask(port: int, payload: bytes, source: str) -> dict:
-    with dial(port, source) as s:
-        wire.send_frame(s, payload)
-        return json.loads(wire.recv_frame(s, 1 << 16))
+    """One request on a connection of its own, under a name per address."""
+    p = RawPeer(port, source, f"peer-{source}")
+    try:
+        return p.ask(payload)
+    finally:
+        p.close()
 
 
 class Pair:
@@ -100,12 +156,14 @@ def scenario_rooms(mode: str, n: int) -> dict:
     refused = accepted = 0
     t_end = time.monotonic() + 120
     if mode != "none":
+        attacker = RawPeer(port, ATTACKER, "attacker")
         for i in range(n):
             if time.monotonic() > t_end:
                 break
-            r = ask(port, pair.metadata(1_000_000 + i, remote), ATTACKER)
+            r = attacker.ask(pair.metadata(1_000_000 + i, remote))
             accepted += "ok" in r
             refused += "error" in r
+        attacker.close()
     rss1 = status_kib("VmRSS")
     # The honest peer: a room a sender exists for, from its own address.
     honest_room = 77
@@ -169,6 +227,8 @@ def scenario_frame(mode: str, n: int) -> dict:
 
 
 def _handled(stats: dict, prefix: str) -> int:
+    if prefix == "ctrl":  # the control plane counts every connection it took from the listener
+        return stats.get("ctrl_connections", 0)
     return sum(stats[f"{prefix}_{k}"] for k in ("accepted", "refused_busy", "refused_per_address"))
 
 
@@ -242,10 +302,18 @@ def _limits(mode: str) -> ServerLimits:
                         message_deadline_s=DEADLINE_S)
 
 
+def _plane_limits(mode: str) -> PlaneLimits:
+    if mode == "naive":  # the positive control: no caps on handshakes, no deadline to speak of
+        return PlaneLimits(max_handshakes=1 << 30, max_handshakes_per_address=1 << 30, handshake_deadline_s=3600.0)
+    return PlaneLimits(max_handshakes=CONN_CAP, max_handshakes_per_address=CONN_CAP_PER_ADDRESS,
+                       handshake_deadline_s=DEADLINE_S)
+
+
 def scenario_drip_ctrl(mode: str, n: int) -> dict:
     """Attack 12c: connections to the control port that drip a byte at a time."""
     pair = Pair(pages=8)
-    plane = PrefillControlPlane(pair.prefill, pair.ppool, server_limits=_limits(mode))
+    cp = ControlPlane("prefill", limits=_plane_limits(mode))
+    plane = PrefillControlPlane(pair.prefill, pair.ppool, plane=cp)
     port = plane.address[1]
     lease = pair.dpool.reserve([1])
     remote = pair.decode.expose(lease, pair.peer)
@@ -268,6 +336,7 @@ def scenario_drip_ctrl(mode: str, n: int) -> dict:
     out = {"base_threads": base_threads, "drip": drip, "honest": honest, "rss_growth_kib": status_kib("VmRSS") - rss0,
            "hwm_kib": status_kib("VmHWM"), "stats": plane.stats()}
     plane.close()
+    cp.close()
     lease.abort()
     return out
 
@@ -336,15 +405,16 @@ def scenario_ranks(mode: str, n: int) -> dict:
 
 def scenario_declared(mode: str, n: int) -> dict:
     """Frames that declare 4 MiB each, send 1 MiB of it and stall: ``n``
-    connections from the attacker against a per-address byte budget of
-    BYTE_CAP_PER_ADDRESS (more connections than that allowed at once)."""
+    authenticated connections under the attacker's one name, against a
+    per-peer byte budget of BYTE_CAP_PER_ADDRESS and two connections per
+    peer (the positive control: no caps)."""
     pair = Pair(pages=8)
     if mode == "naive":
-        limits = ServerLimits(idle_timeout_s=5.0, enforce=False)
+        limits = PlaneLimits(max_links_per_peer=1 << 30, max_inflight_bytes_per_peer=1 << 40, max_inflight_bytes=1 << 40)
     else:
-        limits = ServerLimits(max_connections=4 * n, max_per_address=2 * n, idle_timeout_s=5.0, message_deadline_s=5.0,
-                              max_inflight_bytes_per_address=BYTE_CAP_PER_ADDRESS)
-    plane = PrefillControlPlane(pair.prefill, pair.ppool, server_limits=limits)
+        limits = PlaneLimits(max_inflight_bytes_per_peer=BYTE_CAP_PER_ADDRESS)
+    cp = ControlPlane("prefill", limits=limits)
+    plane = PrefillControlPlane(pair.prefill, pair.ppool, plane=cp)
     port = plane.address[1]
     lease = pair.dpool.reserve([1])
     remote = pair.decode.expose(lease, pair.peer)
@@ -357,20 +427,23 @@ def scenario_declared(mode: str, n: int) -> dict:
         for _ in range(n):
             if time.monotonic() > t_end:
                 break
-            s = dial(port, ATTACKER)
-            s.sendall(struct.pack(">I", 4 << 20))
             try:
-                s.sendall(chunk)
+                p = RawPeer(port, ATTACKER, "attacker")
+            except (OSError, kv_transfer.KvTransferError):
+                refused += 1
+                continue
+            try:
+                p.s.sendall(peers._HDR.pack(4 << 20, 1, peers.REQUEST) + chunk)
             except OSError:
                 pass
-            socks.append(s)
+            socks.append(p.s)
         time.sleep(0.5)  # the server reads what arrived
-        for s in socks:  # a refused frame was answered with a typed error and closed
+        for s in socks:  # a refused connection was closed: EOF
             s.settimeout(0.05)
             try:
-                refused += b"ProtocolError" in s.recv(4096)
-            except OSError:
-                pass
+                refused += s.recv(4096) == b""
+            except OSError as e:
+                refused += not isinstance(e, socket.timeout)
     rss1 = status_kib("VmRSS")
     t0 = time.perf_counter()
     r = ask(port, pair.metadata(5, remote), HONEST)
@@ -381,6 +454,7 @@ def scenario_declared(mode: str, n: int) -> dict:
     out = {"connections": len(socks), "refused": refused, "rss_growth_kib": rss1 - rss0, "hwm_kib": status_kib("VmHWM"),
            "honest_ok": "ok" in r, "honest_ms": honest_ms, "stats": stats}
     plane.close()
+    cp.close()
     lease.abort()
     return out
 

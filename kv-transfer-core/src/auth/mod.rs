@@ -151,16 +151,28 @@ pub struct AuthStats {
 impl AuthCounters {
     /// Counts a handshake's end.
     pub fn count(&self, r: &Result<Established, AuthError>) {
-        let c = match r {
-            Ok(_) => &self.established,
-            Err(AuthError::WrongKey) => &self.wrong_key,
-            Err(AuthError::Replayed) => &self.replayed,
-            Err(AuthError::AddressMismatch { .. }) => &self.address_mismatch,
-            Err(AuthError::ContextMismatch { .. }) => &self.context_mismatch,
-            Err(AuthError::NameMismatch { .. }) => &self.name_mismatch,
-            Err(AuthError::Refused(_)) => &self.refused_by_peer,
-            Err(AuthError::Io(_)) => &self.io,
-            Err(AuthError::Malformed(_) | AuthError::Version(_) | AuthError::BadTag) => &self.malformed,
+        match r {
+            Ok(_) => self.count_established(),
+            Err(e) => self.count_refusal(e),
+        }
+    }
+
+    /// Counts a handshake that ended in a session.
+    pub fn count_established(&self) {
+        self.established.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a refused handshake, by kind.
+    pub fn count_refusal(&self, e: &AuthError) {
+        let c = match e {
+            AuthError::WrongKey => &self.wrong_key,
+            AuthError::Replayed => &self.replayed,
+            AuthError::AddressMismatch { .. } => &self.address_mismatch,
+            AuthError::ContextMismatch { .. } => &self.context_mismatch,
+            AuthError::NameMismatch { .. } => &self.name_mismatch,
+            AuthError::Refused(_) => &self.refused_by_peer,
+            AuthError::Io(_) => &self.io,
+            AuthError::Malformed(_) | AuthError::Version(_) | AuthError::BadTag => &self.malformed,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }

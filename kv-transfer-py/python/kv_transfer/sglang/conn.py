@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import urllib.error
@@ -40,6 +39,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 import kv_transfer
 
 from . import bootstrap, wire
+from ..peers import ControlPlane, PlaneLimits
 from .control import PrefillControlPlane, Target
 
 logger = logging.getLogger("kv_transfer.sglang")
@@ -50,7 +50,7 @@ BACKEND_ENV = "KV_TRANSFER_BACKEND"
 POLICY_ENV = "KV_TRANSFER_POLICY"
 #: Environment: tcp-sim endpoints with a fault gate (tests hold writes in flight).
 FAULT_GATE_ENV = "KV_TRANSFER_FAULT_GATE"
-#: How long a control connection may take.
+#: How long a control request (and the bootstrap's) may take.
 CTRL_TIMEOUT_S = 10.0
 
 
@@ -136,6 +136,9 @@ class KvTransferManager(BaseKVManager):
         if role == "decode":
             self._check_deferred_release()
         self.endpoint = kv_transfer.Endpoint(self.backend, name, **opts)
+        # One control plane per worker: the prefill serves on it, the decode
+        # keeps one authenticated connection per prefill on it.
+        self.plane = ControlPlane(name, limits=PlaneLimits(max_frame=wire.MAX_FRAME))
         self.kv_pool = self.endpoint.register(_buffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens))
         aux = _buffers(getattr(args, "aux_data_ptrs", None), getattr(args, "aux_data_lens", None), getattr(args, "aux_item_lens", None))
         self.aux_pool = self.endpoint.register(aux) if aux else None
@@ -160,7 +163,7 @@ class KvTransferManager(BaseKVManager):
         self.control: Optional[PrefillControlPlane] = None
         if role == "prefill":
             self.control = PrefillControlPlane(self.endpoint, self.kv_pool, self.aux_pool, self.state_pools,
-                                               host=_local_host(server_args))
+                                               host=_local_host(server_args), plane=self.plane)
             self.register_to_bootstrap()
         logger.info("kvtransfer %s manager: backend %s, %d KV buffers x %d pages", role, self.backend,
                     self.kv_pool.buffers, self.kv_pool.pages)
@@ -325,6 +328,7 @@ class KvTransferManager(BaseKVManager):
     def teardown(self) -> None:
         if self.control is not None:
             self.control.close()
+        self.plane.close()
 
 
 class _Failed(Exception):
@@ -494,6 +498,9 @@ class KvTransferReceiver(BaseKVReceiver):
         self.registration: Optional[wire.Registration] = None
         self.error: Optional[str] = None
         self.exposed_at: Optional[float] = None
+        # The prefill's answer to our metadata (checked in poll: the
+        # scheduler never waits on the network).
+        self.md_reply: Any = None
         from sglang.srt.environ import envs
 
         self.waiting_timeout = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
@@ -557,15 +564,23 @@ class KvTransferReceiver(BaseKVReceiver):
             prefix_len=int(decode_prefix_len or 0),
             state=tuple(state_remotes),
         )
+        # Pipelined on this worker's one connection to the prefill (the
+        # deployment named it: the bootstrap's registration).
+        self.md_reply = mgr.plane.request(self.registration.ctrl_host, self.registration.ctrl_port, md.to_json(),
+                                          CTRL_TIMEOUT_S)
+
+    def _metadata_refused(self) -> Optional[str]:
+        """Why the prefill refused our metadata (or could not be reached),
+        once it answered; None while it has not, or if it took it."""
+        f = self.md_reply
+        if f is None or not f.done():
+            return None
+        self.md_reply = None
         try:
-            with socket.create_connection((self.registration.ctrl_host, self.registration.ctrl_port), CTRL_TIMEOUT_S) as s:
-                wire.send_frame(s, md.to_json())
-                reply = json.loads(wire.recv_frame(s, 1 << 16))  # a short JSON answer
-        except (OSError, ValueError, wire.ProtocolError) as e:
-            reply = {"error": f"control connection: {e}"}
-        if not isinstance(reply, dict) or "error" in reply:
-            self._abort_leases()
-            return self._fail(f"the prefill refused the metadata: {reply.get('error') if isinstance(reply, dict) else reply}")
+            reply = json.loads(f.result())
+        except Exception as e:  # noqa: BLE001 (a refusal, a closed connection, a timeout: all typed below)
+            return f"{type(e).__name__}: {e}"
+        return None if isinstance(reply, dict) and reply.get("ok") is True else f"unexpected answer {reply!r:.200}"
 
     def _abort_leases(self) -> None:
         for lease in self.leases:
@@ -587,6 +602,11 @@ class KvTransferReceiver(BaseKVReceiver):
             return KVPoll.Bootstrapping
         if not self.leases:
             return KVPoll.WaitingForInput
+        refused = self._metadata_refused()
+        if refused is not None:
+            self._abort_leases()
+            self._fail(f"the prefill refused the metadata: {refused}")
+            return KVPoll.Failed
         if all(lease.try_settle() for lease in self.leases):
             # Proven: no NIC writes into these pages any more; SGLang owns them.
             for lease in self.leases:

@@ -1,20 +1,25 @@
-"""The prefill's control port: decode workers send one metadata frame per
-request (where its pages are exposed), the prefill answers ``{"ok": true}``
-or a typed error.
+"""The prefill's control port: decode workers send one metadata request
+per request (where its pages are exposed) over their one authenticated
+connection to this prefill (:mod:`kv_transfer.peers`: the handshake, the
+session, the per-peer budgets); the prefill answers ``{"ok": true}`` or a
+typed error.
 
-What a peer (a source address, as the kernel reports it) can make the
-prefill keep is bounded (DESIGN.md rule 9):
+What a peer (the name its handshake proved) can make the prefill keep is
+bounded (DESIGN.md rule 9):
 
-- a frame's size and JSON shape are checked before it is parsed
-  (:func:`wire.check_shape`), its declared size charged to the port's byte
-  budget before its body is read (:mod:`guard`);
+- a request's declared size is charged to the peer's and the port's byte
+  budgets before its body is read (:mod:`kv_transfer.peers`), and its JSON
+  shape is checked before it is parsed (:func:`wire.check_shape`);
 - a room is kept for a request this prefill serves: a room SGLang gave a
   sender for (:meth:`RoomTable.expect`) is filled at once; metadata for a
   room no sender asked for yet (the decode may be first) waits in that
   peer's pending share, capped in rooms and bytes, and expires after
   ``pending_ttl_s``; at a cap it is refused, typed and counted;
 - a room is filled once: a second metadata for it is refused (first writer
-  wins), so no later claimant redirects a request's KV.
+  wins), so no later claimant redirects a request's KV;
+- the decode's descriptor is added as a peer (``add_peer``: a connection,
+  threads) only once a sender claims the room: metadata for a room nobody
+  has buys no peer.
 
 Forgetting pending metadata is safe: it is not a tombstone. A request whose
 metadata expired is never written; the decode's own deadline aborts it and
@@ -25,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socketserver
 import threading
 import time
 from collections import OrderedDict
@@ -35,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import kv_transfer
 
 from . import wire
-from ..ports import GuardedServerMixin, ServerLimits, current_ticket
+from ..peers import ControlPlane, PlaneLimits
 
 logger = logging.getLogger("kv_transfer.sglang")
 
@@ -213,6 +217,13 @@ class RoomTable:
             self._entries[room] = e
             return e
 
+    def replace(self, room: int, old: Any, value: Any) -> None:
+        """The room's value ``old`` becomes ``value`` (if it is still ``old``)."""
+        with self._lock:
+            e = self._entries.get(room)
+            if e is not None and e.value is old:
+                e.value = value
+
     def commit(self, room: int, e: _Entry, value: Any) -> None:
         """Validation passed: the room holds ``value``."""
         with self._lock:
@@ -242,6 +253,17 @@ class RoomTable:
 Target = Tuple[int, Any, Any, int, List[Any]]
 
 
+class _Unresolved:
+    """Checked metadata of a room no sender claimed yet: its descriptor is
+    not added as a peer until one does."""
+
+    __slots__ = ("descriptor", "rest")
+
+    def __init__(self, descriptor: bytes, rest: Tuple[Any, Any, int, List[Any]]):
+        self.descriptor = descriptor
+        self.rest = rest
+
+
 class PrefillControlPlane:
     """The prefill's control port and room table over an endpoint and its
     pools (the SGLang manager owns one; tests drive it without SGLang)."""
@@ -253,7 +275,7 @@ class PrefillControlPlane:
         aux_pool: Any = None,
         state_pools: Optional[List[Any]] = None,
         host: str = "127.0.0.1",
-        server_limits: Optional[ServerLimits] = None,
+        plane: Optional[ControlPlane] = None,
         room_limits: RoomLimits = RoomLimits(),
         max_frame: int = wire.MAX_FRAME,
     ):
@@ -264,53 +286,21 @@ class PrefillControlPlane:
         self.max_frame = max_frame
         self.rooms = RoomTable(room_limits)
         self._lock = threading.Lock()
-        self.counters: Dict[str, int] = {"bad_control_messages": 0}
-        plane = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                plane._serve(self.request, str(self.client_address[0]))
-
-        class Server(GuardedServerMixin, socketserver.TCPServer):
-            allow_reuse_address = True
-            request_queue_size = 1024  # refusals are ours (counted), not the kernel's backlog
-
-        self._server = Server((host, 0), Handler, bind_and_activate=False)
-        self._server._init_guard("ctrl", server_limits or ServerLimits.from_env())
-        self._server.server_bind()
-        self._server.server_activate()
-        self.address: Tuple[str, int] = self._server.server_address[:2]  # type: ignore[assignment]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="kvt-ctrl", daemon=True)
-        self._thread.start()
+        self.counters: Dict[str, int] = {"bad_control_messages": 0, "peers_added_on_claim": 0}
+        self._own_plane = plane is None
+        self.plane = plane if plane is not None else ControlPlane(
+            f"prefill-{endpoint.name}", limits=PlaneLimits(max_frame=max_frame))
+        self.address: Tuple[str, int] = self.plane.serve(host, 0, self._on_request)
 
     # --- the port ----------------------------------------------------------
-    def _serve(self, conn: Any, peer: str) -> None:
-        t = current_ticket()
-        guard = self._server.guard
-
-        def reserve(n: int) -> Optional[str]:
-            return None if t is None else guard.reserve_bytes(t, n, self.max_frame)
-
-        try:
-            data = wire.recv_frame(conn, self.max_frame, reserve)
-        except wire.ProtocolError as e:
-            self._count_bad(e)
-            return self._reply(conn, {"error": f"{type(e).__name__}: {e}"})
+    def _on_request(self, peer: str, data: bytes) -> bytes:
+        """One decode request's metadata from ``peer`` (the name its
+        handshake proved), on the control plane's handler pool."""
         try:
             self.handle_metadata(data, peer)
-            reply: Dict[str, Any] = {"ok": True}
-        except (wire.ProtocolError, kv_transfer.KvTransferError) as e:
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        del data
-        self._reply(conn, reply)
-
-    @staticmethod
-    def _reply(conn: Any, reply: Dict[str, Any]) -> None:
-        try:
-            wire.send_frame(conn, json.dumps(reply).encode())
-        except OSError:
-            pass
+        finally:
+            del data
+        return b'{"ok": true}'
 
     def _count_bad(self, e: Exception) -> None:
         with self._lock:
@@ -319,9 +309,9 @@ class PrefillControlPlane:
 
     # --- metadata ------------------------------------------------------------
     def handle_metadata(self, data: bytes, peer: str = "local") -> None:
-        """One decode request's exposure from ``peer`` (its source address).
-        A malformed, mismatched or refused message raises a typed error, is
-        counted, and changes nothing."""
+        """One decode request's exposure from ``peer`` (the name its
+        handshake proved). A malformed, mismatched or refused message raises
+        a typed error, is counted, and changes nothing."""
         held: List[Any] = []  # (room, entry) once admitted
 
         def admit(room: int) -> None:
@@ -330,14 +320,18 @@ class PrefillControlPlane:
 
         try:
             md = wire.parse_metadata(data, admit)
-            self.rooms.commit(md.room, held[0][1], self._validate(md))
+            entry = held[0][1]
+            checked = self._check(md)
+            # A sender claims the room already: its peer now; else when one does.
+            value = checked if entry.pending else self._resolve(checked)
+            self.rooms.commit(md.room, entry, value)
         except (wire.ProtocolError, kv_transfer.KvTransferError) as e:
             if held:
                 self.rooms.cancel(*held[0])
             self._count_bad(e)
             raise
 
-    def _validate(self, md: wire.Metadata) -> Target:
+    def _check(self, md: wire.Metadata) -> _Unresolved:
         # Empty: the decode exposed no KV page (its prefix cache holds them all).
         kv = kv_transfer.RemotePages.from_bytes(md.kv) if md.kv else None
         if kv is not None and kv.buffers != self.kv_pool.buffers:
@@ -355,8 +349,15 @@ class PrefillControlPlane:
             if pool is None or remote.buffers != pool.buffers:
                 raise wire.ProtocolError(f"the decode's state exposure {t} does not match this prefill's state buffers")
             state.append(remote)
-        peer = self.endpoint.add_peer(md.descriptor)
-        return (peer, kv, aux, md.prefix_len, state)
+        return _Unresolved(md.descriptor, (kv, aux, md.prefix_len, state))
+
+    def _resolve(self, checked: _Unresolved) -> Target:
+        """Adds the decode as a peer (once a sender claims its room)."""
+        peer = self.endpoint.add_peer(checked.descriptor)
+        with self._lock:
+            self.counters["peers_added_on_claim"] += 1
+        kv, aux, prefix_len, state = checked.rest
+        return (peer, kv, aux, prefix_len, state)
 
     # --- the senders' side ---------------------------------------------------
     def expect_room(self, room: int) -> None:
@@ -364,23 +365,35 @@ class PrefillControlPlane:
         self.rooms.expect(room)
 
     def target_of(self, room: int) -> Optional[Target]:
-        """The room's validated exposure, or None (not arrived yet)."""
-        return self.rooms.get(room)
+        """The room's validated exposure, or None (not arrived yet). Metadata
+        that arrived before its sender is resolved here, once (the decode's
+        descriptor added as a peer); if that fails the room fails."""
+        value = self.rooms.get(room)
+        if not isinstance(value, _Unresolved):
+            return value
+        try:
+            target = self._resolve(value)
+        except kv_transfer.KvTransferError as e:
+            self._count_bad(e)
+            self.rooms.forget(room, failed=True)
+            return None
+        self.rooms.replace(room, value, target)
+        return target
 
     def forget_room(self, room: int, failed: bool = False) -> None:
         """The room's sender concluded (``failed``: it failed or was aborted)."""
         self.rooms.forget(room, failed)
 
     def stats(self) -> Dict[str, int]:
-        """The port's and the room table's counters (refusals, cuts, load)."""
-        out = {f"ctrl_{k}": v for k, v in self._server.guard.stats().items()}
+        """The control plane's and the room table's counters (refusals,
+        cuts, handshakes, load)."""
+        out = {f"ctrl_{k}": v for k, v in self.plane.stats().items()}
         out.update({f"ctrl_{k}": v for k, v in self.rooms.stats().items()})
         with self._lock:
             out.update(self.counters)
         return out
 
     def close(self) -> None:
-        """Stops listening (connections in flight end on their deadline)."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._server.close_guard()
+        """Stops listening (a plane given to it is the giver's to close)."""
+        if self._own_plane:
+            self.plane.close()

@@ -1,0 +1,523 @@
+"""One control plane for the package: authenticated peers, one long-lived
+connection per peer pair, requests pipelined over it, all on one event loop.
+
+A peer is what a handshake proves (core's ``kv_transfer_core::auth``, driven
+here through :class:`kv_transfer.PeerHandshake`): both ends prove they hold
+the deployment's cluster key (``KV_TRANSFER_CLUSTER_KEY``; without it a loud
+single-host mode), and the handshake binds both names, fresh nonces and the
+``host:port`` the dialer dialed, so a relayed or replayed handshake is
+refused. Every frame after it carries a tag of that session (in order, once),
+so nothing outside the session can be spliced in.
+
+Frame (after the handshake)::
+
+    body_len:u32 | request_id:u64 | kind:u8 | body | tag (32 bytes: the session's seal of all before it)
+
+``kind`` is REQUEST, REPLY or ERROR. What a peer can make a listener hold is
+its own share, bounded (DESIGN.md rule 9): handshakes in flight (in all and
+per source address, each by a deadline), authenticated peers (in all, and
+connections per proven name), requests in flight and their bytes (per peer
+and in all, charged from the declared size before a body byte is read), a
+whole-frame deadline and an idle timeout. A refusal closes the connection
+and is counted (:meth:`ControlPlane.stats`). Handlers run on a fixed pool of
+threads, one request at a time per peer, so a peer's slow request waits only
+behind its own.
+
+Nothing here imports an engine: ``kv_transfer.sglang`` serves and dials
+through it, and its tests drive it alone.
+
+>>> from kv_transfer.peers import ControlPlane
+>>> import kv_transfer
+>>> key = kv_transfer.ClusterKey.from_secret(b"a deployment's shared secret")
+>>> prefill = ControlPlane("prefill", key)
+>>> host, port = prefill.serve("127.0.0.1", 0, lambda peer, body: peer.encode() + b" sent " + body)
+>>> decode = ControlPlane("decode", key)
+>>> decode.call(host, port, b"hello", timeout=5)
+b'decode sent hello'
+>>> decode.close(); prefill.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import struct
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import kv_transfer
+
+logger = logging.getLogger("kv_transfer.peers")
+
+#: The handshake's context: a handshake for another protocol is refused.
+CONTEXT = "kvt-py-control-v1"
+REQUEST, REPLY, ERROR = 1, 2, 3
+_HDR = struct.Struct(">IQB")
+TAG_LEN = 32
+
+
+class RemoteError(kv_transfer.KvTransferError):
+    """The peer answered a request with an error (its type and message)."""
+
+
+class PlaneClosed(kv_transfer.KvTransferError):
+    """The control plane, or the connection a request was on, is closed."""
+
+
+@dataclass(frozen=True)
+class PlaneLimits:
+    """What a listener grants its peers, and how long a dialer waits."""
+
+    #: Authenticated peers (distinct proven names) connected at once.
+    max_peers: int = 256
+    #: Connections held at once per proven name.
+    max_links_per_peer: int = 2
+    #: Handshakes in flight, all addresses together.
+    max_handshakes: int = 64
+    #: Handshakes in flight from one source address.
+    max_handshakes_per_address: int = 8
+    #: From accept to the handshake's last byte.
+    handshake_deadline_s: float = 5.0
+    #: Longest silence between two frames of an authenticated connection
+    #: (a dialer reconnects on its next request).
+    idle_timeout_s: float = 300.0
+    #: From a frame's header to its last byte.
+    frame_deadline_s: float = 15.0
+    #: Largest frame body.
+    max_frame: int = 64 << 20
+    #: Requests queued or running per peer.
+    max_inflight_per_peer: int = 64
+    #: Request bytes queued or running per peer.
+    max_inflight_bytes_per_peer: int = 256 << 20
+    #: Request bytes queued or running, all peers together.
+    max_inflight_bytes: int = 1 << 30
+    #: Threads that run handlers (one request at a time per peer).
+    handler_threads: int = 4
+    #: A dialer's default wait for a reply (connecting included).
+    request_timeout_s: float = 15.0
+
+
+class _PeerState:
+    """One proven name's share on a listener."""
+
+    def __init__(self, now: float) -> None:
+        self.writers: List[asyncio.StreamWriter] = []
+        self.inflight = 0
+        self.inflight_bytes = 0
+        self.last_active = now
+        self.lock = asyncio.Lock()
+
+
+class _Service:
+    """One listening port: its handler, its handshake listener, its peers."""
+
+    def __init__(self, handler: Callable[[str, bytes], bytes], listener: Any):
+        self.handler = handler
+        self.listener = listener
+        self.peers: Dict[str, _PeerState] = {}
+        self.handshaking: Counter = Counter()
+        self.handshakes_peak = 0
+        self.inflight_bytes = 0
+        self.server: Optional[asyncio.AbstractServer] = None
+
+
+class _Link:
+    """A dialed connection to one listener, shared by every request to it."""
+
+    def __init__(self, window: int) -> None:
+        # Requests in flight on the link: at most what a listener grants a
+        # peer (the same limits), so an honest dialer never trips the cap.
+        self.window = asyncio.Semaphore(max(1, window))
+        self.connecting: Optional[asyncio.Future] = None
+        self.writer: Optional[asyncio.StreamWriter] = None
+        self.session: Any = None
+        self.pending: Dict[int, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+
+
+class ControlPlane:
+    """One event loop (a daemon thread) for every control connection of a
+    process's kv_transfer user: listeners (:meth:`serve`) and one link per
+    dialed peer (:meth:`request`). ``name`` is what this side proves in its
+    handshakes; ``key`` the cluster key (default: the deployment's)."""
+
+    def __init__(self, name: str, key: Any = None, limits: PlaneLimits = PlaneLimits()):
+        self.name = name
+        self.key = key if key is not None else kv_transfer.ClusterKey.from_env()
+        self.limits = limits
+        self.endpoint = ""
+        self.counters: Counter = Counter()
+        self._services: Dict[Tuple[str, int], _Service] = {}
+        self._links: Dict[Tuple[str, int], _Link] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, limits.handler_threads), thread_name_prefix="kvt-plane")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"kvt-plane-{name}", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # --- the loop ------------------------------------------------------------
+    def _run(self, coro: Any, timeout: Optional[float] = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _count(self, what: str, n: int = 1) -> None:
+        self.counters[what] += n
+
+    # --- listening -----------------------------------------------------------
+    def serve(self, host: str, port: int, handler: Callable[[str, bytes], bytes],
+              advertise: Optional[str] = None, answers_to: Sequence[str] = ()) -> Tuple[str, int]:
+        """Listens on ``host:port`` (0: any free port); ``handler(peer_name,
+        body) -> reply`` runs for each request on the handler pool. Dialers
+        must dial ``advertise`` (default ``host``) at the bound port, as the
+        deployment publishes it, or one of ``answers_to`` (other
+        ``host:port`` spellings, e.g. a forwarded port); a handshake that
+        dialed anything else is a relayed one, refused. Returns the bound
+        ``(host, port)``."""
+
+        async def start() -> Tuple[str, int]:
+            service = _Service(handler, None)
+            server = await asyncio.start_server(lambda r, w: self._serve_conn(service, r, w), host, port,
+                                                limit=1 << 16, backlog=1024)
+            bound = server.sockets[0].getsockname()[:2]
+            addresses = [f"{advertise or host}:{bound[1]}", f"{bound[0]}:{bound[1]}", *answers_to]
+            self.endpoint = addresses[0]
+            service.listener = kv_transfer.PeerListener(self.key, CONTEXT, self.name, self.endpoint, addresses)
+            service.server = server
+            self._services[(bound[0], bound[1])] = service
+            return bound[0], bound[1]
+
+        return self._run(start(), 10)
+
+    async def _serve_conn(self, service: _Service, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._serve_conn_now(service, reader, writer)
+        except asyncio.CancelledError:  # the plane closes: the connection ends quietly
+            writer.close()
+
+    async def _serve_conn_now(self, service: _Service, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        lim = self.limits
+        self._count("connections")
+        peername = writer.get_extra_info("peername")
+        src = str(peername[0]) if peername else "?"
+        if sum(service.handshaking.values()) >= lim.max_handshakes:
+            self._count("refused_handshakes_busy")
+            writer.close()
+            return
+        if service.handshaking[src] >= lim.max_handshakes_per_address:
+            self._count("refused_handshakes_per_address")
+            writer.close()
+            return
+        service.handshaking[src] += 1
+        service.handshakes_peak = max(service.handshakes_peak, sum(service.handshaking.values()))
+        session = None
+        try:
+            session = await asyncio.wait_for(self._accept(service, reader, writer, src), lim.handshake_deadline_s)
+        except kv_transfer.PeerRefused as e:
+            kind = e.args[1] if len(e.args) > 1 else "malformed"
+            self._count(f"refused_{kind}")
+            logger.warning("kvtransfer: control handshake from %s refused: %s", src, e.args[0])
+            try:
+                writer.write(kv_transfer.handshake_refusal(kind))
+                await asyncio.wait_for(writer.drain(), 1)
+            except (OSError, asyncio.TimeoutError):
+                pass
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
+            service.listener.count_io_failure()
+            self._count("handshake_cut")
+        finally:
+            service.handshaking[src] -= 1
+            if service.handshaking[src] <= 0:
+                del service.handshaking[src]
+        if session is None:
+            writer.close()
+            return
+        peer = session.name
+        st = service.peers.get(peer)
+        if st is None and len(service.peers) >= lim.max_peers and not self._evict_idlest(service):
+            self._count("refused_peers_full")
+            writer.close()
+            return
+        if st is not None and len(st.writers) >= lim.max_links_per_peer:
+            self._count("refused_links_per_peer")
+            writer.close()
+            return
+        if st is None:
+            st = service.peers[peer] = _PeerState(self._loop.time())
+        st.writers.append(writer)
+        self._count("peers_connected")
+        try:
+            await self._serve_frames(service, peer, st, session, reader, writer)
+        finally:
+            st.writers.remove(writer)
+            if not st.writers and st.inflight == 0 and service.peers.get(peer) is st:
+                del service.peers[peer]
+            writer.close()
+
+    def _evict_idlest(self, service: _Service) -> bool:
+        """At the peer cap: the peer idle longest with nothing in flight is
+        dropped (its connections closed; it reconnects on its next
+        request), so peers that hold connections and send nothing cannot
+        keep a new peer out. False if every peer has requests in flight."""
+        idle = [(st.last_active, name) for name, st in service.peers.items() if st.inflight == 0]
+        if not idle:
+            return False
+        _, name = min(idle)
+        st = service.peers.pop(name)
+        for w in st.writers:
+            w.close()
+        self._count("peers_evicted")
+        return True
+
+    async def _accept(self, service: _Service, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      src: str) -> Any:
+        hello = await _read_handshake(reader)
+        hs, challenge = service.listener.accept(hello, src)
+        writer.write(challenge)
+        await writer.drain()
+        finish = await _read_handshake(reader)
+        return service.listener.finish(hs, finish)
+
+    async def _serve_frames(self, service: _Service, peer: str, st: _PeerState, session: Any,
+                            reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lim = self.limits
+        lock = asyncio.Lock()  # one writer at a time: tags are sealed in the order frames leave
+        while True:
+            try:
+                hdr = await asyncio.wait_for(reader.readexactly(_HDR.size), lim.idle_timeout_s)
+            except asyncio.TimeoutError:
+                self._count("idle_cuts")
+                return
+            except (asyncio.IncompleteReadError, OSError):
+                return
+            n, rid, kind = _HDR.unpack(hdr)
+            st.last_active = self._loop.time()
+            # Checked and charged before a byte of the body is read.
+            why = None
+            if kind != REQUEST:
+                why = "unexpected_kind"
+            elif n > lim.max_frame:
+                why = "oversize"
+            elif st.inflight >= lim.max_inflight_per_peer:
+                why = "peer_requests"
+            elif st.inflight_bytes + n > lim.max_inflight_bytes_per_peer:
+                why = "peer_bytes"
+            elif service.inflight_bytes + n > lim.max_inflight_bytes:
+                why = "total_bytes"
+            if why is not None:
+                self._count(f"refused_{why}")
+                logger.warning("kvtransfer: control frame of %d B from %s refused (%s): connection closed", n, peer, why)
+                return
+            st.inflight += 1
+            st.inflight_bytes += n
+            service.inflight_bytes += n
+            try:
+                rest = await asyncio.wait_for(reader.readexactly(n + TAG_LEN), lim.frame_deadline_s)
+                body = rest[:n]
+                session.open(hdr + body, rest[n:])
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError, kv_transfer.PeerRefused) as e:
+                self._uncharge(service, st, n)
+                self._count("frame_cuts" if not isinstance(e, kv_transfer.PeerRefused) else "bad_tags")
+                return
+            self._count("requests")
+            asyncio.ensure_future(self._handle(service, peer, st, session, writer, lock, rid, body))
+
+    def _uncharge(self, service: _Service, st: _PeerState, n: int) -> None:
+        st.inflight -= 1
+        st.inflight_bytes -= n
+        service.inflight_bytes -= n
+
+    async def _handle(self, service: _Service, peer: str, st: _PeerState, session: Any,
+                      writer: asyncio.StreamWriter, lock: asyncio.Lock, rid: int, body: bytes) -> None:
+        n = len(body)
+        try:
+            async with st.lock:  # one request of a peer at a time on the pool
+                try:
+                    reply = await self._loop.run_in_executor(self._pool, service.handler, peer, body)
+                    kind = REPLY
+                except Exception as e:  # noqa: BLE001 (a handler's error goes back to its peer, typed)
+                    if not isinstance(e, (kv_transfer.KvTransferError, ValueError)):
+                        logger.exception("kvtransfer: control handler failed")
+                    reply, kind = f"{type(e).__name__}: {e}".encode(), ERROR
+        finally:
+            del body
+            self._uncharge(service, st, n)
+        async with lock:
+            try:
+                _write_frame(writer, session, rid, kind, bytes(reply))
+                await writer.drain()
+            except OSError:
+                pass
+
+    # --- dialing -------------------------------------------------------------
+    def request(self, host: str, port: int, body: bytes,
+                timeout: Optional[float] = None) -> "concurrent.futures.Future[bytes]":
+        """Sends ``body`` to the listener at ``host:port`` on this plane's
+        link to it (opened, and the handshake run, on first use or after it
+        closed); the future resolves to the reply, or raises
+        :class:`RemoteError`, :class:`kv_transfer.PeerRefused`,
+        :class:`PlaneClosed` or ``TimeoutError`` (connecting included,
+        ``timeout`` or the limits' default)."""
+        if self._closed:
+            f: concurrent.futures.Future = concurrent.futures.Future()
+            f.set_exception(PlaneClosed("the control plane is closed"))
+            return f
+        t = self.limits.request_timeout_s if timeout is None else timeout
+        return asyncio.run_coroutine_threadsafe(self._request(host, int(port), bytes(body), t), self._loop)
+
+    def call(self, host: str, port: int, body: bytes, timeout: Optional[float] = None) -> bytes:
+        """:meth:`request`, waited for."""
+        t = self.limits.request_timeout_s if timeout is None else timeout
+        return self.request(host, port, body, t).result(t + 1)
+
+    async def _request(self, host: str, port: int, body: bytes, timeout: float) -> bytes:
+        return await asyncio.wait_for(self._request_now(host, port, body), timeout)
+
+    async def _request_now(self, host: str, port: int, body: bytes) -> bytes:
+        link = self._links.get((host, port))
+        if link is None:
+            link = self._links[(host, port)] = _Link(self.limits.max_inflight_per_peer)
+        async with link.window:
+            return await self._request_on(link, host, port, body)
+
+    async def _request_on(self, link: _Link, host: str, port: int, body: bytes) -> bytes:
+        if link.writer is None:
+            if link.connecting is None:
+                link.connecting = asyncio.ensure_future(self._connect(link, host, port))
+            connecting = link.connecting
+            try:
+                await asyncio.shield(connecting)
+            finally:
+                if link.connecting is connecting and connecting.done():
+                    link.connecting = None
+        if link.writer is None:
+            raise PlaneClosed(f"no connection to {host}:{port}")
+        rid = next(link.ids)
+        fut = self._loop.create_future()
+        link.pending[rid] = fut
+        try:
+            _write_frame(link.writer, link.session, rid, REQUEST, body)
+            await link.writer.drain()
+            return await fut
+        finally:
+            link.pending.pop(rid, None)
+
+    async def _connect(self, link: _Link, host: str, port: int) -> None:
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 16)
+        try:
+            hs, hello = kv_transfer.PeerHandshake.dial(self.key, CONTEXT, self.name, self.endpoint, f"{host}:{port}")
+            writer.write(hello)
+            await writer.drain()
+            try:
+                session, finish = hs.on_challenge(await _read_handshake(reader))
+            except kv_transfer.PeerRefused as e:
+                kind = e.args[1] if len(e.args) > 1 else "malformed"
+                if kind != "refused_by_peer":  # tell the listener why (it counts it)
+                    writer.write(kv_transfer.handshake_refusal(kind))
+                    await writer.drain()
+                raise
+            writer.write(finish)
+            await writer.drain()
+        except BaseException:
+            self._count("dial_failures")
+            writer.close()
+            raise
+        self._count("links_opened")
+        link.writer, link.session = writer, session
+        asyncio.ensure_future(self._read_replies(link, reader, writer))
+
+    async def _read_replies(self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        why: BaseException = PlaneClosed("the connection closed")
+        try:
+            while True:
+                hdr = await reader.readexactly(_HDR.size)
+                n, rid, kind = _HDR.unpack(hdr)
+                if n > self.limits.max_frame or kind not in (REPLY, ERROR):
+                    why = PlaneClosed(f"a reply frame of {n} B, kind {kind}: connection dropped")
+                    return
+                rest = await reader.readexactly(n + TAG_LEN)
+                link.session.open(hdr + rest[:n], rest[n:])
+                fut = link.pending.pop(rid, None)
+                if fut is None or fut.done():
+                    continue  # its request timed out
+                if kind == REPLY:
+                    fut.set_result(bytes(rest[:n]))
+                else:
+                    fut.set_exception(RemoteError(bytes(rest[:n]).decode(errors="replace")))
+        except (asyncio.IncompleteReadError, OSError) as e:
+            why = PlaneClosed(f"the connection closed: {e}")
+        except kv_transfer.PeerRefused as e:
+            self._count("bad_tags")
+            why = e
+        finally:
+            if link.writer is writer:
+                link.writer, link.session = None, None
+            writer.close()
+            for fut in list(link.pending.values()):
+                if not fut.done():
+                    fut.set_exception(why)
+            link.pending.clear()
+
+    # --- the rest --------------------------------------------------------------
+    def stats(self) -> Dict[str, int]:
+        """Counters (refusals by kind, cuts, requests), handshake counts
+        (``auth_*``), and gauges: peers connected, links open."""
+
+        async def snap() -> Dict[str, int]:
+            out = dict(self.counters)
+            out["peers"] = sum(len(s.peers) for s in self._services.values())
+            out["handshakes_peak"] = max([s.handshakes_peak for s in self._services.values()] or [0])
+            out["links"] = sum(1 for link in self._links.values() if link.writer is not None)
+            for s in self._services.values():
+                for k, v in s.listener.stats().items():
+                    out[f"auth_{k}"] = out.get(f"auth_{k}", 0) + v
+            return out
+
+        return self._run(snap(), 5)
+
+    def close(self) -> None:
+        """Stops listening, closes every connection, stops the loop."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop() -> None:
+            for s in self._services.values():
+                if s.server is not None:
+                    s.server.close()
+                for st in s.peers.values():
+                    for w in st.writers:
+                        w.close()
+            for link in self._links.values():
+                if link.writer is not None:
+                    link.writer.close()
+            # Every connection's task ends here, not at interpreter exit.
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self._run(stop(), 5)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._pool.shutdown(wait=False)
+
+
+async def _read_handshake(reader: asyncio.StreamReader) -> bytes:
+    """One handshake message, its size checked before its body is read."""
+    header = await reader.readexactly(kv_transfer.handshake_header_len())
+    n = kv_transfer.handshake_body_len(header)
+    return header + await reader.readexactly(n)
+
+
+def _write_frame(writer: asyncio.StreamWriter, session: Any, rid: int, kind: int, body: bytes) -> None:
+    hdr = _HDR.pack(len(body), rid, kind)
+    writer.write(hdr + body + session.seal(hdr + body))

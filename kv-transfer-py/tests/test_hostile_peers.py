@@ -1,0 +1,244 @@
+"""Issue 46 on the Python control plane (``kv_transfer.peers``): a peer is
+what the handshake proves, and what it can make a listener hold is its own
+share, bounded. Each attack goes through the public API and the wire
+format, with its positive control. None of these needs SGLang.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+import kv_transfer
+from kv_transfer import peers
+from kv_transfer.peers import ControlPlane, PlaneLimits, RemoteError
+
+from hostile_child import ATTACKER, HONEST, RawPeer
+
+KEY = kv_transfer.ClusterKey.from_secret(b"the deployment's own cluster secret")
+
+
+def echo(peer: str, body: bytes) -> bytes:
+    return peer.encode() + b":" + body
+
+
+@pytest.fixture
+def listener():
+    planes = []
+
+    def make(limits: PlaneLimits = PlaneLimits(), key=KEY, advertise=None):
+        p = ControlPlane("prefill", key, limits)
+        planes.append(p)
+        host, port = p.serve("127.0.0.1", 0, echo, advertise=advertise)
+        return p, host, port
+
+    yield make
+    for p in planes:
+        p.close()
+
+
+def wait_for(what, cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:  # bounded in time
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_requests_are_pipelined_on_one_connection_per_peer(listener):
+    p, host, port = listener()
+    decode = ControlPlane("decode", KEY)
+    try:
+        futs = [decode.request(host, port, str(i).encode(), timeout=5) for i in range(200)]
+        assert [f.result(10) for f in futs] == [f"decode:{i}".encode() for i in range(200)]
+        s = p.stats()
+        assert s["connections"] == 1 and s["auth_established"] == 1 and s["requests"] == 200, s
+        assert decode.stats()["links_opened"] == 1
+    finally:
+        decode.close()
+
+
+def test_hostile_a_peer_under_another_cluster_key_is_refused_typed_and_counted(listener):
+    p, host, port = listener()
+    honest = ControlPlane("decode", KEY)
+    intruder = ControlPlane("decode", kv_transfer.ClusterKey.from_secret(b"a guess at the cluster's secret"))
+    try:
+        assert honest.call(host, port, b"x", timeout=5) == b"decode:x"  # positive control: one key connects
+        with pytest.raises(kv_transfer.PeerRefused) as e:
+            intruder.call(host, port, b"x", timeout=5)
+        assert e.value.args[1] == "wrong_key"
+        wait_for("the refusal counted", lambda: p.stats().get("auth_refused_by_peer", 0) == 1)
+        assert p.stats()["auth_established"] == 1
+    finally:
+        honest.close()
+        intruder.close()
+
+
+def _relay(m: socket.socket, to_port: int) -> None:
+    """M: accepts one connection and splices it to the listener."""
+    a, _ = m.accept()
+    b = socket.create_connection(("127.0.0.1", to_port))
+
+    def pipe(x, y):
+        try:
+            while True:
+                d = x.recv(65536)
+                if not d:
+                    break
+                y.sendall(d)
+        except OSError:
+            pass
+        for s in (x, y):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+    threading.Thread(target=pipe, args=(b, a), daemon=True).start()
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_hostile_a_relayed_handshake_is_refused_because_the_dialed_address_is_bound(bound):
+    """M makes B dial M's address for the prefill and splices B's bytes to
+    the prefill. Checked: the prefill refuses (B's HELLO names M's address),
+    typed at B, counted at the prefill, no peer. Positive control: a prefill
+    that answers to M's address too serves M's connection as B's."""
+    m = socket.socket()
+    m.bind(("127.0.0.1", 0))
+    m.listen(1)
+    m_addr = "%s:%d" % m.getsockname()
+    p = ControlPlane("prefill", KEY)
+    _, port = p.serve("127.0.0.1", 0, echo, answers_to=() if bound else (m_addr,))
+    threading.Thread(target=_relay, args=(m, port), daemon=True).start()
+    b = ControlPlane("B", KEY)
+    try:
+        host, mport = m_addr.rsplit(":", 1)
+        if bound:
+            with pytest.raises(kv_transfer.PeerRefused) as e:
+                b.call(host, int(mport), b"x", timeout=5)
+            assert e.value.args[1] == "refused_by_peer"
+            wait_for("the relay counted", lambda: p.stats().get("auth_address_mismatch", 0) == 1)
+            assert p.stats().get("peers_connected", 0) == 0
+        else:
+            assert b.call(host, int(mport), b"x", timeout=5) == b"B:x"
+    finally:
+        b.close()
+        m.close()
+        p.close()
+
+
+def test_hostile_a_replayed_handshake_is_refused_typed_and_counted(listener):
+    p, host, port = listener()
+    hs, hello = kv_transfer.PeerHandshake.dial(KEY, peers.CONTEXT, "decode", "", f"{host}:{port}")
+    answers = []
+    for _ in range(2):
+        with socket.create_connection((host, port), 5) as s:
+            s.sendall(hello)
+            header = s.recv(kv_transfer.handshake_header_len(), socket.MSG_WAITALL)
+            answers.append(header + s.recv(kv_transfer.handshake_body_len(header), socket.MSG_WAITALL))
+    assert answers[0][5] == 2, "positive control: the live HELLO gets a CHALLENGE"
+    assert answers[1][5] == 4 and answers[1][-1] == 2, "the replay gets REFUSED(Replayed)"
+    wait_for("the replay counted", lambda: p.stats().get("auth_replayed", 0) == 1)
+
+
+def test_hostile_frames_without_a_handshake_or_with_a_forged_tag_buy_nothing(listener):
+    p, host, port = listener()
+    # No handshake: a request frame as the first bytes is not a HELLO.
+    with socket.create_connection((host, port), 5) as s:
+        s.sendall(peers._HDR.pack(4, 1, peers.REQUEST) + b"ABCD" + b"\0" * 32)
+        s.settimeout(5)
+        assert s.recv(64)[:4] == b"KVTA"  # REFUSED, then closed
+    # A frame whose tag is not the session's: the connection is dropped, nothing handled.
+    raw = RawPeer(port, HONEST, "decode", key=KEY)
+    frame = bytearray(raw.frame(b"hello"))
+    frame[-1] ^= 1
+    raw.s.sendall(bytes(frame))
+    raw.s.settimeout(5)
+    assert raw.s.recv(64) == b""
+    s = p.stats()
+    assert s.get("bad_tags", 0) == 1 and s.get("requests", 0) == 0, s
+    # Positive control: the same frame with its own tag is answered.
+    raw = RawPeer(port, HONEST, "decode2", key=KEY)
+    assert raw.request(b"hello") == (peers.REPLY, b"decode2:hello")
+    raw.close()
+
+
+def test_hostile_many_names_hold_at_most_the_peer_cap_and_never_keep_an_honest_peer_out(listener):
+    cap = 8
+    p, host, port = listener(PlaneLimits(max_peers=cap))
+    held = []
+    for i in range(10 * cap):  # ten times the cap, idle once connected
+        try:
+            held.append(RawPeer(port, ATTACKER, f"made-up-{i}", key=KEY))
+        except (OSError, kv_transfer.KvTransferError):
+            pass
+    wait_for("the flood handled", lambda: p.stats().get("peers_connected", 0) >= 10 * cap)
+    assert p.stats()["peers"] <= cap
+    decode = ControlPlane("honest", KEY)
+    try:
+        t0 = time.perf_counter()
+        assert decode.call(host, port, b"x", timeout=5) == b"honest:x"
+        honest_ms = (time.perf_counter() - t0) * 1000
+        s = p.stats()
+        print(f"many names: {s['peers']} peers held of {10 * cap} names; evicted {s.get('peers_evicted')}; "
+              f"honest served in {honest_ms:.1f} ms")
+        assert s["peers"] <= cap and s.get("peers_evicted", 0) >= 9 * cap, s
+        assert honest_ms < 1000
+    finally:
+        decode.close()
+        for r in held:
+            r.close()
+
+
+def test_hostile_a_peers_requests_in_flight_are_capped_and_it_waits_only_behind_its_own(listener):
+    gate = threading.Event()
+
+    def slow(peer: str, body: bytes) -> bytes:
+        if peer == "greedy":
+            gate.wait(10)
+        return b"ok"
+
+    p = ControlPlane("prefill", KEY, PlaneLimits(max_inflight_per_peer=4, handler_threads=2))
+    _, port = p.serve("127.0.0.1", 0, slow)
+    greedy = ControlPlane("greedy", KEY)
+    honest = ControlPlane("honest", KEY)
+    try:
+        futs = [greedy.request("127.0.0.1", port, b"x", timeout=10) for _ in range(40)]  # 10x the cap
+        wait_for("the greedy peer refused", lambda: p.stats().get("refused_peer_requests", 0) >= 1)
+        t0 = time.perf_counter()
+        assert honest.call("127.0.0.1", port, b"y", timeout=5) == b"ok"
+        honest_ms = (time.perf_counter() - t0) * 1000
+        gate.set()
+        done = [f.exception(10) is None for f in futs]
+        print(f"greedy: {sum(done)} of 40 answered, honest in {honest_ms:.1f} ms, {p.stats()}")
+        assert honest_ms < 1000, "the honest peer waited behind the greedy one"
+        assert not all(done), "positive control: past its cap the greedy peer's connection was dropped"
+    finally:
+        gate.set()
+        greedy.close()
+        honest.close()
+        p.close()
+
+
+def test_an_error_in_a_handler_goes_back_typed_and_the_connection_stays(listener):
+    def picky(peer: str, body: bytes) -> bytes:
+        if body == b"bad":
+            raise kv_transfer.DescriptorError("no such thing")
+        return b"ok"
+
+    p = ControlPlane("prefill", KEY)
+    _, port = p.serve("127.0.0.1", 0, picky)
+    d = ControlPlane("decode", KEY)
+    try:
+        with pytest.raises(RemoteError, match="DescriptorError: no such thing"):
+            d.call("127.0.0.1", port, b"bad", timeout=5)
+        assert d.call("127.0.0.1", port, b"good", timeout=5) == b"ok"
+        assert d.stats()["links_opened"] == 1
+    finally:
+        d.close()
+        p.close()
