@@ -131,11 +131,16 @@ def count_in_log(server: Server, pattern: str) -> int:
 
 
 def side_stats(port: int) -> Dict[str, Any]:
-    """kv_transfer.vllm's worker counters and pool gauges, from its side port."""
+    """kv_transfer.vllm's worker counters and pool gauges, from its side port
+    (over the control plane, under the deployment's cluster key)."""
+    from kv_transfer.peers import ControlPlane
     from kv_transfer.vllm import wire
-    from kv_transfer.vllm.decode import side_call
 
-    return wire.parse_ok(side_call("127.0.0.1", port, b'{"op": "stats"}'), max_lists=64)["stats"]
+    plane = ControlPlane("kvt-test-stats")
+    try:
+        return wire.parse_ok(plane.call("127.0.0.1", port, b'{"op": "stats"}', timeout=10), max_lists=64)["stats"]
+    finally:
+        plane.close()
 
 
 def wait_until(what: str, pred, timeout: float, every: float = 0.5) -> None:

@@ -18,6 +18,7 @@ import time
 
 def main() -> None:
     model, role, side_port, backends, core = sys.argv[1:6]
+    prefills = sys.argv[6].split(",") if len(sys.argv) > 6 and sys.argv[6] else []
     # Answers go to the real stdout; whatever vLLM prints goes to stderr.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -32,7 +33,7 @@ def main() -> None:
 
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvTransferConnector", kv_connector_module_path="kv_transfer.vllm", kv_role=role,
-            kv_connector_extra_config={"backends": backends, "side_port": int(side_port)})
+            kv_connector_extra_config={"backends": backends, "side_port": int(side_port), "prefills": prefills})
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=32, enable_prefix_caching=False,
               max_model_len=512, num_gpu_blocks_override=48, **kw)
     out.write(json.dumps({"ready": True}) + "\n")

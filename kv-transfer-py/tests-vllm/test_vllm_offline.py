@@ -17,12 +17,12 @@ LENGTHS = [1, 2, 7, 31, 32, 33, 64, 97, 150, 200]
 
 
 class Worker:
-    def __init__(self, name: str, model: str, role: str, side_port: int, core: int):
+    def __init__(self, name: str, model: str, role: str, side_port: int, core: int, prefills: str = ""):
         os.makedirs(h.LOG_DIR, exist_ok=True)
         self.err = open(os.path.join(h.LOG_DIR, f"offline-{name}.log"), "w")
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
         self.p = subprocess.Popen([sys.executable, os.path.join(h.HERE, "offline_worker.py"), model, role,
-                                   str(side_port), ",".join(BACKENDS), str(core)],
+                                   str(side_port), ",".join(BACKENDS), str(core), prefills],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)
 
     def recv(self, timeout: float = 300.0) -> Dict[str, Any]:
@@ -52,8 +52,9 @@ class Worker:
 def test_offline_llm_pair_greedy_tokens_equal_a_single_engine(model: str, vocab: int):
     prompts = h.prompts(vocab, LENGTHS, seed=7)
     single = Worker("single", model, "single", 0, 0)
-    p = Worker("prefill", model, "kv_producer", h.free_port(), 0)
-    d = Worker("decode", model, "kv_consumer", h.free_port(), 1)
+    p_side = h.free_port()
+    p = Worker("prefill", model, "kv_producer", p_side, 0)
+    d = Worker("decode", model, "kv_consumer", h.free_port(), 1, prefills=f"127.0.0.1:{p_side}")
     try:
         for w in (single, p, d):
             assert w.recv().get("ready")

@@ -63,7 +63,8 @@ def fleet(model: str, vocab: int):
     backends = ",".join(BACKENDS)
     single = h.Server("single", model, None, 0, BLOCKS)
     f.p = h.Server("prefill", model, h.ours("kv_producer", f.p_side, backends, unclaimed_s=UNCLAIMED_S), 0, BLOCKS)
-    f.d = h.Server("decode", model, h.ours("kv_consumer", f.d_side, backends, **CONTROLLED), 1, BLOCKS)
+    f.d = h.Server("decode", model, h.ours("kv_consumer", f.d_side, backends, prefills=[f"127.0.0.1:{f.p_side}"],
+                                           **CONTROLLED), 1, BLOCKS)
     f.servers = [single, f.p, f.d]
     try:
         h.start_all(f.servers)

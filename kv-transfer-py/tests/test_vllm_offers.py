@@ -48,7 +48,7 @@ def fetch(offer: str, dep, pages: int) -> wire.Fetch:
 
 
 def claimed(offers, offer_id: str, dep, pages: int):
-    reply = offers.claim(fetch(offer_id, dep, pages), "127.0.0.1")
+    reply = offers.claim(fetch(offer_id, dep, pages), "decode")
     assert reply["ok"], reply
     import base64
 
@@ -118,11 +118,11 @@ def test_an_offer_is_exposed_once_to_the_claimant_and_freed_only_by_its_done():
     oid = prefill.new_offer_id()
     offers.offer("req-1", oid, [2, 5])
     offers.finished(["req-1"])
-    assert offers.claim(fetch(oid, dep, 3), "127.0.0.1") == wire.refused(
+    assert offers.claim(fetch(oid, dep, 3), "decode") == wire.refused(
         "pages", "the decode asks for 3 blocks, the offer has 2")
-    assert offers.claim(fetch("cd" * 16, dep, 2), "127.0.0.1")["error"] == "unknown_offer"
+    assert offers.claim(fetch("cd" * 16, dep, 2), "decode")["error"] == "unknown_offer"
     remote = claimed(offers, oid, dep, 2)
-    assert offers.claim(fetch(oid, dep, 2), "127.0.0.1")["error"] == "claimed"
+    assert offers.claim(fetch(oid, dep, 2), "decode")["error"] == "claimed"
     # Exposed and not read: the unclaimed deadline does not apply, nothing is reported.
     clock.now += 4
     assert offers.poll() == set() and offers.held()["exposed"] == 1
@@ -155,7 +155,7 @@ def test_a_waiting_offer_is_withdrawn_at_its_deadline_or_on_release_and_reported
     late, released = prefill.new_offer_id(), prefill.new_offer_id()
     offers.offer("late", late, [1])
     offers.offer("released", released, [2])
-    assert offers.release(wire.Release(released)) == wire.ok()
+    assert offers.release(wire.Release(released), "decode") == wire.ok()
     assert offers.poll() == set()  # vLLM has not named it in finished_req_ids yet
     offers.finished(["released"])
     assert offers.poll() == {"released"}
@@ -163,17 +163,58 @@ def test_a_waiting_offer_is_withdrawn_at_its_deadline_or_on_release_and_reported
     clock.now += 6
     assert offers.poll() == {"late"} and offers.counters["withdrawn"] == 1
     # The late decode gets a typed refusal, not someone else's blocks.
-    assert offers.claim(fetch(late, dep, 1), "127.0.0.1")["error"] == "unknown_offer"
-    assert offers.release(wire.Release(late)) == wire.ok()  # idempotent
+    assert offers.claim(fetch(late, dep, 1), "decode")["error"] == "unknown_offer"
+    assert offers.release(wire.Release(late), "decode") == wire.ok()  # idempotent
 
 
-def test_the_peer_table_is_bounded_per_address():
-    offers, _, _, _ = rig(max_peers_per_address=2)
+def test_the_peer_table_is_bounded_per_proven_name():
+    offers, _, _, _ = rig(max_peers_per_name=2)
     for i in range(3):
         oid = prefill.new_offer_id()
         offers.offer(f"r{i}", oid, [i])
         dep, _, _ = side(f"d{i}", 0)
-        reply = offers.claim(fetch(oid, dep, 1), "10.0.0.9")
+        reply = offers.claim(fetch(oid, dep, 1), "one-decode")
         assert reply["ok"] is (i < 2), reply
     assert reply["error"] == "peer"
     assert offers.held()["waiting"] == 1  # the refused claim exposed nothing
+    assert offers.peers() == 2
+
+
+def test_hostile_claims_that_cannot_be_served_buy_no_peer_entry_and_entries_go_with_their_last_offer():
+    """Issue 46, attack 5: claims whose blocks cannot be reserved, from 16
+    descriptor spellings, used to enter the peer table for good. Checked:
+    the blocks are reserved first, so such a claim buys no entry; an entry
+    goes when its last offer is freed, so the table does not fill."""
+    offers, clock, (_, ppool), (dep, _, _) = rig(max_peers=4, exposed_s=1)
+    busy = ppool.reserve([7])  # block 7 is busy in the prefill's pool: no claim of it can be served
+    spellings = [side(f"spell{i}", 0)[0] for i in range(16)]  # 4x the table's cap in descriptors
+    for i, ep in enumerate(spellings):
+        oid = prefill.new_offer_id()
+        offers.offer(f"busy{i}", oid, [7])
+        assert offers.claim(fetch(oid, ep, 1), "attacker")["error"] == "expose"
+    assert offers.peers() == 0, "a claim that reserved nothing bought an entry"
+    busy.release()
+    # Served claims: each entry lives while its offer does.
+    for round_ in range(3):
+        oid = prefill.new_offer_id()
+        offers.offer(f"ok{round_}", oid, [round_])
+        offers.finished([f"ok{round_}"])
+        claimed(offers, oid, dep, 1)
+        assert offers.peers() == 1
+        clock.now += 2  # never read: aborted at its deadline, drained
+        assert poll_until(offers, f"ok{round_}") == {f"ok{round_}"}
+        assert offers.peers() == 0, "the entry outlived its last offer"
+
+
+def test_hostile_only_the_claimant_releases_an_exposed_offer():
+    """Issue 46, attack 5: anyone holding an offer id could release it,
+    aborting the claimant's exposure. Checked: another peer's release is
+    refused and counted, the exposure stays; the claimant's aborts it."""
+    offers, _, _, (dep, _, _) = rig()
+    oid = prefill.new_offer_id()
+    offers.offer("r", oid, [3])
+    claimed(offers, oid, dep, 1)
+    assert offers.release(wire.Release(oid), "someone-else")["error"] == "not_claimant"
+    assert offers.held()["exposed"] == 1 and offers.counters["refused_releases"] == 1
+    assert offers.release(wire.Release(oid), "decode") == wire.ok()
+    assert offers.held()["draining"] == 1

@@ -408,6 +408,7 @@ class ControlPlane:
             link.pending.pop(rid, None)
 
     async def _connect(self, link: _Link, host: str, port: int) -> None:
+        self._count("dials")
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 16)
         try:
             hs, hello = kv_transfer.PeerHandshake.dial(self.key, CONTEXT, self.name, self.endpoint, f"{host}:{port}")

@@ -25,10 +25,11 @@ every READ is terminal. No timer frees a block.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import vllm
 
@@ -50,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorTransferResults,
 )
 
-from ..ports import FramePort  # noqa: E402
+from ..peers import ControlPlane, PlaneLimits  # noqa: E402
 from . import decode, prefill, wire  # noqa: E402
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class Settings:
     side_port: Optional[int]
     engine_id: str
     limits: prefill.OfferLimits
+    #: The prefills' side ports a decode may dial (``prefills``: "host:port", ...).
+    prefills: FrozenSet[Tuple[str, int]] = frozenset()
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig") -> "Settings":
@@ -113,12 +116,18 @@ class Settings:
         tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
         if tp != 1:
             raise kv_transfer.DescriptorError(f"kv_transfer.vllm supports one worker per engine so far (TP x PP = {tp})")
+        prefills = frozenset(_host_port(p) for p in (extra.get("prefills") or ()))
+        if role in ("kv_consumer", "kv_both") and not prefills:
+            raise kv_transfer.DescriptorError(
+                "kv_transfer.vllm: a decode (kv_consumer) needs kv_connector_extra_config.prefills, the side ports "
+                "(\"host:port\") of the prefills it may pull from: it never dials an address a request carries")
         d = prefill.OfferLimits()
         limits = prefill.OfferLimits(
             unclaimed_s=float(extra.get("unclaimed_s", d.unclaimed_s)),
             exposed_s=float(extra.get("exposed_s", d.exposed_s)),
         )
-        return cls(role, backends, str(extra.get("host", "127.0.0.1")), side_port, str(kt.engine_id), limits)
+        return cls(role, backends, str(extra.get("host", "127.0.0.1")), side_port, str(kt.engine_id), limits,
+                   prefills)
 
     @property
     def producer(self) -> bool:
@@ -127,6 +136,14 @@ class Settings:
     @property
     def consumer(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
+
+
+def _host_port(p: Any) -> Tuple[str, int]:
+    try:
+        host, port = str(p).rsplit(":", 1)
+        return host, int(port)
+    except ValueError:
+        raise kv_transfer.DescriptorError(f"kv_transfer.vllm: prefills entry {p!r} is not host:port") from None
 
 
 def kv_device(kv_caches: Dict[str, "torch.Tensor"]) -> Optional[int]:
@@ -180,7 +197,8 @@ class KvTransferConnector(KVConnectorBase_V1):
         self.sides: Dict[str, Tuple[Any, Any]] = {}
         self.offers: Optional[prefill.PrefillOffers] = None
         self.loads: Optional[decode.DecodeLoads] = None
-        self.port: Optional[FramePort] = None
+        self.port: Optional[Tuple[str, int]] = None
+        self.plane: Optional[ControlPlane] = None
         self._failed_blocks: Set[int] = set()
         self._failed_reqs: Set[str] = set()
         logger.info("kv_transfer.vllm: %s connector, role %s, backends %s", role.name.lower(),
@@ -242,19 +260,25 @@ class KvTransferConnector(KVConnectorBase_V1):
         buffers = kv_buffers(kv_caches, num_blocks)
         owners = list(kv_caches.values())
         self.kv_caches = kv_caches
+        self.plane = ControlPlane(f"vllm-{self.settings.engine_id[:12]}-{os.getpid()}",
+                                  limits=PlaneLimits(max_frame=wire.MAX_SIDE_FRAME))
         for b in self.settings.backends:
             ep = kv_transfer.Endpoint(b, f"vllm-{self.settings.engine_id[:12]}-{os.getpid()}-{b}", host=self.settings.host)
             self.sides[b] = (ep, ep.register(buffers, owner=owners, device=kv_device(kv_caches)))
         if self.settings.producer:
             self.offers = prefill.PrefillOffers(self.sides, self.settings.limits)
         if self.settings.consumer:
-            self.loads = decode.DecodeLoads(self.sides, before_post=self._before_post, after_load=self._after_load)
+            self.loads = decode.DecodeLoads(self.sides, self.plane, set(self.settings.prefills),
+                                            before_post=self._before_post, after_load=self._after_load)
         if self.settings.side_port is not None:
-            self.port = FramePort("vllm-side", self._serve, self.settings.host, self.settings.side_port,
-                                  max_frame=wire.MAX_SIDE_FRAME)
+            self.port = self.plane.serve(self.settings.host, self.settings.side_port, self._serve_bytes)
         logger.info("kv_transfer.vllm: %d KV buffers of %d blocks (%d B each) on %s; side port %s",
-                    len(buffers), num_blocks, buffers[0][2] if buffers else 0, ",".join(self.sides),
-                    self.port.address if self.port else None)
+                    len(buffers), num_blocks, buffers[0][2] if buffers else 0, ",".join(self.sides), self.port)
+
+    def _serve_bytes(self, peer: str, data: bytes) -> bytes:
+        """One side-port request from ``peer`` (the name its control-plane
+        handshake proved), on the plane's handler pool."""
+        return json.dumps(self._serve(data, peer)).encode()
 
     def _serve(self, data: bytes, peer: str) -> Dict[str, Any]:
         req = wire.parse_request(data)
@@ -264,7 +288,7 @@ class KvTransferConnector(KVConnectorBase_V1):
             return wire.refused("unknown_offer", "this worker is not a prefill")
         if isinstance(req, wire.Fetch):
             return self.offers.claim(req, peer)
-        return self.offers.release(req)
+        return self.offers.release(req, peer)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -316,8 +340,8 @@ class KvTransferConnector(KVConnectorBase_V1):
         out.update(decode.summarize(self.loads))
         for b, (ep, pool) in self.sides.items():
             out[b] = {k: v for k, v in kv_transfer.metrics(pool).items() if isinstance(v, (int, float, str))}
-        if self.port is not None:
-            out["port"] = self.port.stats()
+        if self.plane is not None:
+            out["port"] = self.plane.stats()
         return out
 
     def shutdown(self) -> None:
@@ -325,8 +349,9 @@ class KvTransferConnector(KVConnectorBase_V1):
             self.offers.abort_all()
         if self.loads is not None:
             self.loads.close()
-        if self.port is not None:
-            self.port.close()
+        if self.plane is not None:
+            self.plane.close()
+            self.plane = None
             self.port = None
 
     # --- hooks for subclasses (the tests' controls) -------------------------

@@ -10,8 +10,13 @@ A load's life (one explicit state at a time)::
       v
     Done (released at the prefill)
 
-The network work (the fetch from the prefill's side port, the post) runs on
-one puller thread, off vLLM's step. A request aborted while its READs are in
+The network work runs off vLLM's step: fetches and releases go out on the
+worker's control plane (:mod:`kv_transfer.peers`: one authenticated
+connection per prefill, requests pipelined, never waited for on a thread),
+and one puller thread posts the READs as the prefills' answers come back.
+A decode dials only the prefills its deployment named
+(``kv_connector_extra_config.prefills``), never an address a request
+carries: a load naming another fails, typed, without a connection. A request aborted while its READs are in
 flight keeps its blocks (vLLM waits for ``finished_recving``), and the
 READs' DONE frees the prefill's blocks; a repeated abort (vLLM sends a
 second, pre-aborted request on a client disconnect) is one more idempotent
@@ -20,9 +25,9 @@ release of an offer that is already claimed or gone.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +35,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple, Union
 
 import kv_transfer
 
-from ..frames import ProtocolError, recv_frame, send_frame
+from ..frames import ProtocolError
+from ..peers import ControlPlane
 from . import wire
 
 logger = logging.getLogger("kv_transfer.vllm")
@@ -73,21 +79,18 @@ class _Load:
     cancelled: bool = False
 
 
-def side_call(host: str, port: int, payload: bytes, timeout: float = SIDE_TIMEOUT_S) -> bytes:
-    """One request frame to a worker's side port, its reply frame."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.settimeout(timeout)
-        send_frame(s, payload)
-        return recv_frame(s, wire.MAX_SIDE_FRAME)
-
-
 class DecodeLoads:
     """Loads by request id over one endpoint and pool per backend (``sides``:
-    ``{backend: (endpoint, pool)}``; the first is the default)."""
+    ``{backend: (endpoint, pool)}``; the first is the default), talking to
+    prefills on ``plane``, only those in ``prefills`` (``(host, port)`` of
+    their side ports; ``None``: any, for tests only)."""
 
-    def __init__(self, sides: Dict[str, Any], *, before_post: Optional[Callable[[str, Dict[str, Any]], None]] = None,
+    def __init__(self, sides: Dict[str, Any], plane: ControlPlane, prefills: Optional[Set[Tuple[str, int]]], *,
+                 before_post: Optional[Callable[[str, Dict[str, Any]], None]] = None,
                  after_load: Optional[Callable[[str, Sequence[int], Dict[str, Any]], None]] = None):
         self.sides = sides
+        self.plane = plane
+        self.prefills = prefills
         self._before_post = before_post
         self._after_load = after_load
         self._lock = threading.Lock()
@@ -96,18 +99,26 @@ class DecodeLoads:
         self._work: "queue.Queue[Optional[Tuple[str, Any]]]" = queue.Queue()
         self.counters: Dict[str, int] = {
             "loads": 0, "loaded": 0, "load_failures": 0, "cancelled": 0, "releases_sent": 0, "release_failures": 0,
+            "refused_unnamed_prefill": 0,
         }
         self._thread = threading.Thread(target=self._run, name="kvt-vllm-puller", daemon=True)
         self._thread.start()
 
     # --- vLLM's side -------------------------------------------------------
+    def _named(self, offer: wire.Offer) -> bool:
+        return self.prefills is None or (offer.host, offer.port) in self.prefills
+
     def load(self, req_id: str, blocks: Sequence[int], params: Dict[str, Any]) -> None:
-        """Starts pulling the offer in ``params`` into ``blocks``. Bad params
-        fail the load (its blocks reported as load errors); nothing else."""
+        """Starts pulling the offer in ``params`` into ``blocks``. Bad params,
+        or params naming a prefill the deployment did not, fail the load
+        (its blocks reported as load errors); nothing else."""
         try:
             offer = wire.parse_offer(params)
             if len(offer.blocks) != len(blocks):
                 raise wire.ParamsError(f"the prefill offers {len(offer.blocks)} blocks, vLLM allocated {len(blocks)}")
+            if not self._named(offer):
+                self.counters["refused_unnamed_prefill"] += 1
+                raise wire.ParamsError(f"{offer.host}:{offer.port} is not a prefill this decode was configured with")
             state: LoadState = Queued(offer, tuple(blocks))
         except wire.ParamsError as e:
             logger.error("kv_transfer.vllm: request %s: %s", req_id, e)
@@ -128,7 +139,10 @@ class DecodeLoads:
         except wire.ParamsError as e:
             logger.warning("kv_transfer.vllm: not releasing unparsable kv_transfer_params: %s", e)
             return
-        self._work.put(("release", offer))
+        if not self._named(offer):
+            self.counters["refused_unnamed_prefill"] += 1
+            return
+        self._send_release(offer)
 
     def finished(self, req_ids: Any) -> None:
         """vLLM finished these requests (an abort among them): a load not yet
@@ -191,7 +205,7 @@ class DecodeLoads:
                 if kind == "load":
                     self._pull(arg)
                 else:
-                    self._send_release(arg)
+                    self._fetched(*arg)
             except Exception:  # the puller must outlive any one request
                 logger.exception("kv_transfer.vllm: puller: %s %s", kind, arg if kind == "load" else "")
 
@@ -219,41 +233,64 @@ class DecodeLoads:
         if backend is None:
             return self._fail(req_id, f"no common backend: the prefill serves {list(q.offer.backends)}, "
                                       f"this decode {list(self.sides)}")
+        endpoint, _ = self.sides[backend]
+        self._ask_fetch(req_id, q.offer, backend, endpoint, time.monotonic() + EARLY_FOR_S)
+
+    def _ask_fetch(self, req_id: str, offer: wire.Offer, backend: str, endpoint: Any, early_until: float) -> None:
+        """Sends the fetch; its answer comes back to the puller (never waited for)."""
+        req = wire.fetch_request(offer.offer, backend, endpoint.descriptor(), len(offer.blocks))
+        f = self.plane.request(offer.host, offer.port, req, SIDE_TIMEOUT_S)
+        f.add_done_callback(lambda f: self._work.put(("fetched", (req_id, offer, backend, early_until, f))))
+
+    def _fetched(self, req_id: str, offer: wire.Offer, backend: str, early_until: float,
+                 f: "concurrent.futures.Future[bytes]") -> None:
         endpoint, pool = self.sides[backend]
-        got = self._fetch(q.offer, backend, endpoint)
+        try:
+            remote_b, descriptor = wire.parse_fetch_reply(f.result())
+        except wire.Refused as e:
+            if e.kind == "unknown_offer" and time.monotonic() < early_until:
+                # The prefill's worker learns of an offer one engine step
+                # after its scheduler published it: ask again shortly.
+                t = threading.Timer(EARLY_RETRY_S, self._ask_fetch, (req_id, offer, backend, endpoint, early_until))
+                t.daemon = True
+                t.start()
+                return
+            return self._fail(req_id, f"the prefill refused the fetch: {e}")
+        except (kv_transfer.KvTransferError, ProtocolError, OSError, concurrent.futures.TimeoutError) as e:
+            return self._fail(req_id, f"fetch from {offer.host}:{offer.port}: {type(e).__name__}: {e}")
+        got = self._check_exposure(offer, backend, endpoint, remote_b, descriptor)
         if isinstance(got, str):
             return self._fail(req_id, got)
-        remote, peer = got
+        remote, _ = got
+        with self._lock:
+            ld = self._loads.get(req_id)
+            live = ld is not None and isinstance(ld.state, Queued) and not ld.cancelled
+            if ld is not None and isinstance(ld.state, Queued) and ld.cancelled:
+                ld.state = Done(False, "cancelled")
+                self.counters["cancelled"] += 1
+        if not live:
+            # Claimed, and now never read: the claimant hands it back.
+            self._send_release(offer)
+            return
+        q = ld.state
         if self._before_post is not None:
             self._before_post(req_id, ld.params)
         try:
             lease = pool.reserve(list(q.blocks))
         except kv_transfer.KvTransferError as e:
-            self._send_release(q.offer)
+            self._send_release(offer)
             return self._fail(req_id, f"cannot reserve vLLM's blocks {list(q.blocks)[:8]}: {e}")
         try:
             t = endpoint.read(lease, remote)
         except kv_transfer.KvTransferError as e:
             lease.release()
-            self._send_release(q.offer)
+            self._send_release(offer)
             return self._fail(req_id, f"READ refused: {e}")
         with self._lock:
             ld.state = Posted(backend, t)
 
-    def _fetch(self, offer: wire.Offer, backend: str, endpoint: Any) -> Union[str, Tuple[Any, int]]:
-        req = wire.fetch_request(offer.offer, backend, endpoint.descriptor(), len(offer.blocks))
-        deadline = time.monotonic() + EARLY_FOR_S
-        while True:
-            try:
-                remote_b, descriptor = wire.parse_fetch_reply(side_call(offer.host, offer.port, req))
-                break
-            except wire.Refused as e:
-                if e.kind == "unknown_offer" and time.monotonic() < deadline:
-                    time.sleep(EARLY_RETRY_S)
-                    continue
-                return f"the prefill refused the fetch: {e}"
-            except (OSError, ProtocolError) as e:
-                return f"fetch from {offer.host}:{offer.port}: {e}"
+    def _check_exposure(self, offer: wire.Offer, backend: str, endpoint: Any, remote_b: bytes,
+                        descriptor: bytes) -> Union[str, Tuple[Any, int]]:
         try:
             key = (backend, bytes(descriptor))
             peer = self._peers.get(key)
@@ -270,14 +307,19 @@ class DecodeLoads:
         return remote, peer
 
     def _send_release(self, offer: wire.Offer) -> None:
-        try:
-            wire.parse_ok(side_call(offer.host, offer.port, wire.release_request(offer.offer)))
-            self.counters["releases_sent"] += 1
-        except (OSError, ProtocolError, wire.Refused) as e:
-            # The prefill keeps the offer; its own deadline withdraws it
-            # (never exposed) or aborts it (exposed: freed only when proven).
-            self.counters["release_failures"] += 1
-            logger.warning("kv_transfer.vllm: release to %s:%s failed: %s", offer.host, offer.port, e)
+        """Tells the prefill this decode will not read (answered off the puller)."""
+        def done(f: "concurrent.futures.Future[bytes]") -> None:
+            try:
+                wire.parse_ok(f.result())
+                self.counters["releases_sent"] += 1
+            except (kv_transfer.KvTransferError, ProtocolError, OSError, concurrent.futures.TimeoutError) as e:
+                # The prefill keeps the offer; its own deadline withdraws it
+                # (never exposed) or aborts it (exposed: freed only when proven).
+                self.counters["release_failures"] += 1
+                logger.warning("kv_transfer.vllm: release to %s:%s failed: %s", offer.host, offer.port, e)
+
+        self.plane.request(offer.host, offer.port, wire.release_request(offer.offer), SIDE_TIMEOUT_S) \
+            .add_done_callback(done)
 
 
 def summarize(loads: Optional[DecodeLoads]) -> Dict[str, Any]:

@@ -49,6 +49,11 @@ class Exposed:
     backend: str
     lease: Any  # kv_transfer.PageLease, state "exposed"
     since: float
+    #: The control-plane peer (the name its handshake proved) that claimed
+    #: it: the only one whose release aborts it.
+    claimant: str = ""
+    #: Its entry in the peer table (dropped with the last offer using it).
+    peer_key: tuple = ()
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Draining:
     backend: str
     lease: Any  # state "aborted"
     since: float
+    peer_key: tuple = ()
     warned: bool = False
 
 
@@ -87,8 +93,8 @@ class OfferLimits:
     #: An exposure without its DONE after this is aborted (the ladder starts; the
     #: blocks come back only when proven).
     exposed_s: float = 120.0
-    #: Peers (distinct descriptors) one source address may add.
-    max_peers_per_address: int = 16
+    #: Peers (distinct descriptors) one control-plane peer (a proven name) may add.
+    max_peers_per_name: int = 4
     #: Peers in all.
     max_peers: int = 256
 
@@ -111,12 +117,15 @@ class PrefillOffers:
         self._lock = threading.Lock()
         self._offers: Dict[str, _Offer] = {}
         self._by_req: Dict[str, str] = {}
-        # (backend, descriptor) -> peer id; address -> descriptors it added
+        # (backend, descriptor) -> peer id, and how many offers use it (an
+        # entry goes with its last offer); proven name -> descriptors it added
         self._peers: Dict[tuple, int] = {}
+        self._peer_uses: Dict[tuple, int] = {}
         self._peers_of: Dict[str, Set[tuple]] = {}
         self.counters: Dict[str, int] = {
             "offered": 0, "claimed": 0, "settled_by_done": 0, "withdrawn": 0, "aborted": 0,
             "drained": 0, "refused_fetches": 0, "released_by_decode": 0, "reported": 0,
+            "refused_releases": 0,
         }
 
     # --- vLLM's side -------------------------------------------------------
@@ -169,6 +178,7 @@ class PrefillOffers:
         elif isinstance(s, Draining):
             if s.lease.drained:
                 o.state = Free("drained")
+                self._unuse(s.peer_key)
                 self.counters["drained"] += 1
             elif not s.warned and now - s.since >= self.limits.exposed_s:
                 s.warned = True
@@ -181,13 +191,29 @@ class PrefillOffers:
             return False
         s.lease.release()
         o.state = Free("done")
+        self._unuse(s.peer_key)
         self.counters["settled_by_done"] += 1
         return True
 
     def _abort(self, o: _Offer, s: Exposed, now: float) -> None:
         s.lease.abort()
-        o.state = Draining(s.backend, s.lease, now)
+        o.state = Draining(s.backend, s.lease, now, s.peer_key)
         self.counters["aborted"] += 1
+
+    def _unuse(self, key: tuple) -> None:
+        """An offer no longer uses its peer entry: the last one drops it."""
+        if not key:
+            return
+        left = self._peer_uses.get(key, 0) - 1
+        if left > 0:
+            self._peer_uses[key] = left
+            return
+        self._peer_uses.pop(key, None)
+        self._peers.pop(key, None)
+        for name in [n for n, keys in self._peers_of.items() if key in keys]:
+            self._peers_of[name].discard(key)
+            if not self._peers_of[name]:
+                del self._peers_of[name]
 
     def held(self) -> Dict[str, int]:
         """Offers by state (``waiting``, ``exposed``, ``draining``, ``free``)."""
@@ -202,8 +228,11 @@ class PrefillOffers:
             return bool(self._offers)
 
     # --- the decode's side (the side port) ---------------------------------
-    def claim(self, req: "wire.Fetch", address: str) -> Dict[str, Any]:
-        """Exposes the offer's blocks to the peer that presents it; the reply frame."""
+    def claim(self, req: "wire.Fetch", claimant: str) -> Dict[str, Any]:
+        """Exposes the offer's blocks to the peer that presents it (``claimant``:
+        the name its control-plane handshake proved); the reply frame. The
+        blocks are reserved before the peer enters the table, so a claim
+        that cannot be served buys no entry."""
         side = self.sides.get(req.backend)
         if side is None:
             return self._refuse("backend", f"this prefill does not serve {req.backend!r}")
@@ -218,9 +247,6 @@ class PrefillOffers:
                 return self._refuse(kind, f"the offer is {type(s).__name__.lower()}")
             if req.pages != len(s.blocks):
                 return self._refuse("pages", f"the decode asks for {req.pages} blocks, the offer has {len(s.blocks)}")
-            peer = self._peer(req.backend, endpoint, req.descriptor, address)
-            if isinstance(peer, dict):
-                return peer
             try:
                 lease = pool.reserve(list(s.blocks))
             except kv_transfer.KvTransferError as e:
@@ -229,37 +255,52 @@ class PrefillOffers:
                 # exposed; the offer stays for a proof-carrying release.
                 logger.error("kv_transfer.vllm: cannot reserve %s's blocks: %s", o.req_id, e)
                 return self._refuse("expose", str(e))
+            key = (req.backend, req.descriptor)
+            peer = self._peer(key, endpoint, claimant)
+            if isinstance(peer, dict):
+                lease.release()  # reserved, never exposed
+                return peer
             try:
                 remote = endpoint.expose(lease, peer)
             except kv_transfer.KvTransferError as e:
                 if lease.state == "reserved":
                     lease.release()  # nothing exposed: the offer stays claimable
+                    self._unuse(key)
                 else:
-                    o.state = Draining(req.backend, lease, self._clock())
+                    o.state = Draining(req.backend, lease, self._clock(), key)
                     self.counters["aborted"] += 1
                 return self._refuse("expose", str(e))
-            o.state = Exposed(req.backend, lease, self._clock())
+            o.state = Exposed(req.backend, lease, self._clock(), claimant, key)
             self.counters["claimed"] += 1
         return wire.ok(remote=remote.to_bytes(), descriptor=endpoint.descriptor())
 
-    def _peer(self, backend: str, endpoint: Any, descriptor: bytes, address: str) -> Any:
-        key = (backend, descriptor)
+    def _peer(self, key: tuple, endpoint: Any, claimant: str) -> Any:
+        """The peer id of ``key`` for one more offer (added if new, within
+        the claimant's share and the table's cap), or a refusal."""
         pid = self._peers.get(key)
-        if pid is not None:
-            return pid
-        mine = self._peers_of.setdefault(address, set())
-        if len(mine) >= self.limits.max_peers_per_address or len(self._peers) >= self.limits.max_peers:
-            return self._refuse("peer", f"peer table full for {address} (rule 9: a peer's input buys only its share)")
-        try:
-            pid = endpoint.add_peer(descriptor)
-        except kv_transfer.KvTransferError as e:
-            return self._refuse("peer", str(e))
-        self._peers[key] = pid
-        mine.add(key)
+        if pid is None:
+            mine = self._peers_of.get(claimant, set())
+            if len(mine) >= self.limits.max_peers_per_name or len(self._peers) >= self.limits.max_peers:
+                return self._refuse("peer", f"peer table full for {claimant!r} (rule 9: a peer's input buys "
+                                            "only its share)")
+            try:
+                pid = endpoint.add_peer(key[1])
+            except kv_transfer.KvTransferError as e:
+                return self._refuse("peer", str(e))
+            self._peers[key] = pid
+            self._peers_of.setdefault(claimant, set()).add(key)
+        self._peer_uses[key] = self._peer_uses.get(key, 0) + 1
         return pid
 
-    def release(self, req: "wire.Release") -> Dict[str, Any]:
-        """The decode will not read: withdraw a waiting offer, abort an exposed one."""
+    def peers(self) -> int:
+        """Entries in the peer table (each used by a live offer)."""
+        with self._lock:
+            return len(self._peers)
+
+    def release(self, req: "wire.Release", peer: str) -> Dict[str, Any]:
+        """The decode will not read: withdraw a waiting offer (never
+        exposed: any authenticated peer may), abort an exposed one (only its
+        claimant, ``peer`` being the name its handshake proved)."""
         with self._lock:
             o = self._offers.get(req.offer)
             if o is not None:
@@ -267,6 +308,9 @@ class PrefillOffers:
                 if isinstance(s, Waiting):
                     o.state = Free("released")
                     self.counters["released_by_decode"] += 1
+                elif isinstance(s, Exposed) and s.claimant != peer:
+                    self.counters["refused_releases"] += 1
+                    return wire.refused("not_claimant", "only the peer that claimed an offer may release it")
                 elif isinstance(s, Exposed) and not self._settled(o, s):
                     self._abort(o, s, self._clock())
         return wire.ok()
