@@ -53,12 +53,18 @@ def test_malformed_registrations_are_refused_and_stored_nowhere(sglang):
 
 
 def _ctrl(mgr, payload: bytes) -> dict:
-    from kv_transfer.sglang import wire
+    """One control request to ``mgr``'s port, as a decode sends it (its own
+    authenticated connection); an error answer as ``{"error": text}``."""
+    from kv_transfer.peers import ControlPlane, RemoteError
 
     host, port = mgr.control.address
-    with socket.create_connection((host, port), 5) as s:
-        wire.send_frame(s, payload)
-        return json.loads(wire.recv_frame(s))
+    plane = ControlPlane("test-decode")
+    try:
+        return json.loads(plane.call(host, port, payload, timeout=5))
+    except RemoteError as e:
+        return {"error": str(e)}
+    finally:
+        plane.close()
 
 
 def test_hostile_control_messages_get_typed_errors_and_change_no_kv_byte(sglang, monkeypatch):
@@ -103,15 +109,19 @@ def test_hostile_control_messages_get_typed_errors_and_change_no_kv_byte(sglang,
         json.dumps({"type": "other"}).encode(),
         md(20, b"{not an exposure"),
         md(21, json.dumps({"kvt": 1, "buffers": good["buffers"][:1]}).encode()),  # wrong buffer count
-        md(22, real.to_bytes(), descriptor=b"\x00bogus descriptor"),
         json.dumps({"type": "metadata", "room": 23, "descriptor": base64.b64encode(bytes(desc)).decode(),
                     "kv": "!!notbase64"}).encode(),
     ]
+    # A bogus descriptor for a room a sender claims: its add_peer fails at once (a room nobody claims would
+    # keep it unresolved, buying no peer, until a sender does).
+    pmgr.expect_room(22)
+    hostile.append(md(22, real.to_bytes(), descriptor=b"\x00bogus descriptor"))
     for payload in hostile:
         reply = _ctrl(pmgr, payload)
         assert "error" in reply and ("ProtocolError" in reply["error"] or "DescriptorError" in reply["error"]), reply
     assert pmgr.get_metrics()["bad_control_messages"] == len(hostile)
     assert pmgr.control.stats()["ctrl_rooms"] == 0  # no room was created
+    pmgr.forget_room(22)
 
     # Well-formed but forged: the prefill writes where the forgery says;
     # the decode NIC refuses (generation and token), and no byte lands.

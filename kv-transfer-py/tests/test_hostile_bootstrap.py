@@ -324,14 +324,15 @@ def test_hostile_challenges_are_bounded_per_address_in_all_and_in_time():
     from kv_transfer.sglang import bootstrap
 
     lim = bootstrap.RegistryLimits(max_challenges=64, max_challenges_per_address=8, challenge_ttl_s=0.2)
-    reg = bootstrap.BootstrapRegistry(lim, SECRET)
+    now = [100.0]  # a virtual clock: the caps are checked, not the machine's speed
+    reg = bootstrap.BootstrapRegistry(lim, SECRET, clock=lambda: now[0])
     codes = [reg.challenge(ATTACKER)[0] for _ in range(100)]
     assert codes.count(200) == 8 and codes.count(429) == 92
     for i in range(7):  # more addresses fill the total
         [reg.challenge(f"127.0.1.{i}") for _ in range(8)]
     assert reg.stats()["challenges_outstanding"] == 64 and reg.challenge(HONEST)[0] == 429
     assert reg.stats()["challenges_refused"] == 93
-    time.sleep(0.25)
+    now[0] += 0.25
     assert reg.challenge(HONEST)[0] == 200  # past the deadline the stale ones are dropped
     assert reg.stats()["challenges_outstanding"] == 1 and reg.stats()["challenges_expired"] == 64
     # Without a secret there is nothing to challenge and nothing is kept.
@@ -392,28 +393,15 @@ class _ImpostorPrefill:
         self.endpoint = kv_transfer.Endpoint("tcp-sim", f"impostor-{id(self):x}")
         self.pool = self.endpoint.register([(ctypes.addressof(b), pages * item, item) for b in self.bufs])
         self.got = []
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self._stop = False
+        # A control-plane listener like a prefill's (single-host mode: the key is public, so it can be one).
+        from kv_transfer.peers import ControlPlane
 
-        def loop():
-            t_end = time.monotonic() + 60
-            while not self._stop and time.monotonic() < t_end:
-                try:
-                    c, _ = self.sock.accept()
-                except OSError:
-                    continue
-                with c:
-                    c.settimeout(5)
-                    try:
-                        self.got.append(wire.recv_frame(c))
-                        wire.send_frame(c, b'{"ok": true}')
-                    except (OSError, wire.ProtocolError):
-                        pass
+        def take(peer: str, body: bytes) -> bytes:
+            self.got.append(bytes(body))
+            return b'{"ok": true}'
 
-        self.thread = threading.Thread(target=loop, daemon=True)
-        self.thread.start()
+        self.plane = ControlPlane("impostor")
+        self.port = self.plane.serve("127.0.0.1", 0, take)[1]
 
     def write_into_what_it_got(self) -> str:
         """Writes its own bytes into the exposure a decode sent it."""
@@ -429,9 +417,7 @@ class _ImpostorPrefill:
         return state
 
     def close(self):
-        self._stop = True
-        self.thread.join(5)
-        self.sock.close()
+        self.plane.close()
 
 
 @pytest.mark.parametrize("first_writer_wins", [False, True])
@@ -477,7 +463,8 @@ def test_hostile_impostor_registration_is_not_served_by_the_decode(sglang, monke
         if not first_writer_wins:
             # Positive control: the impostor got the exposure, wrote its bytes, and the decode consumed them.
             assert code == 200 and rcv.registration.ctrl_port == impostor.port
-            assert len(impostor.got) == 1 and impostor.write_into_what_it_got() == "success"
+            assert poll_until(lambda: len(impostor.got), {1}, 5) == 1
+            assert impostor.write_into_what_it_got() == "success"
             assert poll_until(rcv.poll, {KVPoll.Success, KVPoll.Failed}, 10) == KVPoll.Success
             assert page_bytes(keep_d[0], 2, 128) == b"\xee" * 128
             assert pmgr.target_of(room) is None  # the real prefill got nothing

@@ -56,7 +56,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import wire
 from ..ports import GuardedServerMixin, ServerLimits
@@ -203,8 +203,10 @@ class BootstrapRegistry:
     """rank -> (registration, the address that registered it); with a
     secret, the challenges outstanding."""
 
-    def __init__(self, limits: RegistryLimits = RegistryLimits(), secret: Optional[bytes] = None):
+    def __init__(self, limits: RegistryLimits = RegistryLimits(), secret: Optional[bytes] = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.limits = limits
+        self._clock = clock
         self.secret = secret or None  # an empty secret is none
         self._lock = threading.Lock()
         self._ranks: Dict[int, Tuple[bytes, str]] = {}
@@ -261,7 +263,7 @@ class BootstrapRegistry:
             if self.secret is None:
                 return 404, (b'{"error": "this bootstrap server holds no shared secret: '
                              b'registrations are not challenged"}')
-            now = time.monotonic()
+            now = self._clock()
             self._expire(now)
             if (self._challenges_per_addr.get(addr, 0) >= self.limits.max_challenges_per_address
                     or len(self._challenges) >= self.limits.max_challenges):
@@ -292,7 +294,7 @@ class BootstrapRegistry:
                                     + " is a lookup answer's or the v1 scheme's, not a fresh registration's", addr)
             return self._refuse("refused_unauthenticated", 403, "registration without a valid " + AUTH_HEADER
                                 + " over a challenge (" + CHALLENGE_HEADER + ") from GET /challenge", addr)
-        self._expire(time.monotonic())
+        self._expire(self._clock())
         if self._drop_challenge(c) is None:
             return self._refuse("refused_stale_challenge", 403,
                                 "registration with a challenge that is unknown, spent or expired (a replay?)", addr)
