@@ -112,15 +112,17 @@ def test_hostile_control_messages_get_typed_errors_and_change_no_kv_byte(sglang,
         json.dumps({"type": "metadata", "room": 23, "descriptor": base64.b64encode(bytes(desc)).decode(),
                     "kv": "!!notbase64"}).encode(),
     ]
-    # A bogus descriptor for a room a sender claims: its add_peer fails at once (a room nobody claims would
-    # keep it unresolved, buying no peer, until a sender does).
-    pmgr.expect_room(22)
-    hostile.append(md(22, real.to_bytes(), descriptor=b"\x00bogus descriptor"))
     for payload in hostile:
         reply = _ctrl(pmgr, payload)
         assert "error" in reply and ("ProtocolError" in reply["error"] or "DescriptorError" in reply["error"]), reply
     assert pmgr.get_metrics()["bad_control_messages"] == len(hostile)
     assert pmgr.control.stats()["ctrl_rooms"] == 0  # no room was created
+    # A bogus descriptor: taken as metadata (it buys no peer), refused when the room's sender asks for it:
+    # the room fails, counted, and no byte moves.
+    assert _ctrl(pmgr, md(22, real.to_bytes(), descriptor=b"\x00bogus descriptor")) == {"ok": True}
+    s22 = conn.KvTransferSender(pmgr, addr, 22)
+    assert pmgr.target_of(22) is None and pmgr.get_metrics()["bad_control_messages"] == len(hostile) + 1
+    assert s22.poll() == KVPoll.Bootstrapping
     pmgr.forget_room(22)
 
     # Well-formed but forged: the prefill writes where the forgery says;

@@ -43,8 +43,11 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import select
+import socket
 import struct
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -116,8 +119,9 @@ class _PeerState:
 class _Service:
     """One listening port: its handler, its handshake listener, its peers."""
 
-    def __init__(self, handler: Callable[[str, bytes], bytes], listener: Any):
+    def __init__(self, handler: Callable[[str, bytes], bytes], listener: Any, inline: bool = False):
         self.handler = handler
+        self.inline = inline
         self.listener = listener
         self.peers: Dict[str, _PeerState] = {}
         self.handshaking: Counter = Counter()
@@ -127,16 +131,25 @@ class _Service:
 
 
 class _Link:
-    """A dialed connection to one listener, shared by every request to it."""
+    """A dialed connection to one listener, shared by every request to it.
+
+    Requests are written by the thread that makes them, straight to the
+    socket, under ``lock`` (which also orders the session's tags): a
+    request costs no hop to the loop's thread, which under a busy
+    interpreter (a serving engine's scheduler) can wait a whole GIL switch
+    interval. The loop only connects and reads the answers."""
 
     def __init__(self, window: int) -> None:
         # Requests in flight on the link: at most what a listener grants a
         # peer (the same limits), so an honest dialer never trips the cap.
-        self.window = asyncio.Semaphore(max(1, window))
+        self.window = max(1, window)
+        self.lock = threading.Lock()
         self.connecting: Optional[asyncio.Future] = None
+        self.sock: Optional[socket.socket] = None
         self.writer: Optional[asyncio.StreamWriter] = None
         self.session: Any = None
-        self.pending: Dict[int, asyncio.Future] = {}
+        #: request id -> (its future, its deadline on the monotonic clock)
+        self.pending: Dict[int, Tuple[concurrent.futures.Future, float]] = {}
         self.ids = itertools.count(1)
 
 
@@ -159,6 +172,7 @@ class ControlPlane:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"kvt-plane-{name}", daemon=True)
         self._thread.start()
         self._closed = False
+        self._expiry: Optional[asyncio.Future] = None
 
     # --- the loop ------------------------------------------------------------
     def _run(self, coro: Any, timeout: Optional[float] = None) -> Any:
@@ -169,17 +183,19 @@ class ControlPlane:
 
     # --- listening -----------------------------------------------------------
     def serve(self, host: str, port: int, handler: Callable[[str, bytes], bytes],
-              advertise: Optional[str] = None, answers_to: Sequence[str] = ()) -> Tuple[str, int]:
+              advertise: Optional[str] = None, answers_to: Sequence[str] = (), inline: bool = False) -> Tuple[str, int]:
         """Listens on ``host:port`` (0: any free port); ``handler(peer_name,
         body) -> reply`` runs for each request on the handler pool. Dialers
         must dial ``advertise`` (default ``host``) at the bound port, as the
         deployment publishes it, or one of ``answers_to`` (other
         ``host:port`` spellings, e.g. a forwarded port); a handshake that
-        dialed anything else is a relayed one, refused. Returns the bound
+        dialed anything else is a relayed one, refused. ``inline``: the
+        handler never blocks (no network, no lock held long), so it runs on
+        the loop itself, saving a thread hop per request. Returns the bound
         ``(host, port)``."""
 
         async def start() -> Tuple[str, int]:
-            service = _Service(handler, None)
+            service = _Service(handler, None, inline)
             server = await asyncio.start_server(lambda r, w: self._serve_conn(service, r, w), host, port,
                                                 limit=1 << 16, backlog=1024)
             bound = server.sockets[0].getsockname()[:2]
@@ -338,7 +354,10 @@ class ControlPlane:
         try:
             async with st.lock:  # one request of a peer at a time on the pool
                 try:
-                    reply = await self._loop.run_in_executor(self._pool, service.handler, peer, body)
+                    if service.inline:
+                        reply = service.handler(peer, body)
+                    else:
+                        reply = await self._loop.run_in_executor(self._pool, service.handler, peer, body)
                     kind = REPLY
                 except Exception as e:  # noqa: BLE001 (a handler's error goes back to its peer, typed)
                     if not isinstance(e, (kv_transfer.KvTransferError, ValueError)):
@@ -362,53 +381,102 @@ class ControlPlane:
         closed); the future resolves to the reply, or raises
         :class:`RemoteError`, :class:`kv_transfer.PeerRefused`,
         :class:`PlaneClosed` or ``TimeoutError`` (connecting included,
-        ``timeout`` or the limits' default)."""
+        ``timeout`` or the limits' default). On a live link with room in its
+        window the request leaves from the calling thread, at once."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._closed:
-            f: concurrent.futures.Future = concurrent.futures.Future()
-            f.set_exception(PlaneClosed("the control plane is closed"))
-            return f
-        t = self.limits.request_timeout_s if timeout is None else timeout
-        return asyncio.run_coroutine_threadsafe(self._request(host, int(port), bytes(body), t), self._loop)
+            fut.set_exception(PlaneClosed("the control plane is closed"))
+            return fut
+        deadline = time.monotonic() + (self.limits.request_timeout_s if timeout is None else timeout)
+        key = (host, int(port))
+        link = self._links.get(key)
+        if link is not None and self._try_send(link, bytes(body), deadline, fut):
+            return fut
+        asyncio.run_coroutine_threadsafe(self._request_slow(key, bytes(body), deadline, fut), self._loop)
+        return fut
 
     def call(self, host: str, port: int, body: bytes, timeout: Optional[float] = None) -> bytes:
         """:meth:`request`, waited for."""
         t = self.limits.request_timeout_s if timeout is None else timeout
         return self.request(host, port, body, t).result(t + 1)
 
-    async def _request(self, host: str, port: int, body: bytes, timeout: float) -> bytes:
-        return await asyncio.wait_for(self._request_now(host, port, body), timeout)
-
-    async def _request_now(self, host: str, port: int, body: bytes) -> bytes:
-        link = self._links.get((host, port))
-        if link is None:
-            link = self._links[(host, port)] = _Link(self.limits.max_inflight_per_peer)
-        async with link.window:
-            return await self._request_on(link, host, port, body)
-
-    async def _request_on(self, link: _Link, host: str, port: int, body: bytes) -> bytes:
-        if link.writer is None:
-            if link.connecting is None:
-                link.connecting = asyncio.ensure_future(self._connect(link, host, port))
-            connecting = link.connecting
+    def _try_send(self, link: _Link, body: bytes, deadline: float, fut: concurrent.futures.Future) -> bool:
+        """Sends on a live link with room in its window; False if it has none
+        (the slow path waits for it)."""
+        with link.lock:
+            if link.sock is None or len(link.pending) >= link.window:
+                return False
+            rid = next(link.ids)
+            hdr = _HDR.pack(len(body), rid, REQUEST)
+            frame = hdr + body + link.session.seal(hdr + body)
+            link.pending[rid] = (fut, deadline)
             try:
-                await asyncio.shield(connecting)
-            finally:
-                if link.connecting is connecting and connecting.done():
-                    link.connecting = None
-        if link.writer is None:
-            raise PlaneClosed(f"no connection to {host}:{port}")
-        rid = next(link.ids)
-        fut = self._loop.create_future()
-        link.pending[rid] = fut
+                _send_all(link.sock, frame, deadline)
+            except (OSError, TimeoutError) as e:
+                # A frame cut short breaks the stream: the link goes, and
+                # every request on it fails (the next one reconnects).
+                self._drop_link(link, PlaneClosed(f"sending on the control connection: {e}"))
+            return True
+
+    async def _request_slow(self, key: Tuple[str, int], body: bytes, deadline: float,
+                            fut: concurrent.futures.Future) -> None:
+        """Connects if need be and waits for room in the window (bounded by
+        the deadline), then sends."""
         try:
-            _write_frame(link.writer, link.session, rid, REQUEST, body)
-            await link.writer.drain()
-            return await fut
-        finally:
-            link.pending.pop(rid, None)
+            link = self._links.get(key)
+            if link is None:
+                link = self._links[key] = _Link(self.limits.max_inflight_per_peer)
+            while True:
+                if link.sock is None:
+                    if link.connecting is None:
+                        link.connecting = asyncio.ensure_future(self._connect(link, *key))
+                    connecting = link.connecting
+                    try:
+                        await asyncio.wait_for(asyncio.shield(connecting), max(0.0, deadline - time.monotonic()))
+                    finally:
+                        if link.connecting is connecting and connecting.done():
+                            link.connecting = None
+                if self._try_send(link, body, deadline, fut):
+                    return
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no room on the connection to {key[0]}:{key[1]} in time")
+                await asyncio.sleep(0.001)  # the window is full: an answer frees a place
+        except BaseException as e:  # noqa: BLE001 (the caller sees it on its future)
+            if not fut.done():
+                fut.set_exception(e if isinstance(e, Exception) else PlaneClosed(str(e)))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
+    def _drop_link(self, link: _Link, why: BaseException) -> None:
+        """The link's connection is gone: every request on it fails with ``why``."""
+        sock, link.sock, link.session = link.sock, None, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        pending, link.pending = link.pending, {}
+        for fut, _ in pending.values():
+            if not fut.done():
+                fut.set_exception(why)
+
+    async def _expire(self) -> None:
+        """Fails requests past their deadline (their answer is then dropped)."""
+        while True:
+            await asyncio.sleep(0.05)
+            now = time.monotonic()
+            for link in list(self._links.values()):
+                with link.lock:
+                    late = [rid for rid, (_, d) in link.pending.items() if d <= now]
+                    for rid in late:
+                        fut, _ = link.pending.pop(rid)
+                        if not fut.done():
+                            fut.set_exception(TimeoutError("no answer in time"))
 
     async def _connect(self, link: _Link, host: str, port: int) -> None:
         self._count("dials")
+        if self._expiry is None:
+            self._expiry = asyncio.ensure_future(self._expire())
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 16)
         try:
             hs, hello = kv_transfer.PeerHandshake.dial(self.key, CONTEXT, self.name, self.endpoint, f"{host}:{port}")
@@ -429,10 +497,17 @@ class ControlPlane:
             writer.close()
             raise
         self._count("links_opened")
-        link.writer, link.session = writer, session
-        asyncio.ensure_future(self._read_replies(link, reader, writer))
+        ts = writer.get_extra_info("socket")
+        # The requests' own handle on the connection (a duplicate of the
+        # transport's: the loop only reads from it from now on).
+        raw = socket.socket(ts.family, ts.type, ts.proto, fileno=_dup(ts.fileno()))
+        raw.setblocking(False)
+        with link.lock:
+            link.writer, link.session, link.sock = writer, session, raw
+        asyncio.ensure_future(self._read_replies(link, reader, writer, raw))
 
-    async def _read_replies(self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _read_replies(self, link: _Link, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                            raw: socket.socket) -> None:
         why: BaseException = PlaneClosed("the connection closed")
         try:
             while True:
@@ -442,27 +517,26 @@ class ControlPlane:
                     why = PlaneClosed(f"a reply frame of {n} B, kind {kind}: connection dropped")
                     return
                 rest = await reader.readexactly(n + TAG_LEN)
-                link.session.open(hdr + rest[:n], rest[n:])
-                fut = link.pending.pop(rid, None)
-                if fut is None or fut.done():
+                with link.lock:
+                    link.session.open(hdr + rest[:n], rest[n:])
+                    entry = link.pending.pop(rid, None)
+                if entry is None or entry[0].done():
                     continue  # its request timed out
                 if kind == REPLY:
-                    fut.set_result(bytes(rest[:n]))
+                    entry[0].set_result(bytes(rest[:n]))
                 else:
-                    fut.set_exception(RemoteError(bytes(rest[:n]).decode(errors="replace")))
-        except (asyncio.IncompleteReadError, OSError) as e:
+                    entry[0].set_exception(RemoteError(bytes(rest[:n]).decode(errors="replace")))
+        except (asyncio.IncompleteReadError, OSError, AttributeError) as e:
             why = PlaneClosed(f"the connection closed: {e}")
         except kv_transfer.PeerRefused as e:
             self._count("bad_tags")
             why = e
         finally:
-            if link.writer is writer:
-                link.writer, link.session = None, None
+            with link.lock:
+                if link.sock is raw:
+                    self._drop_link(link, why)
+            raw.close()
             writer.close()
-            for fut in list(link.pending.values()):
-                if not fut.done():
-                    fut.set_exception(why)
-            link.pending.clear()
 
     # --- the rest --------------------------------------------------------------
     def stats(self) -> Dict[str, int]:
@@ -473,7 +547,7 @@ class ControlPlane:
             out = dict(self.counters)
             out["peers"] = sum(len(s.peers) for s in self._services.values())
             out["handshakes_peak"] = max([s.handshakes_peak for s in self._services.values()] or [0])
-            out["links"] = sum(1 for link in self._links.values() if link.writer is not None)
+            out["links"] = sum(1 for link in self._links.values() if link.sock is not None)
             for s in self._services.values():
                 for k, v in s.listener.stats().items():
                     out[f"auth_{k}"] = out.get(f"auth_{k}", 0) + v
@@ -495,6 +569,8 @@ class ControlPlane:
                     for w in st.writers:
                         w.close()
             for link in self._links.values():
+                with link.lock:
+                    self._drop_link(link, PlaneClosed("the control plane is closed"))
                 if link.writer is not None:
                     link.writer.close()
             # Every connection's task ends here, not at interpreter exit.
@@ -517,6 +593,28 @@ async def _read_handshake(reader: asyncio.StreamReader) -> bytes:
     header = await reader.readexactly(kv_transfer.handshake_header_len())
     n = kv_transfer.handshake_body_len(header)
     return header + await reader.readexactly(n)
+
+
+def _dup(fd: int) -> int:
+    import os
+
+    return os.dup(fd)
+
+
+def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
+    """Writes all of ``data`` on a non-blocking socket by ``deadline``."""
+    view = memoryview(data)
+    while view:
+        try:
+            n = sock.send(view)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        view = view[n:]
+        if view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the control connection did not take the frame in time")
+            select.select([], [sock], [], min(left, 0.1))
 
 
 def _write_frame(writer: asyncio.StreamWriter, session: Any, rid: int, kind: int, body: bytes) -> None:

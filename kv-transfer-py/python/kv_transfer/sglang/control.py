@@ -290,7 +290,9 @@ class PrefillControlPlane:
         self._own_plane = plane is None
         self.plane = plane if plane is not None else ControlPlane(
             f"prefill-{endpoint.name}", limits=PlaneLimits(max_frame=max_frame))
-        self.address: Tuple[str, int] = self.plane.serve(host, 0, self._on_request)
+        # The handler never blocks (the decode's add_peer waits for the room's
+        # sender, in target_of): it runs on the plane's loop, no thread hop.
+        self.address: Tuple[str, int] = self.plane.serve(host, 0, self._on_request, inline=True)
 
     # --- the port ----------------------------------------------------------
     def _on_request(self, peer: str, data: bytes) -> bytes:
@@ -320,11 +322,12 @@ class PrefillControlPlane:
 
         try:
             md = wire.parse_metadata(data, admit)
-            entry = held[0][1]
+            # The decode's descriptor becomes a peer when the room's sender
+            # first asks for it (target_of), never here: nothing on the
+            # control plane's loop blocks, and a room nobody claims buys no peer.
             checked = self._check(md)
-            # A sender claims the room already: its peer now; else when one does.
-            value = checked if entry.pending else self._resolve(checked)
-            self.rooms.commit(md.room, entry, value)
+            # The positive control (the old table) adds every decode as a peer at once.
+            self.rooms.commit(md.room, held[0][1], checked if self.rooms.limits.enforce else self._resolve(checked))
         except (wire.ProtocolError, kv_transfer.KvTransferError) as e:
             if held:
                 self.rooms.cancel(*held[0])
