@@ -214,7 +214,7 @@ fn squat(identity: PeerIdentity) -> Squat {
     let landed = buf.iter().filter(|b| **b == SQUAT).count();
 
     // The honest prefill WRITEs and notifies.
-    let (wrote, settled) = honest_write_then_settle(&prefill, &remote, exposed);
+    let (_, settled) = honest_write_then_settle(&prefill, &remote, exposed);
     let honest_ms = t0.elapsed().as_millis();
     let (honest_served, foreign) = match settled {
         Some(s) => {
@@ -564,7 +564,7 @@ fn relayed(accept_off: bool, confirm_off: bool) -> Relayed {
 
     // B WRITEs and notifies (it now has the decode's real descriptor).
     b.t.add_peer(decode.t.descriptor()).expect("B adds the decode");
-    let (wrote, settled) = honest_write_then_settle(&b, &remote, exposed);
+    let (_, settled) = honest_write_then_settle(&b, &remote, exposed);
     let (honest_served, foreign) = match settled {
         Some(s) => {
             let bytes = s.bytes().expect("the settled slot");

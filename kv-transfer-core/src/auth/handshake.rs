@@ -336,7 +336,7 @@ pub struct DialerConfig {
 #[derive(Debug)]
 pub struct Dialer {
     cfg: DialerConfig,
-    nonce: [u8; NONCE_LEN],
+    /// The HELLO's body (its nonce first): the transcript starts with it.
     hello_body: Vec<u8>,
 }
 
@@ -351,7 +351,7 @@ impl Dialer {
         put_field(&mut body, cfg.me.endpoint.as_bytes())?;
         put_field(&mut body, cfg.dialed.as_bytes())?;
         let hello = Frame { kind: FrameKind::Hello, body: body.clone() };
-        Ok((Self { cfg, nonce, hello_body: body }, hello))
+        Ok((Self { cfg, hello_body: body }, hello))
     }
 
     /// The acceptor's CHALLENGE: checks its proof, and returns the session
@@ -375,7 +375,6 @@ impl Dialer {
             }
         }
         let finish = Frame { kind: FrameKind::Finish, body: mac(k, &[b"dialer", &th]).to_vec() };
-        let _ = self.nonce;
         let peer = PeerIdentity {
             identity: Identity::new(name_a, endpoint_a),
             source: None,
