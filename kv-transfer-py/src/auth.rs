@@ -200,22 +200,9 @@ impl PeerListener {
         self.counters.count_refusal(&AuthError::Io(std::io::ErrorKind::TimedOut.into()));
     }
 
-    /// The counts so far, by kind.
+    /// The counts so far, by kind (`auth_established`, `auth_wrong_key`, ...).
     fn stats(&self) -> std::collections::HashMap<&'static str, u64> {
-        let s = self.counters.snapshot();
-        [
-            ("established", s.established),
-            ("wrong_key", s.wrong_key),
-            ("replayed", s.replayed),
-            ("address_mismatch", s.address_mismatch),
-            ("context_mismatch", s.context_mismatch),
-            ("name_mismatch", s.name_mismatch),
-            ("refused_by_peer", s.refused_by_peer),
-            ("malformed", s.malformed),
-            ("io", s.io),
-        ]
-        .into_iter()
-        .collect()
+        self.counters.snapshot().fields().into_iter().collect()
     }
 }
 

@@ -314,7 +314,7 @@ impl VerbsTransfer {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let d = self.inner.drain_counters.snapshot();
         let a = self.inner.auth_counters.snapshot();
-        vec![
+        let mut out = vec![
             ("posts", g(&c.posts)),
             ("ops_ok", g(&c.ops_ok)),
             ("ops_failed", g(&c.ops_failed)),
@@ -343,22 +343,15 @@ impl VerbsTransfer {
             ("confirms_answered", g(&c.confirms_answered)),
             // Fenced peer records dropped with their rings (nothing names them).
             ("records_dropped", g(&c.records_dropped)),
-            // Side-channel handshakes under the cluster key, both ways:
-            // established, and refused by cause (a relay is an address
-            // mismatch; `auth_refused_by_peer`: the other end refused ours).
-            ("auth_established", a.established),
-            ("auth_wrong_key", a.wrong_key),
-            ("auth_replayed", a.replayed),
-            ("auth_address_mismatch", a.address_mismatch),
-            ("auth_context_mismatch", a.context_mismatch),
-            ("auth_name_mismatch", a.name_mismatch),
-            ("auth_refused_by_peer", a.refused_by_peer),
-            ("auth_malformed", a.malformed),
-            ("auth_io", a.io),
             // A gauge: peer records (live, fencing, or fenced and still
             // named), each with its QP.
             ("peers", lock(&self.inner.state).peers.len() as u64),
-        ]
+        ];
+        // Side-channel handshakes under the cluster key, both ways:
+        // established, and refused by cause (a relay is an address
+        // mismatch; `auth_refused_by_peer`: the other end refused ours).
+        out.extend(a.fields());
+        out
     }
 
     /// Sends a control message to `peer` as a SEND on its queue pair (what

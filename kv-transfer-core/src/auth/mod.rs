@@ -148,6 +148,23 @@ pub struct AuthStats {
     pub io: u64,
 }
 
+impl AuthStats {
+    /// Every count, by name (each prefixed `auth_`, as backends report them).
+    pub fn fields(&self) -> [(&'static str, u64); 9] {
+        [
+            ("auth_established", self.established),
+            ("auth_wrong_key", self.wrong_key),
+            ("auth_replayed", self.replayed),
+            ("auth_address_mismatch", self.address_mismatch),
+            ("auth_context_mismatch", self.context_mismatch),
+            ("auth_name_mismatch", self.name_mismatch),
+            ("auth_refused_by_peer", self.refused_by_peer),
+            ("auth_malformed", self.malformed),
+            ("auth_io", self.io),
+        ]
+    }
+}
+
 impl AuthCounters {
     /// Counts a handshake's end.
     pub fn count(&self, r: &Result<Established, AuthError>) {

@@ -550,7 +550,7 @@ class ControlPlane:
             out["links"] = sum(1 for link in self._links.values() if link.sock is not None)
             for s in self._services.values():
                 for k, v in s.listener.stats().items():
-                    out[f"auth_{k}"] = out.get(f"auth_{k}", 0) + v
+                    out[k] = out.get(k, 0) + v
             return out
 
         return self._run(snap(), 5)
