@@ -37,6 +37,72 @@ pub enum TransportError {
     /// The transport is shut down.
     #[error("transport closed")]
     Closed,
+    /// The deployment's cluster key could not be loaded
+    /// ([`kv_transfer_core::auth::ClusterKey::from_env`]: a variable set
+    /// but wrong, an unreadable key file).
+    #[error("cluster key: {0}")]
+    Key(String),
+    /// A side channel's handshake under the cluster key failed (counted in
+    /// the transport's `auth_*` stats).
+    #[error("side-channel handshake refused ({refusal:?}): {detail}")]
+    Auth {
+        /// Why, by kind.
+        refusal: AuthRefusal,
+        /// Core's error, in words.
+        detail: String,
+    },
+}
+
+/// Why a side channel's handshake under the cluster key failed: the kind of
+/// core's [`kv_transfer_core::auth::AuthError`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AuthRefusal {
+    /// A proof did not verify: another cluster key (or an altered transcript).
+    WrongKey,
+    /// A recorded handshake (its nonce was seen before).
+    Replayed,
+    /// The dialer dialed an address that is not the acceptor's: a relay.
+    AddressMismatch,
+    /// A handshake for another protocol.
+    ContextMismatch,
+    /// The acceptor proved another name than the one dialed for (or an
+    /// offer named another engine than the handshake proved).
+    NameMismatch,
+    /// The other end refused ours.
+    RefusedByPeer(kv_transfer_core::auth::RefusalCode),
+    /// Malformed, another version, a bad session tag.
+    Malformed,
+    /// The connection failed or a deadline passed.
+    Io,
+}
+
+impl From<&kv_transfer_core::auth::AuthError> for AuthRefusal {
+    fn from(e: &kv_transfer_core::auth::AuthError) -> Self {
+        use kv_transfer_core::auth::AuthError as E;
+        match e {
+            E::WrongKey => Self::WrongKey,
+            E::Replayed => Self::Replayed,
+            E::AddressMismatch { .. } => Self::AddressMismatch,
+            E::ContextMismatch { .. } => Self::ContextMismatch,
+            E::NameMismatch { .. } => Self::NameMismatch,
+            E::Refused(code) => Self::RefusedByPeer(*code),
+            E::Io(_) => Self::Io,
+            _ => Self::Malformed,
+        }
+    }
+}
+
+impl From<kv_transfer_core::auth::AuthError> for TransportError {
+    fn from(e: kv_transfer_core::auth::AuthError) -> Self {
+        Self::Auth { refusal: AuthRefusal::from(&e), detail: e.to_string() }
+    }
+}
+
+impl From<kv_transfer_core::auth::KeyError> for TransportError {
+    fn from(e: kv_transfer_core::auth::KeyError) -> Self {
+        Self::Key(e.to_string())
+    }
 }
 
 impl TransportError {
@@ -46,8 +112,8 @@ impl TransportError {
             Self::OutOfBounds => StatusCode::InvalidArgs,
             Self::UnknownMemory { .. } | Self::UnknownPeer(_) => StatusCode::NotFound,
             Self::Busy(_) | Self::State(_) | Self::Closed => StatusCode::BadState,
-            Self::Unsupported(_) => StatusCode::InvalidArgs,
-            Self::Remote(_) => StatusCode::RdmaOp,
+            Self::Unsupported(_) | Self::Key(_) => StatusCode::InvalidArgs,
+            Self::Remote(_) | Self::Auth { .. } => StatusCode::RdmaOp,
         }
     }
 }

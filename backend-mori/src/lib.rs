@@ -140,7 +140,7 @@ pub use engine::{
 };
 #[cfg(any(test, feature = "mock"))]
 pub use engine::{MockIoEngine, MockIoSession};
-pub use error::{EngineError, TransportError};
+pub use error::{AuthRefusal, EngineError, TransportError};
 #[cfg(feature = "sim")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sim")))]
 pub use sim::{SimTransport, SimTransportConfig};

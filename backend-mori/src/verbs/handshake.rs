@@ -4,6 +4,11 @@
 //! MORI-IO exchanges its queue pairs over TCP, its control plane; so does
 //! this transport, with `backend-verbs`' hello for each queue pair:
 //!
+//! 0. before anything else, core's handshake ([`kv_transfer_core::auth`],
+//!    context [`super::AUTH_CONTEXT`]): both ends prove the cluster key,
+//!    the dialer names the address it dialed (the acceptor refuses any but
+//!    its own: a relay) and the acceptor must prove the descriptor's name;
+//!    the offer that follows must name the engine the handshake proved;
 //! 1. the dialer sends one byte (the number of queue pairs, 1..=8), one
 //!    [`Hello`] per queue pair (its engine key, the QP's endpoint, and the
 //!    *dialed* side's ticket, from the descriptor it was given), then its own

@@ -82,6 +82,7 @@ use std::time::{Duration, Instant};
 
 use backend_verbs::adapter::{fresh_ticket, parse_descriptor, Deadline, Descriptor, SideChannelLimits, Ticket};
 use backend_verbs::{Completion as Wc, Endpoint, Engine, MrAccess, MrId, MwId, QpId, WcStatus, WorkRequest as Wr};
+use kv_transfer_core::auth::{AcceptorConfig, AuthCounters, AuthStats, ClusterKey, DialerConfig, Identity};
 use kv_transfer_core::drain::{Capabilities, ReleasePolicy};
 use kv_transfer_core::{HostRegion, Region};
 
@@ -108,6 +109,10 @@ pub const SEND_BUFFERS: usize = 256;
 /// protocol at its largest (a notification is far smaller; its text is cut
 /// to fit).
 pub const MAX_MESSAGE: usize = 1 + kv_transfer_core::drain::MAX_LEN;
+
+/// The protocol of the side channel's handshake under the cluster key
+/// (core's [`kv_transfer_core::auth`]).
+pub const AUTH_CONTEXT: &str = "kvt-mori-verbs-side-channel";
 
 /// First byte of a SEND: a control message ([`MoriTransport::send_message`]).
 const MSG_CONTROL: u8 = 2;
@@ -156,6 +161,16 @@ pub struct VerbsTransportConfig {
     /// `serial` is the positive control: one handshake at a time on the
     /// accepting thread, as before).
     pub side_channel: SideChannelLimits,
+    /// The deployment's cluster key, which every side-channel connection's
+    /// handshake (core's [`kv_transfer_core::auth`], before anything else
+    /// on it) proves both ends hold. `None`: [`ClusterKey::from_env`] when
+    /// the transport is built (its error is [`TransportError::Key`]; no
+    /// variable set: the public single-host key, with a warning).
+    pub cluster_key: Option<ClusterKey>,
+    /// The positive control only: addresses (a relay's) that this side's
+    /// acceptor takes as its own, i.e. the handshake's address binding off
+    /// for them. Keep it empty.
+    pub positive_control_addresses: Vec<String>,
 }
 
 impl Default for VerbsTransportConfig {
@@ -168,6 +183,8 @@ impl Default for VerbsTransportConfig {
             timeout: Duration::from_secs(5),
             policy: ReleasePolicy::Safe,
             side_channel: SideChannelLimits::default(),
+            cluster_key: None,
+            positive_control_addresses: Vec::new(),
         }
     }
 }
@@ -202,6 +219,9 @@ pub struct VerbsTransportStats {
     /// Side-channel connections closed at once: their address's
     /// connections bound to no engine at their cap.
     pub claims_refused: u64,
+    /// The side channel's handshakes under the cluster key (both ways), by
+    /// outcome ([`VerbsTransport::auth_stats`]).
+    pub auth: AuthStats,
 }
 
 /// A connection's lifecycle.
@@ -348,6 +368,16 @@ struct Shared {
     polls: AtomicU64,
     /// Handshakes in flight, in all and per source address.
     gate: kv_transfer_core::PeerGate<std::net::IpAddr>,
+    /// The cluster key (resolved when the transport is built).
+    key: ClusterKey,
+    /// The side channel's own address (what its descriptor publishes).
+    addr: String,
+    /// The acceptor's side of the handshake (set at attach, when this
+    /// side's name is known; one replay cache for every handshake of the
+    /// listener).
+    auth: OnceLock<AcceptorConfig>,
+    /// Handshakes under the cluster key, both ways, by outcome.
+    auth_counters: AuthCounters,
 }
 
 /// MORI's transport on RDMA verbs; see the [module docs](self).
@@ -377,11 +407,16 @@ impl VerbsTransport {
         if cfg.qps == 0 || cfg.qps > handshake::MAX_QPS {
             return Err(TransportError::State(format!("{} queue pairs (1..={})", cfg.qps, handshake::MAX_QPS)));
         }
+        let key = match &cfg.cluster_key {
+            Some(k) => k.clone(),
+            None => ClusterKey::from_env()?,
+        };
         let ring = HostRegion::new(SEND_BUFFERS * MAX_MESSAGE).map_err(|e| TransportError::State(e.to_string()))?;
         let ring = Arc::new(ring);
         let info = nic.register(ring.clone(), MrAccess::Local).map_err(verbs_err)?;
         let listener = TcpListener::bind(&cfg.listen).map_err(|e| io_err("side channel", e))?;
         listener.set_nonblocking(true).map_err(|e| io_err("side channel", e))?;
+        let addr = listener.local_addr().map_err(|e| io_err("side channel", e))?.to_string();
         let st = State { send_free: (0..SEND_BUFFERS).rev().collect(), ..State::default() };
         let cfg_gate = (cfg.side_channel.handshakes, cfg.side_channel.per_address);
         let shared = Arc::new(Shared {
@@ -397,6 +432,10 @@ impl VerbsTransport {
             closed: AtomicBool::new(false),
             polls: AtomicU64::new(0),
             gate: kv_transfer_core::PeerGate::new(cfg_gate.0, cfg_gate.1),
+            key,
+            addr,
+            auth: OnceLock::new(),
+            auth_counters: AuthCounters::default(),
         });
         let sh = shared.clone();
         let poller = std::thread::Builder::new()
@@ -408,7 +447,15 @@ impl VerbsTransport {
 
     /// Counters.
     pub fn stats(&self) -> VerbsTransportStats {
-        self.shared.st().stats
+        let mut s = self.shared.st().stats;
+        s.auth = self.shared.auth_counters.snapshot();
+        s
+    }
+
+    /// The side channel's handshakes under the cluster key (both ways), by
+    /// outcome (also in [`stats`](Self::stats)).
+    pub fn auth_stats(&self) -> AuthStats {
+        self.shared.auth_counters.snapshot()
     }
 
     /// The side channel's address.
@@ -756,12 +803,23 @@ impl Shared {
             .map_err(|e| TransportError::Remote(format!("side channel to {}: {e}", d.addr)))?;
         s.set_read_timeout(Some(self.cfg.timeout)).map_err(|e| io_err("side channel", e))?;
         let _ = s.set_nodelay(true);
-        let ours = self.create_qps()?;
-        let mut hello = Offer { key: local.as_str().to_owned(), endpoints: ours.clone(), ticket: d.ticket }.encode()?;
-        hello.extend_from_slice(&self.ticket);
         // The whole exchange by one deadline (a trickling answer restarts
         // no timeout).
         let deadline = Instant::now() + self.cfg.timeout;
+        // Core's handshake first: both ends prove the cluster key, this
+        // side names the address it dialed, and the other end must prove
+        // the descriptor's name. Nothing else is written before it.
+        let auth = DialerConfig {
+            key: self.key.clone(),
+            context: AUTH_CONTEXT.into(),
+            me: Identity::new(local.as_str(), self.addr.clone()),
+            dialed: d.addr.clone(),
+            expect_name: Some(d.name.clone()),
+        };
+        kv_transfer_core::auth::dial(&mut Deadline::new(&s, deadline, self.cfg.timeout), auth, &self.auth_counters)?;
+        let ours = self.create_qps()?;
+        let mut hello = Offer { key: local.as_str().to_owned(), endpoints: ours.clone(), ticket: d.ticket }.encode()?;
+        hello.extend_from_slice(&self.ticket);
         let answer = write_all(&mut s, &hello, self.cfg.timeout)
             .and_then(|()| Offer::read_from(&mut Deadline::new(&s, deadline, self.cfg.timeout)));
         let theirs = match answer {
@@ -795,8 +853,25 @@ impl Shared {
         let _ = s.set_nodelay(true);
         let limits = &self.cfg.side_channel;
         let deadline = Instant::now() + limits.deadline;
+        // Core's handshake before anything else is read: the dialer proves
+        // the cluster key and that it dialed this side's address (a relay's
+        // handshake is refused); counted either way.
+        let auth = self.auth.get().ok_or_else(|| TransportError::State("transport not attached".to_owned()))?;
+        let from = s.peer_addr().ok().map(|a| a.ip());
+        let est = kv_transfer_core::auth::accept(
+            &mut Deadline::new(&s, deadline, limits.idle),
+            auth,
+            from,
+            &self.auth_counters,
+        )?;
         let offer = Offer::read_from(&mut Deadline::new(&s, deadline, limits.idle))?;
         let theirs = read_ticket(&mut Deadline::new(&s, deadline, limits.idle))?;
+        if offer.key != est.peer.identity.name {
+            return Err(TransportError::Auth {
+                refusal: crate::error::AuthRefusal::NameMismatch,
+                detail: format!("an offer from {:?}, whose handshake proved {:?}", offer.key, est.peer.identity.name),
+            });
+        }
         if !tickets_match(&offer.ticket, &self.ticket) {
             return Err(TransportError::Remote(format!("a hello from {:?} without this side's ticket", offer.key)));
         }

@@ -18,6 +18,16 @@ impl MoriTransport for VerbsTransport {
             lock(&self.listener).take().ok_or_else(|| TransportError::State("no side channel".to_owned()))?;
         let addr = listener.local_addr().map_err(|e| io_err("side channel", e))?.to_string();
         let d = Descriptor { name: local.as_str().to_owned(), addr, ticket: self.shared.ticket };
+        // The acceptor's side of the handshake: this side's name, and the
+        // address its descriptor publishes (the positive control adds a
+        // relay's); set before the acceptor thread starts.
+        let mut auth = AcceptorConfig::new(
+            self.shared.key.clone(),
+            AUTH_CONTEXT,
+            Identity::new(local.as_str(), self.shared.addr.clone()),
+        );
+        auth.addresses.extend(self.shared.cfg.positive_control_addresses.iter().cloned());
+        let _ = self.shared.auth.set(auth);
         // The listener moves to its thread; its address stays readable.
         *lock(&self.listener) = listener.try_clone().ok();
         let sh = self.shared.clone();
