@@ -53,49 +53,13 @@ pub enum TransportError {
     },
 }
 
-/// Why a side channel's handshake under the cluster key failed: the kind of
-/// core's [`kv_transfer_core::auth::AuthError`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AuthRefusal {
-    /// A proof did not verify: another cluster key (or an altered transcript).
-    WrongKey,
-    /// A recorded handshake (its nonce was seen before).
-    Replayed,
-    /// The dialer dialed an address that is not the acceptor's: a relay.
-    AddressMismatch,
-    /// A handshake for another protocol.
-    ContextMismatch,
-    /// The acceptor proved another name than the one dialed for (or an
-    /// offer named another engine than the handshake proved).
-    NameMismatch,
-    /// The other end refused ours.
-    RefusedByPeer(kv_transfer_core::auth::RefusalCode),
-    /// Malformed, another version, a bad session tag.
-    Malformed,
-    /// The connection failed or a deadline passed.
-    Io,
-}
-
-impl From<&kv_transfer_core::auth::AuthError> for AuthRefusal {
-    fn from(e: &kv_transfer_core::auth::AuthError) -> Self {
-        use kv_transfer_core::auth::AuthError as E;
-        match e {
-            E::WrongKey => Self::WrongKey,
-            E::Replayed => Self::Replayed,
-            E::AddressMismatch { .. } => Self::AddressMismatch,
-            E::ContextMismatch { .. } => Self::ContextMismatch,
-            E::NameMismatch { .. } => Self::NameMismatch,
-            E::Refused(code) => Self::RefusedByPeer(*code),
-            E::Io(_) => Self::Io,
-            _ => Self::Malformed,
-        }
-    }
-}
+/// Why a side channel's handshake under the cluster key failed: core's
+/// kind of [`kv_transfer_core::auth::AuthError`].
+pub use kv_transfer_core::auth::AuthErrorKind as AuthRefusal;
 
 impl From<kv_transfer_core::auth::AuthError> for TransportError {
     fn from(e: kv_transfer_core::auth::AuthError) -> Self {
-        Self::Auth { refusal: AuthRefusal::from(&e), detail: e.to_string() }
+        Self::Auth { refusal: e.kind(), detail: e.to_string() }
     }
 }
 

@@ -71,13 +71,14 @@ fn key() -> ClusterKey {
 }
 
 /// `from` WRITEs a slot of HONEST bytes to `remote` with a DONE, then waits
-/// (bounded by WAIT) for `exposed` to settle: whether the WRITE succeeded,
-/// and the settled lease (none: aborted after the bound, or the WRITE failed).
+/// (bounded by WAIT) for `exposed` to settle: whether it settled (else it
+/// is aborted after the bound, or the WRITE failed), and the bytes of the
+/// settled slot that are not the honest ones (the whole slot if unsettled).
 fn honest_write_then_settle(
     from: &Side,
     remote: &RemoteSlots,
     exposed: kv_transfer_core::SlotLease<kv_transfer_core::Exposed>,
-) -> (bool, Option<kv_transfer_core::SlotLease<kv_transfer_core::Settled>>) {
+) -> (bool, usize) {
     let mut src = from.pool.reserve(1).expect("reserve");
     src.write_at(0, 0, &[HONEST; SLOT]).expect("fill");
     let wrote = match block_on(from.t.write(src, remote, TransferOptions::notify(true))) {
@@ -104,7 +105,14 @@ fn honest_write_then_settle(
         }
         std::thread::sleep(Duration::from_millis(1));
     };
-    (wrote, settled)
+    match settled {
+        Some(s) => {
+            let bytes = s.bytes().expect("the settled slot");
+            s.release();
+            (true, bytes.iter().filter(|b| **b != HONEST).count())
+        }
+        None => (false, SLOT),
+    }
 }
 
 fn quiet() -> EscalationLadder {
@@ -214,16 +222,8 @@ fn squat(identity: PeerIdentity) -> Squat {
     let landed = buf.iter().filter(|b| **b == SQUAT).count();
 
     // The honest prefill WRITEs and notifies.
-    let (_, settled) = honest_write_then_settle(&prefill, &remote, exposed);
+    let (honest_served, foreign) = honest_write_then_settle(&prefill, &remote, exposed);
     let honest_ms = t0.elapsed().as_millis();
-    let (honest_served, foreign) = match settled {
-        Some(s) => {
-            let bytes = s.bytes().expect("the settled slot");
-            s.release();
-            (true, bytes.iter().filter(|b| **b != HONEST).count())
-        }
-        None => (false, SLOT),
-    };
     let r = Squat { read_previous, landed, honest_served, foreign, honest_ms };
     eprintln!("{identity:?}: {r:?}; decode {:?}", decode.t.counters());
     r
@@ -564,15 +564,7 @@ fn relayed(accept_off: bool, confirm_off: bool) -> Relayed {
 
     // B WRITEs and notifies (it now has the decode's real descriptor).
     b.t.add_peer(decode.t.descriptor()).expect("B adds the decode");
-    let (_, settled) = honest_write_then_settle(&b, &remote, exposed);
-    let (honest_served, foreign) = match settled {
-        Some(s) => {
-            let bytes = s.bytes().expect("the settled slot");
-            s.release();
-            (true, bytes.iter().filter(|b| **b != HONEST).count())
-        }
-        None => (false, SLOT),
-    };
+    let (honest_served, foreign) = honest_write_then_settle(&b, &remote, exposed);
     let unconfirmed = decode.t.counter("identity_unconfirmed");
     let r = Relayed { b_dialed, address_mismatch, spliced, got_m, read_previous, honest_served, foreign, unconfirmed };
     eprintln!(

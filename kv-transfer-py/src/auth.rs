@@ -20,22 +20,9 @@ create_exception!(
     "The peer handshake was refused (another cluster key, a replayed or relayed handshake, a malformed message); `args[1]` names the kind."
 );
 
-/// The kind of a refusal, as Python sees it (also the counter's name).
-fn kind(e: &AuthError) -> &'static str {
-    match e {
-        AuthError::WrongKey => "wrong_key",
-        AuthError::Replayed => "replayed",
-        AuthError::AddressMismatch { .. } => "address_mismatch",
-        AuthError::ContextMismatch { .. } => "context_mismatch",
-        AuthError::NameMismatch { .. } => "name_mismatch",
-        AuthError::Refused(_) => "refused_by_peer",
-        AuthError::Io(_) => "io",
-        _ => "malformed",
-    }
-}
-
+/// A refusal as Python sees it: the message, and its kind's name (the counter's).
 fn refused(e: AuthError) -> PyErr {
-    PeerRefused::new_err((e.to_string(), kind(&e)))
+    PeerRefused::new_err((e.to_string(), e.kind().as_str()))
 }
 
 /// The deployment's cluster key (see `kv_transfer_core::auth::ClusterKey`).

@@ -114,11 +114,12 @@ impl RefusalCode {
 
     /// The code that tells the other end about `e`.
     pub fn of(e: &AuthError) -> Self {
-        match e {
-            AuthError::WrongKey => Self::WrongKey,
-            AuthError::Replayed => Self::Replayed,
-            AuthError::AddressMismatch { .. } => Self::AddressMismatch,
-            AuthError::ContextMismatch { .. } => Self::ContextMismatch,
+        use super::AuthErrorKind as K;
+        match e.kind() {
+            K::WrongKey => Self::WrongKey,
+            K::Replayed => Self::Replayed,
+            K::AddressMismatch => Self::AddressMismatch,
+            K::ContextMismatch => Self::ContextMismatch,
             _ => Self::Other,
         }
     }

@@ -111,6 +111,61 @@ pub enum AuthError {
     BadTag,
 }
 
+/// What kind of refusal an [`AuthError`] is: one classification for the
+/// counters, the Python package's exceptions and the backends' own errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AuthErrorKind {
+    /// A proof did not verify: another cluster key (or an altered transcript).
+    WrongKey,
+    /// A recorded handshake (its nonce was seen before).
+    Replayed,
+    /// The dialer dialed an address that is not the acceptor's: a relay.
+    AddressMismatch,
+    /// A handshake for another protocol.
+    ContextMismatch,
+    /// The acceptor proved another name than the one dialed for.
+    NameMismatch,
+    /// The other end refused ours, saying why.
+    RefusedByPeer(RefusalCode),
+    /// Malformed, another version, a bad session tag.
+    Malformed,
+    /// The connection failed or a deadline passed.
+    Io,
+}
+
+impl AuthErrorKind {
+    /// Its name (the counter's, without `auth_`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::WrongKey => "wrong_key",
+            Self::Replayed => "replayed",
+            Self::AddressMismatch => "address_mismatch",
+            Self::ContextMismatch => "context_mismatch",
+            Self::NameMismatch => "name_mismatch",
+            Self::RefusedByPeer(_) => "refused_by_peer",
+            Self::Malformed => "malformed",
+            Self::Io => "io",
+        }
+    }
+}
+
+impl AuthError {
+    /// Its kind.
+    pub fn kind(&self) -> AuthErrorKind {
+        match self {
+            Self::WrongKey => AuthErrorKind::WrongKey,
+            Self::Replayed => AuthErrorKind::Replayed,
+            Self::AddressMismatch { .. } => AuthErrorKind::AddressMismatch,
+            Self::ContextMismatch { .. } => AuthErrorKind::ContextMismatch,
+            Self::NameMismatch { .. } => AuthErrorKind::NameMismatch,
+            Self::Refused(code) => AuthErrorKind::RefusedByPeer(*code),
+            Self::Io(_) => AuthErrorKind::Io,
+            Self::Malformed(_) | Self::Version(_) | Self::BadTag => AuthErrorKind::Malformed,
+        }
+    }
+}
+
 /// Counters of one listener's or dialer's handshakes.
 #[derive(Debug, Default)]
 pub struct AuthCounters {
@@ -181,15 +236,15 @@ impl AuthCounters {
 
     /// Counts a refused handshake, by kind.
     pub fn count_refusal(&self, e: &AuthError) {
-        let c = match e {
-            AuthError::WrongKey => &self.wrong_key,
-            AuthError::Replayed => &self.replayed,
-            AuthError::AddressMismatch { .. } => &self.address_mismatch,
-            AuthError::ContextMismatch { .. } => &self.context_mismatch,
-            AuthError::NameMismatch { .. } => &self.name_mismatch,
-            AuthError::Refused(_) => &self.refused_by_peer,
-            AuthError::Io(_) => &self.io,
-            AuthError::Malformed(_) | AuthError::Version(_) | AuthError::BadTag => &self.malformed,
+        let c = match e.kind() {
+            AuthErrorKind::WrongKey => &self.wrong_key,
+            AuthErrorKind::Replayed => &self.replayed,
+            AuthErrorKind::AddressMismatch => &self.address_mismatch,
+            AuthErrorKind::ContextMismatch => &self.context_mismatch,
+            AuthErrorKind::NameMismatch => &self.name_mismatch,
+            AuthErrorKind::RefusedByPeer(_) => &self.refused_by_peer,
+            AuthErrorKind::Io => &self.io,
+            AuthErrorKind::Malformed => &self.malformed,
         };
         c.fetch_add(1, Ordering::Relaxed);
     }
