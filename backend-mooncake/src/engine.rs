@@ -1,6 +1,7 @@
 //! The batch engine: a trait shaped like Mooncake's `TransferEngine` and its
 //! implementation [`MooncakeEngine`].
 
+use kv_transfer_core::auth::{AuthStats, ClusterKey};
 use kv_transfer_core::hash::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -183,6 +184,11 @@ pub struct EngineConfig {
     /// The target side of another transport (RDMA: `rdma::RdmaTarget`);
     /// `None` serves TCP only.
     pub target_hook: Option<Arc<dyn TargetHook>>,
+    /// The cluster key that seals notifications between two kv-transfer
+    /// engines ([`crate::sealed`]); `None`: the deployment's
+    /// ([`ClusterKey::from_env`]: `KV_TRANSFER_CLUSTER_KEY` or its file,
+    /// else the logged single-host key).
+    pub cluster_key: Option<ClusterKey>,
 }
 
 impl Default for EngineConfig {
@@ -201,6 +207,7 @@ impl Default for EngineConfig {
             advertised_tcp_proto_version: 2,
             tcp: TcpTransportConfig::default(),
             target_hook: None,
+            cluster_key: None,
         }
     }
 }
@@ -242,12 +249,14 @@ impl MooncakeEngine {
         let hs_addr = hs_l.local_addr().map_err(|e| EngineError::io("local_addr", e))?;
         drop(hs_l);
         let registry = Arc::new(MemoryRegistry::default());
+        let segment_name = format!("{}:{}", cfg.local_host, hs_addr.port());
+        let auth = crate::sealed::NotifyAuth::new(crate::sealed::key_or_env(&cfg.cluster_key)?, &segment_name);
         let shared = Arc::new(ServerShared {
             registry: registry.clone(),
             notifies: Mutex::default(),
             notify_waker: Default::default(),
             notify_limits: cfg.notify_limits,
-            segment_name: format!("{}:{}", cfg.local_host, hs_addr.port()),
+            segment_name,
             data_host: cfg.local_host.clone(),
             data_port,
             data_limits: cfg.data_limits,
@@ -257,6 +266,7 @@ impl MooncakeEngine {
             stats: Default::default(),
             hook: cfg.target_hook.clone(),
             ranges: ExposedRanges::new(cfg.serve),
+            auth,
         });
         let handshake = server::start_handshake(hs_addr, shared.clone())?;
         let data = server::start_data(data_l, shared.clone())?;
@@ -291,6 +301,12 @@ impl MooncakeEngine {
         s.ranges_exposed = self.shared.ranges.len() as u64;
         s.notify_bytes_queued = self.shared.notifies.lock().unwrap_or_else(|e| e.into_inner()).bytes() as u64;
         s
+    }
+
+    /// What sealed notifications' handshakes proved and refused, both ways
+    /// ([`crate::sealed`]).
+    pub fn auth_stats(&self) -> AuthStats {
+        self.shared.auth.stats()
     }
 
     /// Our descriptor as a Metadata handshake from an anonymous peer
@@ -484,8 +500,12 @@ impl TransferEngine for MooncakeEngine {
             drop(names);
             n.ok_or(EngineError::UnknownSegment(target)).and_then(|n| client::resolve_segment(&n))
         })?;
-        let n = NotifyDesc { name: self.shared.segment_name.clone(), notify_msg: msg.to_string() };
-        client::send_notify(hs, &n, self.cfg.handshake_timeout)
+        // Sealed to another kv-transfer engine, so its adapter knows who
+        // sent it; plain to a real Mooncake engine, whose wire it must stay.
+        if seg.desc.kvt_notify_auth.is_some() {
+            return self.shared.auth.send(hs, &seg.desc.name, msg, self.cfg.handshake_timeout);
+        }
+        client::send_notify(hs, &NotifyDesc::new(&self.shared.segment_name, msg), self.cfg.handshake_timeout)
     }
 
     fn get_notifies(&self) -> Vec<NotifyDesc> {

@@ -25,6 +25,14 @@ pub enum EngineError {
         /// Received type.
         got: crate::proto::HandshakeType,
     },
+    /// A sealed notification's handshake was refused (either side): another
+    /// cluster key, a relay, a replay, or a peer that proved another name.
+    #[error("peer handshake for a sealed notification: {0}")]
+    PeerAuth(#[source] kv_transfer_core::auth::AuthError),
+    /// The deployment's cluster key (`KV_TRANSFER_CLUSTER_KEY` or its file)
+    /// is set but unusable.
+    #[error("cluster key: {0}")]
+    Key(#[source] kv_transfer_core::auth::KeyError),
     /// A notify was not acknowledged with `success`.
     #[error("notify rejected by peer: {0:?}")]
     NotifyRejected(String),

@@ -93,6 +93,7 @@ pub mod proto;
 #[cfg(feature = "rdma")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
 pub mod rdma;
+pub mod sealed;
 mod server;
 pub mod transport;
 

@@ -254,7 +254,7 @@ mod tests {
     fn notify_budget_per_address_never_evicts() {
         let l = NotifyLimits { max_total: 4, max_total_bytes: 1 << 20, max_per_addr: 2, ..NotifyLimits::default() };
         let (a, b): (IpAddr, IpAddr) = ("127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap());
-        let n = |m: &str| NotifyDesc { name: "x".into(), notify_msg: m.into() };
+        let n = |m: &str| NotifyDesc::new("x", m);
         let mut q = NotifyQueue::default();
         q.push(b, n("honest"), &l).unwrap();
         q.push(a, n("1"), &l).unwrap();

@@ -88,6 +88,8 @@ pub(crate) struct ServerShared {
     pub(crate) hook: Option<Arc<dyn TargetHook>>,
     /// What the data server may touch ([`crate::TcpServe`]).
     pub(crate) ranges: ExposedRanges,
+    /// Sealed notifications' key, name and counters ([`crate::sealed`]).
+    pub(crate) auth: crate::sealed::NotifyAuth,
 }
 
 macro_rules! target_counters {
@@ -141,6 +143,9 @@ target_counters! {
     notifies_refused,
     /// Notifications dropped to make room (legacy queue only).
     notifies_dropped,
+    /// Sealed notifications accepted: their sender proved its name
+    /// ([`crate::sealed`]; refusals are in the engine's `auth_stats`).
+    sealed_notifies,
     /// Ranges exposed to the data server now (a gauge).
     ranges_exposed,
     /// Bytes of notifications queued now (a gauge).
@@ -182,6 +187,7 @@ impl ServerShared {
                 .collect(),
             devices: Vec::new(),
             priority_matrix: None,
+            kvt_notify_auth: Some(crate::sealed::SEALED_NOTIFY_VERSION),
         }
     }
 }
@@ -460,6 +466,13 @@ fn serve_handshake_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
             Ok(n) => to_json_line(&queue_notify(sh, conn, n)),
             Err(_) => return,
         },
+        HandshakeType::SealedNotify => match sh.auth.accept(s, conn.peer.ip()) {
+            Some(n) => {
+                sh.stats.sealed_notifies.fetch_add(1, Ordering::Relaxed);
+                to_json_line(&queue_notify(sh, conn, n))
+            }
+            None => return,
+        },
         HandshakeType::Probe => to_json_line(&ProbeReply { status: "success".into() }),
         HandshakeType::Connection => match &sh.hook {
             Some(hook) => hook.connection(&frame.json, conn.peer.ip()),
@@ -468,7 +481,9 @@ fn serve_handshake_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
         },
         HandshakeType::OldProtocol => b"{}\n".to_vec(),
     };
-    if HandshakeFrame::new(frame.kind, reply).write_to(s).is_err() {
+    // A sealed notification is answered as a notification.
+    let kind = if frame.kind == HandshakeType::SealedNotify { HandshakeType::Notify } else { frame.kind };
+    if HandshakeFrame::new(kind, reply).write_to(s).is_err() {
         return;
     }
     let _ = s.s.shutdown(Shutdown::Write);

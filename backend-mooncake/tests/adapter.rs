@@ -360,7 +360,7 @@ fn hostile_a_done_or_ack_without_the_token_under_the_peers_name_settles_nothing(
         let done = ControlMessage::new(ControlKind::Done, remote.pool, token, remote.tenancies());
         let ack = ControlMessage::new(ControlKind::AbortAck, remote2.pool, token, remote2.tenancies());
         for (m, name) in [(done, prefill.a.segment_name().to_string()), (ack, silent.local_segment_name())] {
-            let n = backend_mooncake::proto::NotifyDesc { name, notify_msg: m.encode_text().unwrap() };
+            let n = backend_mooncake::proto::NotifyDesc::new(&name, &m.encode_text().unwrap());
             backend_mooncake::client::send_notify(to, &n, Duration::from_secs(5)).unwrap();
         }
     }

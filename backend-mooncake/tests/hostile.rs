@@ -351,19 +351,22 @@ fn settled_within(
 
 /// Attack 9: forged ABORTs whose sender names point at black-hole
 /// listeners make the victim answer them (ABORT_ACK) by a handshake to
-/// that name. Positive control (`send_on_control_thread`, the old
-/// behaviour; 8 forged ABORTs, handshake timeout 500 ms): the control
-/// thread is stuck in those handshakes and an honest DONE waits more than
-/// 1.5 s to settle. Checked: 80 forged ABORTs (10x) to 8 black holes, and
-/// the honest DONE settles within 500 ms; the acks wait on the strangers'
-/// sender thread, bounded per destination.
+/// that name. Positive control (`send_on_control_thread` and
+/// `accept_unproven_aborts`, the old behaviour; 8 plain forged ABORTs,
+/// handshake timeout 500 ms): the control thread is stuck in those
+/// handshakes and an honest DONE waits more than 1.5 s to settle. Checked:
+/// 80 forged ABORTs (10x) to 8 black holes, sealed by a key holder at the
+/// black holes' address (plain ones buy nothing at all now: the worst case
+/// left), and the honest DONE settles within 500 ms; the acks wait on the
+/// strangers' sender thread, bounded per destination.
 #[test]
 fn hostile_forged_aborts_to_black_holes_do_not_delay_an_honest_done() {
     let _g = serial();
     for checked in [false, true] {
         let holes: Vec<_> = (0..8).map(|_| black_hole()).collect();
         let ecfg = EngineConfig { handshake_timeout: Duration::from_millis(500), ..Default::default() };
-        let acfg = AdapterConfig { send_on_control_thread: !checked, ..Default::default() };
+        let acfg =
+            AdapterConfig { send_on_control_thread: !checked, accept_unproven_aborts: !checked, ..Default::default() };
         let decode = side_with(ecfg, acfg, 2, SLOT);
         let prefill = side(2, SLOT);
         let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
@@ -374,7 +377,13 @@ fn hostile_forged_aborts_to_black_holes_do_not_delay_an_honest_done() {
         let before = mem();
         for i in 0..n {
             let (_, name) = &holes[i as usize % holes.len()];
-            assert_eq!(raw_notify(ATTACKER, hs, name, &forged_abort(i)).unwrap(), "success");
+            if checked {
+                let key = kv_transfer_core::auth::ClusterKey::from_env().unwrap();
+                let sealer = backend_mooncake::sealed::NotifyAuth::new(key, name);
+                sealer.send(hs, decode.a.segment_name(), &forged_abort(i), Duration::from_secs(2)).unwrap();
+            } else {
+                assert_eq!(raw_notify(ATTACKER, hs, name, &forged_abort(i)).unwrap(), "success");
+            }
         }
         wait_until("forged ABORTs received", Duration::from_secs(10), || {
             decode.a.metrics().aborts_received == u64::from(n)
@@ -521,17 +530,18 @@ fn hostile_stalled_read_inside_a_live_exposure_does_not_delay_its_settlement() {
 
 /// Issue 46, attack 1: ABORTs under made-up notify names (each name a
 /// stranger this side never dialed, each ABORT for 64 made-up tenancies
-/// under a token nobody carries). Positive control (the default, without
-/// `aborts_only_from_known_peers`): names buy abort state up to core's peer
-/// cap. Checked (`aborts_only_from_known_peers`): 10x the tracker's peer
-/// cap in names buys no peer and no entry, each ABORT counted, and an
-/// honest WRITE and DONE to the same prefill settle within 500 ms.
+/// under a token nobody carries), sent plain. Positive control
+/// (`accept_unproven_aborts`, the old behaviour): names buy abort state up
+/// to core's peer cap. Checked (the default: an ABORT counts only sealed,
+/// under the name a handshake proved): 10x the tracker's peer cap in names
+/// buys no peer and no entry, each ABORT counted as unproven, and an honest
+/// WRITE and DONE to the same prefill settle within 500 ms.
 #[test]
 fn hostile_made_up_notify_names_buy_no_abort_state() {
     let _g = serial();
     let names = 10 * kv_transfer_core::drain::DEFAULT_MAX_PEERS as u32;
     for checked in [false, true] {
-        let acfg = AdapterConfig { aborts_only_from_known_peers: checked, ..Default::default() };
+        let acfg = AdapterConfig { accept_unproven_aborts: !checked, ..Default::default() };
         let prefill = side_with(EngineConfig::default(), acfg, 2, SLOT);
         let decode = side(2, SLOT);
         let hs = prefill.engine.handshake_addr().unwrap();
@@ -564,12 +574,12 @@ fn hostile_made_up_notify_names_buy_no_abort_state() {
         let (settled, took) = settled.expect("the honest DONE settles");
         eprintln!(
             "checked={checked}: {names} made-up names x 64 ABORTed tenancies: abort state {} peers, {} entries; \
-             strangers dropped {}; honest WRITE+DONE {took:?}; RSS {} -> {} KiB",
-            m.abort_state_peers, m.abort_state_entries, m.aborts_from_strangers, before.rss_kib, after.rss_kib
+             unproven dropped {}; honest WRITE+DONE {took:?}; RSS {} -> {} KiB",
+            m.abort_state_peers, m.abort_state_entries, m.aborts_unproven, before.rss_kib, after.rss_kib
         );
         if checked {
             assert_eq!((m.abort_state_peers, m.abort_state_entries), (0, 0), "a made-up name bought abort state");
-            assert_eq!(m.aborts_from_strangers, u64::from(names));
+            assert_eq!(m.aborts_unproven, u64::from(names));
             assert!(took < Duration::from_millis(500), "honest WRITE+DONE took {took:?}");
         } else {
             assert!(m.abort_state_entries >= 64 * 256, "positive control: names bought no state ({m:?})");

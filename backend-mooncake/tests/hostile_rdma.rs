@@ -106,6 +106,7 @@ fn hostile_rdma_connection_under_another_peers_nic_path_does_not_replace_its_que
             }],
             devices: vec![],
             priority_matrix: None,
+            kvt_notify_auth: None,
         };
         let rkey = target.descriptor(base, None, None).buffers[0].rkey[0];
 

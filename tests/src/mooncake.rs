@@ -431,8 +431,7 @@ struct MooncakeImpostor {
 
 impl RawPeer for MooncakeImpostor {
     fn notify(&mut self, remote: &RemoteSlots, tenancies: &[Tenancy]) -> Result<(), Failure> {
-        let n =
-            backend_mooncake::proto::NotifyDesc { name: self.name.clone(), notify_msg: done_text(remote, tenancies)? };
+        let n = backend_mooncake::proto::NotifyDesc::new(&self.name, &done_text(remote, tenancies)?);
         backend_mooncake::client::send_notify(self.decode, &n, Duration::from_secs(5))
             .map_err(|e| fail("impostor notify")(&e))
     }

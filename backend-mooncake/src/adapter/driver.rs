@@ -8,7 +8,7 @@ use super::*;
 pub(super) fn control_loop(inner: &Arc<Inner>) {
     while !inner.stop.load(Ordering::Acquire) {
         for n in inner.engine.get_notifies() {
-            handle_notify(inner, &n.name, &n.notify_msg);
+            handle_notify(inner, &n.name, &n.notify_msg, n.proven);
         }
         flush_outbox(inner);
         // The pools' locks are taken with the driver's released: posting
@@ -30,7 +30,9 @@ pub(super) fn control_loop(inner: &Arc<Inner>) {
     }
 }
 
-fn handle_notify(inner: &Arc<Inner>, from: &str, text: &str) {
+/// `proven`: the handshake of a sealed notification proved `from`;
+/// otherwise it is only what the notification declares.
+fn handle_notify(inner: &Arc<Inner>, from: &str, text: &str, proven: bool) {
     let msg = match ControlMessage::decode_text(text.as_bytes()) {
         Ok(m) => m,
         Err(DecodeError::Foreign) => {
@@ -47,7 +49,7 @@ fn handle_notify(inner: &Arc<Inner>, from: &str, text: &str) {
     bump(&inner.counters.notifies_received, 1);
     match msg.kind {
         ControlKind::Done | ControlKind::AbortAck => settle_from_peer(inner, from, &msg),
-        ControlKind::Abort => on_abort(inner, from, msg),
+        ControlKind::Abort => on_abort(inner, from, proven, msg),
     }
 }
 
@@ -84,6 +86,12 @@ fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
 /// Initiator side: an ABORT from `from` (a segment name we answer to; an
 /// ABORT_ACK only ever names tenancies of our own operations' ends).
 ///
+/// Only a sealed ABORT counts: its sender proved `from` with the cluster
+/// key, so the state it buys is its own share, never another peer's. A
+/// plain one (any name, from anyone) is dropped and counted
+/// (`aborts_unproven`); the target that sent it keeps its slots quarantined
+/// and asks again, as for any lost message.
+///
 /// With [`AdapterConfig::aborts_only_from_known_peers`](super::AdapterConfig),
 /// only a peer this side chose (a segment it opened: `add_peer`, or a post
 /// to its descriptor) buys abort state here; an ABORT under any other name
@@ -91,8 +99,13 @@ fn settle_from_peer(inner: &Arc<Inner>, from: &str, msg: &ControlMessage) {
 /// nothing. Dropping it is safe (the target keeps its slots quarantined and
 /// asks again), but it answers only once this side knows the peer. Without
 /// it, core's tracker caps the peers that unsolicited ABORTs create state for.
-fn on_abort(inner: &Arc<Inner>, from: &str, msg: ControlMessage) {
+fn on_abort(inner: &Arc<Inner>, from: &str, proven: bool, msg: ControlMessage) {
     bump(&inner.counters.aborts_received, 1);
+    if !proven && !inner.cfg.accept_unproven_aborts {
+        bump(&inner.counters.aborts_unproven, 1);
+        tracing::debug!(from, "ABORT whose sender no handshake proved; dropped");
+        return;
+    }
     let known = inner.peer_name(from);
     let known = if inner.cfg.aborts_only_from_known_peers { known } else { known.or_else(|| Some(Arc::from(from))) };
     let Some(name) = known else {

@@ -80,9 +80,13 @@
 //! Exposures, ABORT / ABORT_ACK, tombstones and the ladder are core's
 //! ([`kv_transfer_core::drain`]): the control messages travel as Mooncake
 //! notifications in the codec's text form (`kvt2 <hex>`), and a `W`/`K` of
-//! the old format is foreign. A notification's sender is the name it
-//! declares, so it is never trusted alone: a message settles only with the
-//! exposure's token, which only the peer it was exposed to received.
+//! the old format is foreign. Between two kv-transfer engines a notification
+//! is sealed ([`crate::sealed`]): its sender's name is what core's peer
+//! handshake proved, and only such an ABORT buys abort state (under that
+//! name, so no one can spend another peer's share). A plain notification's
+//! sender is only the name it declares, so a DONE or ABORT_ACK settles only
+//! with the exposure's token, which only the peer it was exposed to received
+//! (a real Mooncake application acks that way).
 //!
 //! # The positive control
 //!
@@ -194,6 +198,13 @@ pub struct AdapterConfig {
     /// would stay quarantined. Turn it on where prefills `add_peer` every
     /// decode before its descriptors arrive.
     pub aborts_only_from_known_peers: bool,
+    /// The old behaviour, for the hostile tests' positive control only: an
+    /// ABORT counts under whatever name its notification declares, so a
+    /// third party can spend a decode's share of the abort state (issue 46,
+    /// attack 2). Off: an ABORT counts only if it came sealed from a
+    /// kv-transfer engine that proved its name ([`crate::sealed`]); a plain
+    /// one is dropped and counted (`aborts_unproven`).
+    pub accept_unproven_aborts: bool,
 }
 
 impl Default for AdapterConfig {
@@ -213,6 +224,7 @@ impl Default for AdapterConfig {
             max_stranger_peers: 64,
             send_on_control_thread: false,
             aborts_only_from_known_peers: false,
+            accept_unproven_aborts: false,
         }
     }
 }
@@ -272,6 +284,9 @@ kv_transfer_core::backend_counters! {
     /// ABORTs dropped because their sender is not a peer this side chose
     /// (made-up notify names buy no abort state).
     aborts_from_strangers,
+    /// ABORTs dropped because no handshake proved their sender's name (a
+    /// plain notification: anyone can declare any name).
+    aborts_unproven,
     /// Peers the abort tracker holds state for (a gauge).
     abort_state_peers,
     /// Entries the abort tracker holds for all peers: tombstones, early

@@ -22,6 +22,7 @@ fn desc(proto: u32) -> SegmentDesc {
         buffers: vec![],
         devices: vec![],
         priority_matrix: None,
+        kvt_notify_auth: None,
     }
 }
 
@@ -229,7 +230,8 @@ fn decoded(notes: &Mutex<Vec<String>>) -> Vec<(ControlKind, Vec<kv_transfer_core
 
 fn abort_note() -> crate::proto::NotifyDesc {
     let m = ControlMessage::new(ControlKind::Abort, PoolId(77), remote(1).token, vec![t(0, 3)]);
-    crate::proto::NotifyDesc { name: "127.0.0.1:1".into(), notify_msg: m.encode_text().unwrap() }
+    // Sealed by the peer: its name proven (a plain ABORT buys nothing).
+    crate::proto::NotifyDesc { proven: true, ..crate::proto::NotifyDesc::new("127.0.0.1:1", &m.encode_text().unwrap()) }
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {

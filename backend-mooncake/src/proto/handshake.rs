@@ -9,6 +9,10 @@ use super::ProtoError;
 /// Default and minimum limit Mooncake applies to a handshake frame (1 MiB).
 pub const MAX_HANDSHAKE_LEN: u64 = 1 << 20;
 
+/// The type byte of [`HandshakeType::SealedNotify`]: not one of Mooncake's,
+/// and no JSON text starts with it.
+const SEALED_NOTIFY_BYTE: u8 = 0x10;
+
 /// Handshake message type (the byte after the length).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HandshakeType {
@@ -20,6 +24,12 @@ pub enum HandshakeType {
     Notify,
     /// A liveness probe.
     Probe,
+    /// kv-transfer's own: a sealed notification follows (core's peer
+    /// handshake, then a Notify frame and its session tag; see
+    /// [`crate::sealed`]). Sent only to an engine whose descriptor
+    /// advertises it; a real Mooncake engine reads it as the old protocol
+    /// and closes the connection.
+    SealedNotify,
     /// Old protocol: no type byte, the body is JSON (treated as Connection).
     OldProtocol,
 }
@@ -32,6 +42,7 @@ impl HandshakeType {
             HandshakeType::Metadata => Some(1),
             HandshakeType::Notify => Some(2),
             HandshakeType::Probe => Some(3),
+            HandshakeType::SealedNotify => Some(SEALED_NOTIFY_BYTE),
             HandshakeType::OldProtocol => None,
         }
     }
@@ -96,6 +107,7 @@ impl HandshakeFrame {
                 };
                 Self { kind, json: body[1..].to_vec() }
             }
+            Some(&SEALED_NOTIFY_BYTE) => Self { kind: HandshakeType::SealedNotify, json: body[1..].to_vec() },
             _ => Self { kind: HandshakeType::OldProtocol, json: body.to_vec() },
         }
     }
@@ -148,7 +160,13 @@ mod tests {
 
     #[test]
     fn roundtrip_all_types() {
-        for k in [HandshakeType::Connection, HandshakeType::Metadata, HandshakeType::Notify, HandshakeType::Probe] {
+        for k in [
+            HandshakeType::Connection,
+            HandshakeType::Metadata,
+            HandshakeType::Notify,
+            HandshakeType::Probe,
+            HandshakeType::SealedNotify,
+        ] {
             let f = HandshakeFrame::new(k, b"{\"a\":1}".to_vec());
             let enc = f.encode();
             assert_eq!(u64::from_le_bytes(enc[..8].try_into().unwrap()), 8);

@@ -82,6 +82,11 @@ pub struct SegmentDesc {
     /// the peer sent it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority_matrix: Option<serde_json::Value>,
+    /// kv-transfer's own: the version of sealed notifications this engine
+    /// accepts ([`crate::sealed`]); absent from a real Mooncake engine's
+    /// descriptor, whose notifications stay plain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kvt_notify_auth: Option<u32>,
 }
 
 /// One RDMA device of a segment (`{"gid": "00:...", "lid": 0, "name": "rxe_lo"}`).
@@ -193,9 +198,19 @@ pub struct NotifyDesc {
     /// The message.
     #[serde(default)]
     pub notify_msg: String,
+    /// Not on the wire: whether `name` is what a peer handshake proved (a
+    /// sealed notification, [`crate::sealed`]) rather than what the JSON
+    /// declares, which anyone can write.
+    #[serde(skip)]
+    pub proven: bool,
 }
 
 impl NotifyDesc {
+    /// A plain notification from `name`.
+    pub fn new(name: &str, msg: &str) -> Self {
+        Self { name: name.to_string(), notify_msg: msg.to_string(), proven: false }
+    }
+
     /// Decodes from JSON bytes.
     pub fn from_json(json: &[u8]) -> Result<Self, ProtoError> {
         Ok(serde_json::from_slice(json)?)
@@ -275,7 +290,7 @@ mod tests {
 
     #[test]
     fn notify() {
-        let n = NotifyDesc { name: "x".into(), notify_msg: "hello".into() };
+        let n = NotifyDesc::new("x", "hello");
         assert_eq!(NotifyDesc::from_json(&n.to_json()).unwrap(), n);
         let r: NotifyReply = serde_json::from_str("{\"notify_msg\":\"success\"}\n").unwrap();
         assert!(r.is_success());
