@@ -267,6 +267,7 @@ impl MooncakeEngine {
             hook: cfg.target_hook.clone(),
             ranges: ExposedRanges::new(cfg.serve),
             auth,
+            chosen: Mutex::default(),
         });
         let handshake = server::start_handshake(hs_addr, shared.clone())?;
         let data = server::start_data(data_l, shared.clone())?;
@@ -382,7 +383,16 @@ impl TransferEngine for MooncakeEngine {
         }
         let data_addr = SocketAddr::new(hs.ip(), desc.tcp_data_port);
         let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
-        let id = *names.entry(name.to_string()).or_insert_with(|| self.next_id.fetch_add(1, Ordering::Relaxed));
+        let id = match names.get(name) {
+            Some(id) => *id,
+            None => {
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                names.insert(name.to_string(), id);
+                // A peer this side chose: its address is no stranger's at accept.
+                self.shared.choose(hs.ip(), true);
+                id
+            }
+        };
         let proto = desc.proto_version();
         tracing::debug!(name, id, ?proto, buffers = desc.buffers.len(), "opened segment");
         let seg = Arc::new(RemoteSegment { id, desc, data_addr, proto });
@@ -401,9 +411,18 @@ impl TransferEngine for MooncakeEngine {
         if Arc::strong_count(s) > 1 {
             return Err(EngineError::SegmentBusy(id));
         }
+        let ip = client::resolve_segment(&s.desc.name).ok().map(|a| a.ip());
         segs.remove(&id);
         drop(segs);
-        self.names.lock().unwrap_or_else(|e| e.into_inner()).retain(|_, v| *v != id);
+        let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let before = names.len();
+        names.retain(|_, v| *v != id);
+        if names.len() < before {
+            if let Some(ip) = ip {
+                self.shared.choose(ip, false);
+            }
+        }
+        drop(names);
         if let Ok(t) = self.transport() {
             t.forget_segment(id);
         }

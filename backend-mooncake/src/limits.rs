@@ -10,6 +10,14 @@
 //! refusal at a cap is typed (a closed connection, a `notify_msg` that is
 //! not `success`) and counted in [`crate::TargetStats`], and one address's
 //! flood never evicts another's notifications.
+//!
+//! A per-address cap alone is beaten by many addresses (127.0.0.2 to
+//! 127.0.0.6 on loopback, a /24 elsewhere): together they fill the port's
+//! total. So the addresses this engine chose (the IPs of segments it
+//! opened: the peers its adapter exposes slots to) are told apart from
+//! strangers, which share only [`ConnLimits::max_stranger_conns`] of the
+//! total; the rest stays for the chosen ones. The wire is Mooncake's and
+//! carries no identity: the address the local side chose is the identity.
 
 use kv_transfer_core::hash::HashMap;
 use std::collections::VecDeque;
@@ -28,6 +36,11 @@ pub struct ConnLimits {
     /// Most connections served at once from one source address; one more is
     /// closed at once and counted (`conns_refused_per_addr`).
     pub max_conns_per_addr: usize,
+    /// Most connections served at once from strangers together (addresses
+    /// of no segment this engine opened); one more is closed at once and
+    /// counted (`conns_refused_strangers`). The rest of `max_conns` stays
+    /// for the peers this side chose, whatever many addresses do.
+    pub max_stranger_conns: usize,
     /// Longest wait for the first byte of a request (data: between requests
     /// on one connection; handshake: for the frame) before the connection is
     /// closed and counted (`idle_closed`). `None`: wait for ever (the old
@@ -41,29 +54,40 @@ pub struct ConnLimits {
 }
 
 impl ConnLimits {
-    /// The data port's defaults: 1,024 connections, 256 per address, 120 s
-    /// idle (an initiator's pooled connection is dropped by it after
-    /// [`crate::TcpTransportConfig::max_idle`], before that), 120 s a request.
+    /// The data port's defaults: 1,024 connections, 256 per address, 256
+    /// for strangers together (a real Mooncake initiator our adapter never
+    /// added is one), 120 s idle (an initiator's pooled connection is
+    /// dropped by it after [`crate::TcpTransportConfig::max_idle`], before
+    /// that), 120 s a request.
     pub const DATA: ConnLimits = ConnLimits {
         max_conns: 1024,
         max_conns_per_addr: 256,
+        max_stranger_conns: 256,
         idle_timeout: Some(Duration::from_secs(120)),
         request_timeout: Some(Duration::from_secs(120)),
     };
 
     /// The handshake port's defaults: 256 handshakes at once, 32 per
-    /// address, 5 s idle and 10 s for the whole exchange.
+    /// address, 5 s idle and 10 s for the whole exchange. Strangers are not
+    /// set apart here: every peer's first contact (a decode fetching a
+    /// prefill's descriptor) comes before this side chose it.
     pub const HANDSHAKE: ConnLimits = ConnLimits {
         max_conns: 256,
         max_conns_per_addr: 32,
+        max_stranger_conns: 256,
         idle_timeout: Some(Duration::from_secs(5)),
         request_timeout: Some(Duration::from_secs(10)),
     };
 
     /// The old behaviour (the hostile tests' positive control): 1,024
     /// connections in all, none per address, no idle or request deadline.
-    pub const LEGACY: ConnLimits =
-        ConnLimits { max_conns: 1024, max_conns_per_addr: usize::MAX, idle_timeout: None, request_timeout: None };
+    pub const LEGACY: ConnLimits = ConnLimits {
+        max_conns: 1024,
+        max_conns_per_addr: usize::MAX,
+        max_stranger_conns: usize::MAX,
+        idle_timeout: None,
+        request_timeout: None,
+    };
 }
 
 /// Limits of the notification queue ([`crate::EngineConfig::notify_limits`]).
@@ -115,6 +139,7 @@ impl NotifyLimits {
 pub(crate) struct AddrCounts {
     by_addr: HashMap<IpAddr, usize>,
     total: usize,
+    strangers: usize,
 }
 
 /// Why a connection was refused at accept.
@@ -122,13 +147,26 @@ pub(crate) struct AddrCounts {
 pub(crate) enum ConnRefusal {
     Global,
     PerAddr,
+    Strangers,
+}
+
+/// Whether a connection's address is one this engine chose (a segment it
+/// opened) or a stranger's: what it was admitted as, so that it is
+/// released from the same count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admitted {
+    Chosen,
+    Stranger,
 }
 
 impl AddrCounts {
     /// Counts a new connection from `ip`, or says which cap refuses it.
-    pub(crate) fn admit(&mut self, ip: IpAddr, l: &ConnLimits) -> Result<(), ConnRefusal> {
+    pub(crate) fn admit(&mut self, ip: IpAddr, who: Admitted, l: &ConnLimits) -> Result<(), ConnRefusal> {
         if self.total >= l.max_conns {
             return Err(ConnRefusal::Global);
+        }
+        if who == Admitted::Stranger && self.strangers >= l.max_stranger_conns {
+            return Err(ConnRefusal::Strangers);
         }
         let n = self.by_addr.entry(ip).or_insert(0);
         if *n >= l.max_conns_per_addr {
@@ -136,14 +174,20 @@ impl AddrCounts {
         }
         *n += 1;
         self.total += 1;
+        if who == Admitted::Stranger {
+            self.strangers += 1;
+        }
         Ok(())
     }
 
-    /// A connection from `ip` ended.
-    pub(crate) fn release(&mut self, ip: IpAddr) {
+    /// A connection from `ip`, admitted as `who`, ended.
+    pub(crate) fn release(&mut self, ip: IpAddr, who: Admitted) {
         if let Some(n) = self.by_addr.get_mut(&ip) {
             *n -= 1;
             self.total -= 1;
+            if who == Admitted::Stranger {
+                self.strangers -= 1;
+            }
             if *n == 0 {
                 self.by_addr.remove(&ip);
             }
@@ -237,17 +281,44 @@ mod tests {
 
     #[test]
     fn caps_per_address_and_in_all() {
-        let l = ConnLimits { max_conns: 3, max_conns_per_addr: 2, idle_timeout: None, request_timeout: None };
+        let l = ConnLimits {
+            max_conns: 3,
+            max_conns_per_addr: 2,
+            max_stranger_conns: 3,
+            idle_timeout: None,
+            request_timeout: None,
+        };
         let (a, b): (IpAddr, IpAddr) = ("127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap());
+        let s = Admitted::Stranger;
         let mut c = AddrCounts::default();
-        assert_eq!(c.admit(a, &l), Ok(()));
-        assert_eq!(c.admit(a, &l), Ok(()));
-        assert_eq!(c.admit(a, &l), Err(ConnRefusal::PerAddr));
-        assert_eq!(c.admit(b, &l), Ok(()));
-        assert_eq!(c.admit(b, &l), Err(ConnRefusal::Global));
-        c.release(a);
-        assert_eq!(c.admit(b, &l), Ok(()));
+        assert_eq!(c.admit(a, s, &l), Ok(()));
+        assert_eq!(c.admit(a, s, &l), Ok(()));
+        assert_eq!(c.admit(a, s, &l), Err(ConnRefusal::PerAddr));
+        assert_eq!(c.admit(b, s, &l), Ok(()));
+        assert_eq!(c.admit(b, s, &l), Err(ConnRefusal::Global));
+        c.release(a, s);
+        assert_eq!(c.admit(b, s, &l), Ok(()));
         assert_eq!(c.by_addr.len(), 2);
+    }
+
+    #[test]
+    fn strangers_share_part_of_the_total_and_chosen_addresses_keep_the_rest() {
+        let l = ConnLimits {
+            max_conns: 4,
+            max_conns_per_addr: 1,
+            max_stranger_conns: 2,
+            idle_timeout: None,
+            request_timeout: None,
+        };
+        let ip = |i: u8| IpAddr::from([127, 0, 0, i]);
+        let mut c = AddrCounts::default();
+        assert_eq!(c.admit(ip(2), Admitted::Stranger, &l), Ok(()));
+        assert_eq!(c.admit(ip(3), Admitted::Stranger, &l), Ok(()));
+        // A third address, one connection each: still a stranger.
+        assert_eq!(c.admit(ip(4), Admitted::Stranger, &l), Err(ConnRefusal::Strangers));
+        assert_eq!(c.admit(ip(1), Admitted::Chosen, &l), Ok(()));
+        c.release(ip(2), Admitted::Stranger);
+        assert_eq!(c.admit(ip(4), Admitted::Stranger, &l), Ok(()));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::EngineError;
 use crate::exposed::ExposedRanges;
-use crate::limits::{AddrCounts, ConnLimits, ConnRefusal, NotifyLimits, NotifyQueue};
+use crate::limits::{AddrCounts, Admitted, ConnLimits, ConnRefusal, NotifyLimits, NotifyQueue};
 use crate::memory::MemoryRegistry;
 use crate::proto::{
     BufferDesc, HandshakeFrame, HandshakeType, NotifyDesc, NotifyReply, ProbeReply, RequestHeader, SegmentDesc,
@@ -90,6 +90,9 @@ pub(crate) struct ServerShared {
     pub(crate) ranges: ExposedRanges,
     /// Sealed notifications' key, name and counters ([`crate::sealed`]).
     pub(crate) auth: crate::sealed::NotifyAuth,
+    /// The IPs of segments this engine opened (how many each): the peers it
+    /// chose, told apart from strangers at accept ([`crate::limits`]).
+    pub(crate) chosen: Mutex<HashMap<IpAddr, usize>>,
 }
 
 macro_rules! target_counters {
@@ -134,6 +137,10 @@ target_counters! {
     /// Connections closed at accept: their address's `max_conns_per_addr`
     /// was reached.
     conns_refused_per_addr,
+    /// Connections closed at accept: strangers (addresses of no segment
+    /// this engine opened) held their share of the port
+    /// (`max_stranger_conns`).
+    conns_refused_strangers,
     /// Connections closed for sending nothing within `idle_timeout`.
     idle_closed,
     /// Connections closed for a request not finished within `request_timeout`.
@@ -153,6 +160,26 @@ target_counters! {
 }
 
 impl ServerShared {
+    /// A segment at `ip` was opened (`true`) or closed (`false`).
+    pub(crate) fn choose(&self, ip: IpAddr, opened: bool) {
+        let mut g = lock(&self.chosen);
+        if opened {
+            *g.entry(ip).or_insert(0) += 1;
+        } else if let Some(n) = g.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                g.remove(&ip);
+            }
+        }
+    }
+
+    fn admitted_as(&self, ip: IpAddr) -> Admitted {
+        if lock(&self.chosen).contains_key(&ip) {
+            Admitted::Chosen
+        } else {
+            Admitted::Stranger
+        }
+    }
     /// Our descriptor as `peer` is to see it: the TCP one, or what the
     /// target hook makes of it.
     pub(crate) fn published(&self, peer: Option<&str>, from: Option<IpAddr>) -> SegmentDesc {
@@ -285,10 +312,12 @@ fn spawn_listener(
                 let Ok(peer) = stream.peer_addr() else { continue };
                 // Refused at once, before a thread or a byte of buffer is
                 // spent on it: the caps are what bound both.
-                if let Err(why) = lock(&counts).admit(peer.ip(), &limits) {
+                let who = sh.admitted_as(peer.ip());
+                if let Err(why) = lock(&counts).admit(peer.ip(), who, &limits) {
                     let c = match why {
                         ConnRefusal::Global => &sh.stats.conns_refused_global,
                         ConnRefusal::PerAddr => &sh.stats.conns_refused_per_addr,
+                        ConnRefusal::Strangers => &sh.stats.conns_refused_strangers,
                     };
                     c.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(port = name, %peer, ?why, "connection refused at a cap");
@@ -296,7 +325,7 @@ fn spawn_listener(
                     continue;
                 }
                 let Ok(clone) = stream.try_clone() else {
-                    lock(&counts).release(peer.ip());
+                    lock(&counts).release(peer.ip(), who);
                     continue;
                 };
                 next_id += 1;
@@ -308,12 +337,12 @@ fn spawn_listener(
                 let spawned = std::thread::Builder::new().name("mc-conn".into()).spawn(move || {
                     handler(stream, &sh2, &Conn { id, peer });
                     lock(&conns2).remove(&id);
-                    lock(&counts2).release(peer.ip());
+                    lock(&counts2).release(peer.ip(), who);
                     live2.fetch_sub(1, Ordering::AcqRel);
                 });
                 if spawned.is_err() {
                     lock(&conns_l).remove(&id);
-                    lock(&counts).release(peer.ip());
+                    lock(&counts).release(peer.ip(), who);
                     live.fetch_sub(1, Ordering::AcqRel);
                 }
             }

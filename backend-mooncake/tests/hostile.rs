@@ -126,6 +126,7 @@ fn data_limits(checked: bool) -> ConnLimits {
         ConnLimits {
             max_conns: 32,
             max_conns_per_addr: 4,
+            max_stranger_conns: 32,
             idle_timeout: Some(Duration::from_secs(30)),
             request_timeout: Some(Duration::from_secs(30)),
         }
@@ -137,6 +138,74 @@ fn data_limits(checked: bool) -> ConnLimits {
 /// Opens `n` idle connections from the attacker's address; keeps them.
 fn idle_flood(dst: SocketAddr, n: usize) -> Vec<std::net::TcpStream> {
     (0..n).filter_map(|_| connect_from(ATTACKER, dst).ok()).collect()
+}
+
+/// Issue 46, attack 8 (many addresses), data port: 40 idle connections
+/// from 10 addresses (127.0.0.2 to .11; 10x the per-address cap of 4), so
+/// no address passes its own cap. Positive control (strangers not set
+/// apart: `max_stranger_conns` = the total of 32): the addresses together
+/// take all 32 and a new prefill's WRITE fails. Checked (strangers share
+/// 16): 16 held, 24 refused and counted (`conns_refused_strangers`), and
+/// the new prefill, a segment the decode opened (`add_peer`), is served
+/// within 2 s while the flood holds.
+#[test]
+fn hostile_many_addresses_fill_only_the_strangers_share_of_the_data_port() {
+    let _g = serial();
+    for checked in [false, true] {
+        let limits = ConnLimits {
+            max_conns: 32,
+            max_conns_per_addr: 4,
+            max_stranger_conns: if checked { 16 } else { 32 },
+            idle_timeout: Some(Duration::from_secs(30)),
+            request_timeout: Some(Duration::from_secs(30)),
+        };
+        let decode =
+            side_with(EngineConfig { data_limits: limits, ..Default::default() }, AdapterConfig::default(), 2, SLOT);
+        let data = decode.engine.data_addr().unwrap();
+        let before = mem();
+        let flood: Vec<_> = (2..12u8)
+            .flat_map(|i| (0..4).filter_map(move |_| connect_from(std::net::Ipv4Addr::new(127, 0, 0, i), data).ok()))
+            .collect();
+        let refused = if checked { 24 } else { 8 };
+        wait_until("flood accepted or refused", Duration::from_secs(5), || {
+            let s = decode.engine.target_stats();
+            s.conns_refused_strangers + s.conns_refused_global >= refused
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let during = mem();
+        let stats = decode.engine.target_stats();
+        let prefill = side(2, SLOT);
+        let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
+        let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+        let t0 = Instant::now();
+        let out =
+            block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
+                .unwrap();
+        let took = t0.elapsed();
+        eprintln!(
+            "checked={checked}: 40 connections from 10 addresses, refused strangers {} / global {} / per addr {}; \
+             threads {} -> {}; honest write {:?} in {took:?}",
+            stats.conns_refused_strangers,
+            stats.conns_refused_global,
+            stats.conns_refused_per_addr,
+            before.threads,
+            during.threads,
+            out.result.as_ref().map(|_| "ok")
+        );
+        out.lease.release();
+        if !checked {
+            assert!(out.result.is_err(), "positive control: many addresses shut the new prefill out");
+            assert_eq!(stats.conns_refused_global, 8);
+            exposed.abort();
+        } else {
+            out.result.unwrap();
+            assert!(took < Duration::from_secs(2), "honest write took {took:?}");
+            assert_eq!((stats.conns_refused_strangers, stats.conns_refused_global), (24, 0), "{stats:?}");
+            assert!(during.threads <= before.threads + 16 + 2, "threads bounded by the strangers' share");
+            block_on(exposed.settled()).release();
+        }
+        drop(flood);
+    }
 }
 
 /// Attack 8, data port: 40 idle connections (10x the per-address cap of 4)
@@ -212,6 +281,7 @@ fn hostile_handshake_port_idle_flood_does_not_shut_out_a_new_prefill() {
             ConnLimits {
                 max_conns: 32,
                 max_conns_per_addr: 4,
+                max_stranger_conns: 32,
                 idle_timeout: Some(Duration::from_secs(30)),
                 request_timeout: Some(Duration::from_secs(30)),
             }
@@ -270,6 +340,7 @@ fn hostile_data_port_idle_and_trickling_connections_are_cut_at_their_deadlines()
             ConnLimits {
                 max_conns: 32,
                 max_conns_per_addr: 4,
+                max_stranger_conns: 32,
                 idle_timeout: Some(Duration::from_millis(300)),
                 request_timeout: Some(Duration::from_millis(500)),
             }

@@ -270,10 +270,12 @@ fn hostile_sealed_aborts_with_another_key_relayed_or_replayed_are_refused_typed_
     let (rec_at, recorded) = relay(to);
     // The honest sender's connection goes through the recorder (the
     // address it dialed is the prefill's, so the prefill accepts it).
+    let base = prefill.a.metrics().aborts_received;
     let sent = honest.send(rec_at, &name, &abort_text(), t);
     assert!(sent.is_ok(), "the recorded notification itself is accepted: {sent:?}");
     let bytes = recorded.recv_timeout(t).unwrap();
-    let before = prefill.a.metrics().aborts_received;
+    wait_until("the recorded ABORT delivered once", t, || prefill.a.metrics().aborts_received == base + 1);
+    let before = base + 1;
     {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(to).unwrap();
