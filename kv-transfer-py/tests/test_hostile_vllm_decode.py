@@ -81,3 +81,41 @@ def test_hostile_loads_naming_an_unnamed_prefill_fail_at_once_and_an_honest_load
     assert ok and ms < 1000, "even then the honest load does not wait on the puller"
     assert stats.get("dials") == 2, "positive control: the decode dials the port the requests named"
     assert counters["refused_unnamed_prefill"] == 0
+
+
+def test_a_posted_read_that_fails_reports_its_blocks_as_bad_and_poll_goes_on():
+    """A READ that ends failed (its status ``failed``, ``error`` the
+    native Transfer's property saying why) ends the load: its blocks
+    reported bad to vLLM, counted, its lease given back, and poll() goes
+    on. It used to raise out of poll() (``error`` called as a method),
+    which killed vLLM's engine core in the abort storm. The READ is a
+    stand-in shaped as the native one: a posted READ that fails at the
+    NIC cannot be ordered deterministically through public calls."""
+
+    class FailedRead:
+        released = False
+
+        def poll(self) -> str:
+            return "failed"
+
+        @property
+        def error(self) -> str:
+            return "the prefill's NIC refused the READ"
+
+        def release(self) -> None:
+            self.released = True
+
+    dep, dpool, _ = side("decode", 0)
+    dplane = ControlPlane("decode")
+    loads = decode.DecodeLoads({"tcp-sim": (dep, dpool)}, dplane, set())
+    try:
+        read = FailedRead()
+        with loads._lock:
+            loads._loads["r"] = decode._Load("r", (3, 4), {}, decode.Posted("tcp-sim", read))
+        done, bad = loads.poll()
+        assert done == {"r"} and bad == {3, 4}
+        assert read.released and loads.counters["load_failures"] == 1
+        assert loads.poll() == (set(), set()), "reported once"
+    finally:
+        loads.close()
+        dplane.close()

@@ -181,7 +181,7 @@ class DecodeLoads:
             ld.state = Done(True, "loaded")
             self.counters["loaded"] += 1
         else:
-            why = s.transfer.error() or status
+            why = s.transfer.error or status
             s.transfer.release()
             logger.error("kv_transfer.vllm: request %s: READ failed: %s", ld.req_id, why)
             ld.state = Done(False, why)
