@@ -48,10 +48,10 @@ import socket
 import struct
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import kv_transfer
 
@@ -109,11 +109,14 @@ class _PeerState:
     """One proven name's share on a listener."""
 
     def __init__(self, now: float) -> None:
-        self.writers: List[asyncio.StreamWriter] = []
+        self.conns: List["_ServerConn"] = []
         self.inflight = 0
         self.inflight_bytes = 0
         self.last_active = now
-        self.lock = asyncio.Lock()
+        #: Requests waiting for the handler pool: a peer's requests run one
+        #: at a time, so its slow request waits only behind its own.
+        self.queue: Deque[Tuple["_ServerConn", int, bytes]] = deque()
+        self.running = False
 
 
 class _Service:
@@ -128,6 +131,257 @@ class _Service:
         self.handshakes_peak = 0
         self.inflight_bytes = 0
         self.server: Optional[asyncio.AbstractServer] = None
+        self.conns: "set[_ServerConn]" = set()
+
+
+class _ServerConn(asyncio.Protocol):
+    """One accepted connection: the handshake, then frames, all handled
+    inside the loop's ``data_received`` callback.
+
+    Why a protocol and not streams: each turn of an asyncio loop calls
+    ``select``, which lets go of the GIL, and getting it back from a busy
+    thread (a serving engine's scheduler, spinning in Python) can take a
+    whole switch interval (5 ms). A stream-based reader spends several
+    turns per frame (a task per ``wait_for``, a wake-up per ``readexactly``,
+    one per lock); here a frame that arrived whole is checked, opened,
+    handled (``inline``) and answered in the one turn that read it.
+    Deadlines are timers, not wrappers around each read."""
+
+    def __init__(self, plane: "ControlPlane", service: _Service) -> None:
+        self.plane = plane
+        self.service = service
+        self.loop = plane._loop
+        self.transport: Optional[asyncio.Transport] = None
+        self.buf = bytearray()
+        self.src = "?"
+        #: "hello" -> "finish" -> "frames" (or "closed")
+        self.state = "hello"
+        self.hs: Any = None
+        self.session: Any = None
+        self.peer = ""
+        self.st: Optional[_PeerState] = None
+        #: What the buffered partial frame was charged, if its header is in.
+        self.partial: Optional[Tuple[int, int]] = None
+        self.timer: Optional[asyncio.TimerHandle] = None
+        self.handshaking = False
+
+    # --- asyncio callbacks ---------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        plane, service, lim = self.plane, self.service, self.plane.limits
+        plane._count("connections")
+        peername = transport.get_extra_info("peername")
+        self.src = str(peername[0]) if peername else "?"
+        if sum(service.handshaking.values()) >= lim.max_handshakes:
+            plane._count("refused_handshakes_busy")
+            return self.close()
+        if service.handshaking[self.src] >= lim.max_handshakes_per_address:
+            plane._count("refused_handshakes_per_address")
+            return self.close()
+        service.handshaking[self.src] += 1
+        self.handshaking = True
+        service.handshakes_peak = max(service.handshakes_peak, sum(service.handshaking.values()))
+        service.conns.add(self)
+        self._arm(lim.handshake_deadline_s, self._handshake_late)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        try:
+            while self.state != "closed" and self._step():
+                pass
+        except Exception:  # noqa: BLE001 (a bug here must cost this connection only)
+            logger.exception("kvtransfer: control connection from %s failed", self.src)
+            self.close()
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        if self.state in ("hello", "finish") and self.handshaking:
+            # Gone before its handshake ended: what a cut read was before.
+            self.service.listener.count_io_failure()
+            self.plane._count("handshake_cut")
+        self.close()
+
+    def pause_writing(self) -> None:
+        # The peer does not read its answers: stop reading its requests
+        # until it does (what it can make us buffer stays bounded).
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and self.state != "closed":
+            self.transport.resume_reading()
+
+    # --- the steps -----------------------------------------------------------
+    def _step(self) -> bool:
+        """Handles one complete message from the buffer; False if none."""
+        if self.state in ("hello", "finish"):
+            return self._on_handshake()
+        return self._on_frame()
+
+    def _take_handshake(self) -> Optional[bytes]:
+        h = kv_transfer.handshake_header_len()
+        if len(self.buf) < h:
+            return None
+        n = kv_transfer.handshake_body_len(bytes(self.buf[:h]))  # raises PeerRefused on a bad header
+        if len(self.buf) < h + n:
+            return None
+        msg = bytes(self.buf[:h + n])
+        del self.buf[:h + n]
+        return msg
+
+    def _on_handshake(self) -> bool:
+        service, plane = self.service, self.plane
+        try:
+            msg = self._take_handshake()
+            if msg is None:
+                return False
+            if self.state == "hello":
+                self.hs, challenge = service.listener.accept(msg, self.src)
+                self.transport.write(challenge)  # type: ignore[union-attr]
+                self.state = "finish"
+                return True
+            session = service.listener.finish(self.hs, msg)
+        except kv_transfer.PeerRefused as e:
+            kind = e.args[1] if len(e.args) > 1 else "malformed"
+            plane._count(f"refused_{kind}")
+            logger.warning("kvtransfer: control handshake from %s refused: %s", self.src, e.args[0])
+            if self.transport is not None:
+                self.transport.write(kv_transfer.handshake_refusal(kind))
+            self.close()
+            return False
+        self._handshake_over()
+        return self._admit(session)
+
+    def _handshake_over(self) -> None:
+        if self.handshaking:
+            self.handshaking = False
+            hs = self.service.handshaking
+            hs[self.src] -= 1
+            if hs[self.src] <= 0:
+                del hs[self.src]
+        self.hs = None
+
+    def _admit(self, session: Any) -> bool:
+        service, plane, lim = self.service, self.plane, self.plane.limits
+        peer = session.name
+        st = service.peers.get(peer)
+        if st is None and len(service.peers) >= lim.max_peers and not plane._evict_idlest(service):
+            plane._count("refused_peers_full")
+            self.close()
+            return False
+        if st is not None and len(st.conns) >= lim.max_links_per_peer:
+            plane._count("refused_links_per_peer")
+            self.close()
+            return False
+        if st is None:
+            st = service.peers[peer] = _PeerState(self.loop.time())
+        st.conns.append(self)
+        self.session, self.peer, self.st, self.state = session, peer, st, "frames"
+        plane._count("peers_connected")
+        self._arm(lim.idle_timeout_s, self._idle)
+        return True
+
+    def _on_frame(self) -> bool:
+        lim, service, st, plane = self.plane.limits, self.service, self.st, self.plane
+        assert st is not None
+        if len(self.buf) < _HDR.size:
+            return False
+        n, rid, kind = _HDR.unpack_from(self.buf)
+        if self.partial is None:
+            st.last_active = self.loop.time()
+            # Checked and charged before a byte of the body is taken.
+            why = None
+            if kind != REQUEST:
+                why = "unexpected_kind"
+            elif n > lim.max_frame:
+                why = "oversize"
+            elif st.inflight >= lim.max_inflight_per_peer:
+                why = "peer_requests"
+            elif st.inflight_bytes + n > lim.max_inflight_bytes_per_peer:
+                why = "peer_bytes"
+            elif service.inflight_bytes + n > lim.max_inflight_bytes:
+                why = "total_bytes"
+            if why is not None:
+                plane._count(f"refused_{why}")
+                logger.warning("kvtransfer: control frame of %d B from %s refused (%s): connection closed",
+                               n, self.peer, why)
+                self.close()
+                return False
+            st.inflight += 1
+            st.inflight_bytes += n
+            service.inflight_bytes += n
+            self.partial = (rid, n)
+        end = _HDR.size + n + TAG_LEN
+        if len(self.buf) < end:
+            self._arm(lim.frame_deadline_s, self._frame_late)
+            return False
+        self.partial = None
+        frame = bytes(self.buf[:end])
+        del self.buf[:end]
+        try:
+            self.session.open(frame[:_HDR.size + n], frame[_HDR.size + n:])
+        except kv_transfer.PeerRefused:
+            plane._uncharge(service, st, n)
+            plane._count("bad_tags")
+            self.close()
+            return False
+        plane._count("requests")
+        self._arm(lim.idle_timeout_s, self._idle)
+        body = frame[_HDR.size:_HDR.size + n]
+        if service.inline:
+            self._answer(rid, *plane._run_handler(service, self.peer, body))
+            plane._uncharge(service, st, n)
+        else:
+            st.queue.append((self, rid, body))
+            plane._next_on_pool(service, self.peer, st)
+        return True
+
+    def _answer(self, rid: int, reply: bytes, kind: int) -> None:
+        if self.state == "closed" or self.transport is None or self.transport.is_closing():
+            return
+        hdr = _HDR.pack(len(reply), rid, kind)
+        self.transport.write(hdr + reply + self.session.seal(hdr + reply))
+
+    # --- deadlines -----------------------------------------------------------
+    def _arm(self, after: float, then: Callable[[], None]) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.loop.call_later(after, then)
+
+    def _handshake_late(self) -> None:
+        if self.state in ("hello", "finish"):
+            self.service.listener.count_io_failure()
+            self.plane._count("handshake_cut")
+            self.close()
+
+    def _idle(self) -> None:
+        if self.state == "frames" and self.partial is None:
+            self.plane._count("idle_cuts")
+            self.close()
+
+    def _frame_late(self) -> None:
+        if self.state == "frames" and self.partial is not None:
+            self.plane._count("frame_cuts")
+            self.close()
+
+    def close(self) -> None:
+        if self.state == "closed":
+            return
+        self.state = "closed"
+        if self.timer is not None:
+            self.timer.cancel()
+        self._handshake_over()
+        service, st = self.service, self.st
+        service.conns.discard(self)
+        if self.partial is not None and st is not None:
+            self.plane._uncharge(service, st, self.partial[1])
+            self.partial = None
+        if st is not None:
+            if self in st.conns:
+                st.conns.remove(self)
+            if not st.conns and st.inflight == 0 and service.peers.get(self.peer) is st:
+                del service.peers[self.peer]
+        if self.transport is not None:
+            self.transport.close()
 
 
 class _Link:
@@ -196,8 +450,7 @@ class ControlPlane:
 
         async def start() -> Tuple[str, int]:
             service = _Service(handler, None, inline)
-            server = await asyncio.start_server(lambda r, w: self._serve_conn(service, r, w), host, port,
-                                                limit=1 << 16, backlog=1024)
+            server = await self._loop.create_server(lambda: _ServerConn(self, service), host, port, backlog=1024)
             bound = server.sockets[0].getsockname()[:2]
             addresses = [f"{advertise or host}:{bound[1]}", f"{bound[0]}:{bound[1]}", *answers_to]
             self.endpoint = addresses[0]
@@ -207,73 +460,6 @@ class ControlPlane:
             return bound[0], bound[1]
 
         return self._run(start(), 10)
-
-    async def _serve_conn(self, service: _Service, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> None:
-        try:
-            await self._serve_conn_now(service, reader, writer)
-        except asyncio.CancelledError:  # the plane closes: the connection ends quietly
-            writer.close()
-
-    async def _serve_conn_now(self, service: _Service, reader: asyncio.StreamReader,
-                              writer: asyncio.StreamWriter) -> None:
-        lim = self.limits
-        self._count("connections")
-        peername = writer.get_extra_info("peername")
-        src = str(peername[0]) if peername else "?"
-        if sum(service.handshaking.values()) >= lim.max_handshakes:
-            self._count("refused_handshakes_busy")
-            writer.close()
-            return
-        if service.handshaking[src] >= lim.max_handshakes_per_address:
-            self._count("refused_handshakes_per_address")
-            writer.close()
-            return
-        service.handshaking[src] += 1
-        service.handshakes_peak = max(service.handshakes_peak, sum(service.handshaking.values()))
-        session = None
-        try:
-            session = await asyncio.wait_for(self._accept(service, reader, writer, src), lim.handshake_deadline_s)
-        except kv_transfer.PeerRefused as e:
-            kind = e.args[1] if len(e.args) > 1 else "malformed"
-            self._count(f"refused_{kind}")
-            logger.warning("kvtransfer: control handshake from %s refused: %s", src, e.args[0])
-            try:
-                writer.write(kv_transfer.handshake_refusal(kind))
-                await asyncio.wait_for(writer.drain(), 1)
-            except (OSError, asyncio.TimeoutError):
-                pass
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
-            service.listener.count_io_failure()
-            self._count("handshake_cut")
-        finally:
-            service.handshaking[src] -= 1
-            if service.handshaking[src] <= 0:
-                del service.handshaking[src]
-        if session is None:
-            writer.close()
-            return
-        peer = session.name
-        st = service.peers.get(peer)
-        if st is None and len(service.peers) >= lim.max_peers and not self._evict_idlest(service):
-            self._count("refused_peers_full")
-            writer.close()
-            return
-        if st is not None and len(st.writers) >= lim.max_links_per_peer:
-            self._count("refused_links_per_peer")
-            writer.close()
-            return
-        if st is None:
-            st = service.peers[peer] = _PeerState(self._loop.time())
-        st.writers.append(writer)
-        self._count("peers_connected")
-        try:
-            await self._serve_frames(service, peer, st, session, reader, writer)
-        finally:
-            st.writers.remove(writer)
-            if not st.writers and st.inflight == 0 and service.peers.get(peer) is st:
-                del service.peers[peer]
-            writer.close()
 
     def _evict_idlest(self, service: _Service) -> bool:
         """At the peer cap: the peer idle longest with nothing in flight is
@@ -285,93 +471,52 @@ class ControlPlane:
             return False
         _, name = min(idle)
         st = service.peers.pop(name)
-        for w in st.writers:
-            w.close()
+        for c in list(st.conns):
+            c.close()
         self._count("peers_evicted")
         return True
-
-    async def _accept(self, service: _Service, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      src: str) -> Any:
-        hello = await _read_handshake(reader)
-        hs, challenge = service.listener.accept(hello, src)
-        writer.write(challenge)
-        await writer.drain()
-        finish = await _read_handshake(reader)
-        return service.listener.finish(hs, finish)
-
-    async def _serve_frames(self, service: _Service, peer: str, st: _PeerState, session: Any,
-                            reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        lim = self.limits
-        lock = asyncio.Lock()  # one writer at a time: tags are sealed in the order frames leave
-        while True:
-            try:
-                hdr = await asyncio.wait_for(reader.readexactly(_HDR.size), lim.idle_timeout_s)
-            except asyncio.TimeoutError:
-                self._count("idle_cuts")
-                return
-            except (asyncio.IncompleteReadError, OSError):
-                return
-            n, rid, kind = _HDR.unpack(hdr)
-            st.last_active = self._loop.time()
-            # Checked and charged before a byte of the body is read.
-            why = None
-            if kind != REQUEST:
-                why = "unexpected_kind"
-            elif n > lim.max_frame:
-                why = "oversize"
-            elif st.inflight >= lim.max_inflight_per_peer:
-                why = "peer_requests"
-            elif st.inflight_bytes + n > lim.max_inflight_bytes_per_peer:
-                why = "peer_bytes"
-            elif service.inflight_bytes + n > lim.max_inflight_bytes:
-                why = "total_bytes"
-            if why is not None:
-                self._count(f"refused_{why}")
-                logger.warning("kvtransfer: control frame of %d B from %s refused (%s): connection closed", n, peer, why)
-                return
-            st.inflight += 1
-            st.inflight_bytes += n
-            service.inflight_bytes += n
-            try:
-                rest = await asyncio.wait_for(reader.readexactly(n + TAG_LEN), lim.frame_deadline_s)
-                body = rest[:n]
-                session.open(hdr + body, rest[n:])
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError, kv_transfer.PeerRefused) as e:
-                self._uncharge(service, st, n)
-                self._count("frame_cuts" if not isinstance(e, kv_transfer.PeerRefused) else "bad_tags")
-                return
-            self._count("requests")
-            asyncio.ensure_future(self._handle(service, peer, st, session, writer, lock, rid, body))
 
     def _uncharge(self, service: _Service, st: _PeerState, n: int) -> None:
         st.inflight -= 1
         st.inflight_bytes -= n
         service.inflight_bytes -= n
 
-    async def _handle(self, service: _Service, peer: str, st: _PeerState, session: Any,
-                      writer: asyncio.StreamWriter, lock: asyncio.Lock, rid: int, body: bytes) -> None:
-        n = len(body)
+    def _run_handler(self, service: _Service, peer: str, body: bytes) -> Tuple[bytes, int]:
+        """The handler's reply and its kind; a handler's error goes back to
+        its peer, typed."""
         try:
-            async with st.lock:  # one request of a peer at a time on the pool
-                try:
-                    if service.inline:
-                        reply = service.handler(peer, body)
-                    else:
-                        reply = await self._loop.run_in_executor(self._pool, service.handler, peer, body)
-                    kind = REPLY
-                except Exception as e:  # noqa: BLE001 (a handler's error goes back to its peer, typed)
-                    if not isinstance(e, (kv_transfer.KvTransferError, ValueError)):
-                        logger.exception("kvtransfer: control handler failed")
-                    reply, kind = f"{type(e).__name__}: {e}".encode(), ERROR
-        finally:
-            del body
+            return bytes(service.handler(peer, body)), REPLY
+        except Exception as e:  # noqa: BLE001
+            if not isinstance(e, (kv_transfer.KvTransferError, ValueError)):
+                logger.exception("kvtransfer: control handler failed")
+            return f"{type(e).__name__}: {e}".encode(), ERROR
+
+    def _next_on_pool(self, service: _Service, peer: str, st: _PeerState) -> None:
+        """Starts the peer's next queued request on the pool, if none of its
+        runs; its answer comes back to the loop, which starts the next."""
+        if st.running or not st.queue:
+            return
+        conn, rid, body = st.queue.popleft()
+        st.running = True
+        n = len(body)
+
+        def done(f: "concurrent.futures.Future[Tuple[bytes, int]]") -> None:
+            st.running = False
             self._uncharge(service, st, n)
-        async with lock:
-            try:
-                _write_frame(writer, session, rid, kind, bytes(reply))
-                await writer.drain()
-            except OSError:
-                pass
+            reply, kind = f.result()
+            conn._answer(rid, reply, kind)
+            if st.conns or st.queue:
+                self._next_on_pool(service, peer, st)
+            elif st.inflight == 0 and service.peers.get(peer) is st:
+                del service.peers[peer]
+
+        try:
+            fut = self._pool.submit(self._run_handler, service, peer, body)
+        except RuntimeError:  # the pool is shut down: the plane is closing
+            st.running = False
+            self._uncharge(service, st, n)
+            return
+        fut.add_done_callback(lambda f: self._loop.call_soon_threadsafe(done, f))
 
     # --- dialing -------------------------------------------------------------
     def request(self, host: str, port: int, body: bytes,
@@ -565,9 +710,8 @@ class ControlPlane:
             for s in self._services.values():
                 if s.server is not None:
                     s.server.close()
-                for st in s.peers.values():
-                    for w in st.writers:
-                        w.close()
+                for c in list(s.conns):
+                    c.close()
             for link in self._links.values():
                 with link.lock:
                     self._drop_link(link, PlaneClosed("the control plane is closed"))
@@ -615,8 +759,3 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
             if left <= 0:
                 raise TimeoutError("the control connection did not take the frame in time")
             select.select([], [sock], [], min(left, 0.1))
-
-
-def _write_frame(writer: asyncio.StreamWriter, session: Any, rid: int, kind: int, body: bytes) -> None:
-    hdr = _HDR.pack(len(body), rid, kind)
-    writer.write(hdr + body + session.seal(hdr + body))
