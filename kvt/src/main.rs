@@ -13,6 +13,7 @@
 //! - `kvt cost`: instructions per transfer through each backend's adapter
 //!   against its raw engine path, counted with callgrind (needs valgrind).
 
+mod adversary;
 mod backends;
 mod bench;
 mod cost;
@@ -255,6 +256,23 @@ struct SoakArgs {
     /// Print a final JSON object on stdout (the interval lines go to stderr).
     #[arg(long)]
     json: bool,
+    /// Attack while the workload runs: the first third of --duration is a
+    /// no-attack baseline, the rest runs under a seeded adversary (by
+    /// --seed) hitting every honest NIC's listening port with every hostile
+    /// test's attack (wrong cluster key, forged FINISH under an honest
+    /// name, replayed HELLO, relay, made-up names, garbage, oversized
+    /// frames, half-open, slowloris, floods of 10x the per-address and the
+    /// listener's handshake caps, from 19 addresses of its own per host).
+    /// Fails (exit 1) unless: every kind attempted and refused (typed in
+    /// the NICs' auth or listener stats), no session without the key, the
+    /// same attack with the real key establishes one (positive control),
+    /// 0 foreign bytes and the pool whole, honest p99 under attack <=
+    /// max(3 x baseline p99, baseline p99 + 40 ms), and at the end (the
+    /// adversary stopped, handshake deadlines passed) vs the baseline's
+    /// end: threads <= +8, open fds <= +32, RSS <= +24 MiB, heap in use
+    /// <= +8 MiB, heap slope over the attack's second half <= 16 MiB/min.
+    #[arg(long)]
+    adversary: bool,
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal or `hidden`.
@@ -575,11 +593,12 @@ fn soak_cmd(a: SoakArgs) -> anyhow::Result<bool> {
             bursts: a.faults.contains(&FaultArg::Bursts),
             kills: a.faults.contains(&FaultArg::Kills),
         },
+        adversary: a.adversary,
         ..soak::SoakConfig::default()
     };
     let json = a.json;
     let mut print = |l: &soak::IntervalLine| {
-        let line = format!(
+        let mut line = format!(
             "[{:>7.1}s] requests {:>9} aborted {:>8} foreign_bytes {:>9} quarantined {:>3} stuck {:>3} rss {:>6.1} MiB \
              heap {:>6.1} MiB",
             l.t_s,
@@ -591,6 +610,16 @@ fn soak_cmd(a: SoakArgs) -> anyhow::Result<bool> {
             l.rss_bytes as f64 / (1u64 << 20) as f64,
             l.heap_bytes as f64 / (1u64 << 20) as f64
         );
+        if let Some(a) = &l.adversary {
+            use std::fmt::Write;
+            let _ = write!(line, " | {} p99 {:.2} ms threads {} fds {}", a.phase, a.p99_ms, a.threads, a.fds);
+            if !a.kinds.is_empty() {
+                let _ = write!(line, " attacks (refused/attempted):");
+                for (k, c) in &a.kinds {
+                    let _ = write!(line, " {k} {}/{}", c.refused, c.attempted);
+                }
+            }
+        }
         if json {
             eprintln!("{line}");
         } else {
@@ -626,6 +655,60 @@ fn soak_cmd(a: SoakArgs) -> anyhow::Result<bool> {
             r.heap_bytes as f64 / (1u64 << 20) as f64,
             r.heap_slope_bytes_per_min / 1024.0
         );
+        if let Some(a) = &r.adversary {
+            println!(
+                "adversary: {} ports, {} attacks ({} refused, {} lost to faults, {} unrefused, {} sessions without the key), \
+                 {} connections; honest p99 {:.2} ms baseline -> {:.2} ms under attack (bound {:.2}; {} + {} requests, {} \
+                 left out for faults); threads {} -> {} (peak {}), fds {} -> {} (peak {}), RSS {:.1} -> {:.1} MiB, heap \
+                 {:.1} -> {:.1} MiB (slope {:+.1} KiB/min); positive control: {}/{} sessions with the real key",
+                a.targets,
+                a.total.attempted,
+                a.total.refused,
+                a.total.lost,
+                a.total.unrefused,
+                a.total.established,
+                a.total.connections,
+                a.baseline_p99_ms,
+                a.attack_p99_ms,
+                a.p99_bound_ms,
+                a.baseline_samples,
+                a.attack_samples,
+                a.latency_excluded,
+                a.threads_baseline,
+                a.threads_end,
+                a.threads_peak,
+                a.fds_baseline,
+                a.fds_end,
+                a.fds_peak,
+                a.rss_baseline_bytes as f64 / (1u64 << 20) as f64,
+                a.rss_end_bytes as f64 / (1u64 << 20) as f64,
+                a.heap_baseline_bytes as f64 / (1u64 << 20) as f64,
+                a.heap_end_bytes as f64 / (1u64 << 20) as f64,
+                a.attack_heap_slope_bytes_per_min / 1024.0,
+                a.control.established,
+                a.control.attempted
+            );
+            for (k, c) in &a.kinds {
+                println!(
+                    "  {k:<22} attempted {:>6} refused {:>6} lost {:>4} unrefused {} established {} connections {:>7}; \
+                     targets' {} +{}",
+                    c.counts.attempted,
+                    c.counts.refused,
+                    c.counts.lost,
+                    c.counts.unrefused,
+                    c.counts.established,
+                    c.counts.connections,
+                    c.refused_as,
+                    c.refused_as_delta
+                );
+            }
+        }
+    }
+    if let Some(a) = r.adversary.as_ref().filter(|a| !a.failures.is_empty()) {
+        for f in &a.failures {
+            eprintln!("kvt soak --adversary: {f}");
+        }
+        return Ok(false);
     }
     Ok(match policy {
         ReleasePolicy::Safe if !r.clean() => {

@@ -77,6 +77,76 @@ fn safe_soak_through_loss_bursts() -> Result<(), Failed> {
     Ok(())
 }
 
+/// `--adversary` for 20 s (faults at the default pace, 3 s): a seeded
+/// hostile peer hits every honest listening port with every attack of the
+/// simulator's hostile tests while the workload runs. Checked: exit 0; 0
+/// foreign bytes and the pool whole; every attack kind attempted and
+/// refused, typed in the targets' counters, never a session without the
+/// key; the positive control (the same attack code with the real key)
+/// established and registered at every target; honest p99 under attack,
+/// threads, open fds and RSS at the end within the report's own bounds.
+fn adversary_soak_refuses_every_attack_within_bounds() -> Result<(), Failed> {
+    let (status, v) = soak(&["--duration", "20s", "--adversary", "--fault-every", "3s", "--seed", "3"])?;
+    if field(&v, "foreign_bytes")? != 0 || field(&v, "final_free")? != field(&v, "capacity")? {
+        return Err(format!("the contract did not hold under attack: {v}").into());
+    }
+    let a = &v["adversary"];
+    let failures = a["failures"].as_array().ok_or_else(|| Failed::from(format!("no adversary report: {v}")))?;
+    if !failures.is_empty() {
+        return Err(format!("the soak's own checks failed: {failures:?}").into());
+    }
+    let kinds = a["kinds"].as_object().ok_or_else(|| Failed::from(format!("no kinds: {a}")))?;
+    let expected = [
+        "wrong_key",
+        "forged_finish",
+        "replayed",
+        "relayed",
+        "made_up_names",
+        "garbage",
+        "oversized",
+        "half_open",
+        "slowloris",
+        "flood",
+        "flood_many_addresses",
+    ];
+    for k in expected {
+        let c = &kinds.get(k).ok_or_else(|| Failed::from(format!("kind {k} missing: {a}")))?;
+        let n = |f: &str| c[f].as_u64().unwrap_or(u64::MAX);
+        if n("attempted") == 0 || n("refused") == 0 || n("refused_as_delta") == 0 {
+            return Err(format!("{k}: not attempted, not refused or not counted by the targets: {c}").into());
+        }
+        if n("established") != 0 || n("unrefused") != 0 {
+            return Err(format!("{k}: a session without the key, or an attack not refused: {c}").into());
+        }
+    }
+    let control = &a["control"];
+    if field(control, "attempted")? < 3 || field(control, "established")? != field(control, "attempted")? {
+        return Err(
+            format!("positive control: the attack code with the real key did not get its sessions: {control}").into()
+        );
+    }
+    let f = |k: &str| a[k].as_f64().ok_or_else(|| Failed::from(format!("report lacks adversary.{k}: {a}")));
+    if f("attack_p99_ms")? > f("p99_bound_ms")? || f("baseline_p99_ms")? <= 0.0 {
+        return Err(format!("honest p99 out of bounds: {a}").into());
+    }
+    for (end, base, bound) in [
+        ("threads_end", "threads_baseline", "threads_bound"),
+        ("fds_end", "fds_baseline", "fds_bound"),
+        ("rss_end_bytes", "rss_baseline_bytes", "rss_bound_bytes"),
+    ] {
+        if field(a, end)? > field(a, base)? + field(a, bound)? {
+            return Err(format!("{end} over {base} + {bound}: {a}").into());
+        }
+    }
+    if field(a, "ghost_peers")? != 0 || field(a, "targets")? < 3 {
+        return Err(format!("peers under made-up names, or fewer ports attacked than the NICs have: {a}").into());
+    }
+    if !status.success() {
+        return Err(format!("exit {status} on a clean adversary run").into());
+    }
+    Ok(())
+}
+
 /// Set by `.ci/run` for its host pass: what needs netem runs in the verbs
 /// lab's guest (`scripts/rdma-lab test`), whose kernel has `sch_netem`.
 const NETEM_IN_GUEST: &str = "KVT_NETEM_IN_GUEST";
@@ -97,7 +167,7 @@ fn main() {
         );
     }
     type Test = fn() -> Result<(), Failed>;
-    let tests: [(&str, bool, Test); 3] = [
+    let tests: [(&str, bool, Test); 4] = [
         (
             "netns_soak_safe_consumes_no_foreign_byte_and_accounts_for_every_slot",
             false,
@@ -105,6 +175,11 @@ fn main() {
         ),
         ("netns_soak_naive_shows_foreign_bytes", false, naive_soak_shows_foreign_bytes),
         ("netns_soak_safe_through_loss_bursts", true, safe_soak_through_loss_bursts),
+        (
+            "netns_soak_adversary_refuses_every_attack_within_bounds",
+            false,
+            adversary_soak_refuses_every_attack_within_bounds,
+        ),
     ];
     let trials = tests
         .into_iter()
