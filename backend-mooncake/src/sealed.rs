@@ -81,6 +81,9 @@ impl NotifyAuth {
             .map_err(|e| EngineError::io(format!("connect handshake {addr}"), e))?;
         s.set_read_timeout(Some(timeout)).map_err(|e| EngineError::io("set timeout", e))?;
         s.set_write_timeout(Some(timeout)).map_err(|e| EngineError::io("set timeout", e))?;
+        // Four small writes before the answer: with Nagle each would wait
+        // for the previous one's (delayed) ACK, tens of ms per notification.
+        s.set_nodelay(true).map_err(|e| EngineError::io("set nodelay", e))?;
         HandshakeFrame::new(HandshakeType::SealedNotify, b"{}\n".to_vec()).write_to(&mut s)?;
         let me = &self.acceptor.me;
         let cfg = DialerConfig {

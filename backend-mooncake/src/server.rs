@@ -466,6 +466,9 @@ impl Write for Timed<'_> {
 }
 
 fn serve_handshake(s: TcpStream, sh: &ServerShared, conn: &Conn) {
+    // A sealed notification is a conversation of small messages (see
+    // `crate::sealed`): no Nagle delay on our side of it.
+    let _ = s.set_nodelay(true);
     let mut t = Timed::new(&s, sh.handshake_limits);
     serve_handshake_on(&mut t, sh, conn);
     t.count(sh);
