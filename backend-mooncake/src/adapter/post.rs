@@ -44,16 +44,26 @@ impl PostNow for MooncakeTransfer {
             return Err(PostError { lease: local, kind });
         }
         let slot = remote.slot_size;
+        let opcode = match op {
+            Op::Read => TcpOpcode::Read,
+            Op::Write => TcpOpcode::Write,
+        };
+        // Slots next to each other on both sides go as one request (a
+        // serving engine's pages mostly are: one request per run, not per
+        // page). Not with a key per slot: each slot's key covers only it.
+        let coalesce = remote.slots.iter().all(|s| s.key.is_none());
         // This thread's list from its last post (empty, its capacity kept).
         let mut reqs = REQUESTS.take();
         for (i, r) in remote.slots.iter().enumerate() {
             let Some(source) = local.slot_addr(i) else {
                 return Err(PostError { lease: local, kind: PostErrorKind::Descriptor("local slot missing".into()) });
             };
-            let opcode = match op {
-                Op::Read => TcpOpcode::Read,
-                Op::Write => TcpOpcode::Write,
-            };
+            if coalesce {
+                if let Some(last) = reqs.last_mut().filter(|l| runs_on(l, source, r.addr)) {
+                    last.length += slot;
+                    continue;
+                }
+            }
             reqs.push(TransferRequest { opcode, source, target_id: seg, target_offset: r.addr, length: slot });
         }
         let batch = match inner.engine.allocate_batch_id(reqs.len()) {
@@ -138,5 +148,37 @@ impl PostNow for MooncakeTransfer {
             inner.settler.abandon(work.into_job());
         }
         Ok(handle)
+    }
+}
+
+/// Longest request a run of slots is merged into (a request is one
+/// deadline at the target: a run past this starts a new request).
+const MAX_RUN_BYTES: u64 = 16 << 20;
+
+/// Whether the slot at `source` (local) and `target` (remote) continues
+/// `last` on both sides, within [`MAX_RUN_BYTES`].
+fn runs_on(last: &TransferRequest, source: u64, target: u64) -> bool {
+    last.source.checked_add(last.length) == Some(source)
+        && last.target_offset.checked_add(last.length) == Some(target)
+        && last.length < MAX_RUN_BYTES
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(source: u64, target: u64, length: u64) -> TransferRequest {
+        TransferRequest { opcode: TcpOpcode::Write, source, target_id: 1, target_offset: target, length }
+    }
+
+    #[test]
+    fn a_slot_joins_the_run_only_if_both_sides_continue_it() {
+        let last = req(0x1000, 0x9000, 256);
+        assert!(runs_on(&last, 0x1100, 0x9100));
+        assert!(!runs_on(&last, 0x1100, 0x9200), "the remote side jumps");
+        assert!(!runs_on(&last, 0x1200, 0x9100), "the local side jumps");
+        assert!(!runs_on(&last, 0x0f00, 0x8f00), "backwards is a new run");
+        assert!(!runs_on(&req(0, 0, MAX_RUN_BYTES), MAX_RUN_BYTES, MAX_RUN_BYTES), "a run stops at its cap");
+        assert!(!runs_on(&req(u64::MAX - 1, 0, 256), 0, 256), "no wrap-around");
     }
 }
