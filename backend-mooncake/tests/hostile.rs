@@ -140,6 +140,23 @@ fn idle_flood(dst: SocketAddr, n: usize) -> Vec<std::net::TcpStream> {
     (0..n).filter_map(|_| connect_from(ATTACKER, dst).ok()).collect()
 }
 
+/// A new prefill (its own engine, from 127.0.0.1) the decode adds and
+/// exposes a slot to, and its WRITE into it (while a flood holds): the
+/// prefill (kept alive), the exposure, the WRITE's outcome and how long it
+/// took.
+fn new_prefill_writes(
+    decode: &Side,
+) -> (Side, kv_transfer_core::SlotLease<kv_transfer_core::Exposed>, kv_transfer_core::TransferOutcome, Duration) {
+    let prefill = side(2, SLOT);
+    let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
+    let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
+    let t0 = Instant::now();
+    let out =
+        block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
+            .unwrap();
+    (prefill, exposed, out, t0.elapsed())
+}
+
 /// Issue 46, attack 8 (many addresses), data port: 40 idle connections
 /// from 10 addresses (127.0.0.2 to .11; 10x the per-address cap of 4), so
 /// no address passes its own cap. Positive control (strangers not set
@@ -174,14 +191,7 @@ fn hostile_many_addresses_fill_only_the_strangers_share_of_the_data_port() {
         std::thread::sleep(Duration::from_millis(50));
         let during = mem();
         let stats = decode.engine.target_stats();
-        let prefill = side(2, SLOT);
-        let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
-        let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
-        let t0 = Instant::now();
-        let out =
-            block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
-                .unwrap();
-        let took = t0.elapsed();
+        let (_prefill, exposed, out, took) = new_prefill_writes(&decode);
         eprintln!(
             "checked={checked}: 40 connections from 10 addresses, refused strangers {} / global {} / per addr {}; \
              threads {} -> {}; honest write {:?} in {took:?}",
@@ -231,15 +241,7 @@ fn hostile_data_port_idle_flood_does_not_shut_out_a_new_prefill() {
         std::thread::sleep(Duration::from_millis(50));
         let during = mem();
         let stats = decode.engine.target_stats();
-        // A new prefill (its own engine, from 127.0.0.1) while the flood holds.
-        let prefill = side(2, SLOT);
-        let peer = decode.a.add_peer(prefill.a.segment_name()).unwrap();
-        let (exposed, remote) = decode.a.expose(decode.pool.reserve(1).unwrap(), peer).unwrap();
-        let t0 = Instant::now();
-        let out =
-            block_on(block_on(prefill.a.write(prefill.pool.reserve(1).unwrap(), &remote, Default::default())).unwrap())
-                .unwrap();
-        let took = t0.elapsed();
+        let (_prefill, exposed, out, took) = new_prefill_writes(&decode);
         eprintln!(
             "checked={checked}: flood of 40, refused per addr {} / global {}; threads {} -> {}, \
              VmHWM {} -> {} KiB; honest write {:?} in {took:?}",

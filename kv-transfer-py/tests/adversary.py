@@ -44,7 +44,7 @@ from kv_transfer.sglang import wire as sgl_wire
 from kv_transfer.vllm import wire as vllm_wire
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hostile_child import RawPeer, _recv_exact  # noqa: E402
+from hostile_child import RawPeer, _recv_exact, pipe  # noqa: E402
 
 #: Attack kinds by role; ``test_adversary_soak`` checks every one was attempted and refused.
 OUTSIDER_KINDS = [
@@ -672,21 +672,6 @@ class Attacker:
         m.settimeout(0.2)
         target = self.plane_ports["echo"]
         relay_src = self.sources[-1]
-
-        def pipe(a: socket.socket, b: socket.socket) -> None:
-            try:
-                for _ in range(10000):  # bounded: a handshake is three messages
-                    d = a.recv(65536)
-                    if not d:
-                        break
-                    b.sendall(d)
-            except OSError:
-                pass
-            for s in (a, b):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
         def accept() -> None:
             end = time.monotonic() + self.cfg["seconds"] + 30

@@ -47,6 +47,24 @@ IDLE_S = 0.5
 DEADLINE_S = 1.0
 
 
+def pipe(a: socket.socket, b: socket.socket, chunks: int = 100000) -> None:
+    """A relay's one direction: what ``a`` sends goes to ``b`` (at most
+    ``chunks`` reads), then both are shut down."""
+    try:
+        for _ in range(chunks):  # bounded
+            d = a.recv(65536)
+            if not d:
+                break
+            b.sendall(d)
+    except OSError:
+        pass
+    for s in (a, b):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

@@ -16,7 +16,7 @@ import kv_transfer
 from kv_transfer import peers
 from kv_transfer.peers import ControlPlane, PlaneLimits, RemoteError
 
-from hostile_child import ATTACKER, HONEST, RawPeer
+from hostile_child import ATTACKER, HONEST, RawPeer, pipe
 
 KEY = kv_transfer.ClusterKey.from_secret(b"the deployment's own cluster secret")
 
@@ -82,21 +82,6 @@ def _relay(m: socket.socket, to_port: int) -> None:
     """M: accepts one connection and splices it to the listener."""
     a, _ = m.accept()
     b = socket.create_connection(("127.0.0.1", to_port))
-
-    def pipe(x, y):
-        try:
-            while True:
-                d = x.recv(65536)
-                if not d:
-                    break
-                y.sendall(d)
-        except OSError:
-            pass
-        for s in (x, y):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     threading.Thread(target=pipe, args=(a, b), daemon=True).start()
     threading.Thread(target=pipe, args=(b, a), daemon=True).start()

@@ -312,53 +312,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A TCP connection to `dst` from `src`, bounded by `timeout` (a
-/// non-blocking connect and a poll): `netns_lab::connect_from` with a deadline.
+/// A TCP connection to `dst` from `src`, bounded by `timeout`, its reads
+/// and writes by [`IO_TIMEOUT`].
 pub fn connect_from_timeout(src: Ipv4Addr, dst: SocketAddrV4, timeout: Duration) -> std::io::Result<TcpStream> {
-    use std::os::fd::{AsRawFd, FromRawFd};
-    let sin = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
-        sin_zero: [0; 8],
-    };
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: plain socket calls on a descriptor this function owns (the
-    // TcpStream takes it at once and closes it on every path); the
-    // addresses are valid `sockaddr_in`s of the length passed; poll gets
-    // one valid pollfd.
-    let s = unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let s = TcpStream::from_raw_fd(fd);
-        let local = sin(src, 0);
-        if libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let remote = sin(*dst.ip(), dst.port());
-        if libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len) != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINPROGRESS) {
-                return Err(e);
-            }
-            let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
-            let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
-            let n = libc::poll(&mut p, 1, ms);
-            if n == 0 {
-                return Err(std::io::ErrorKind::TimedOut.into());
-            }
-            if n < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-        s
-    };
-    if let Some(e) = s.take_error()? {
-        return Err(e);
-    }
-    s.set_nonblocking(false)?;
+    let s = netns_lab::connect_from_timeout(src, dst.into(), timeout)?;
     s.set_read_timeout(Some(IO_TIMEOUT))?;
     s.set_write_timeout(Some(IO_TIMEOUT))?;
     Ok(s)

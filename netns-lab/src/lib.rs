@@ -26,7 +26,7 @@
 //! ```
 
 pub mod probe;
-pub use probe::{connect_from, proc_status, rss_kib};
+pub use probe::{connect_from, connect_from_timeout, proc_status, rss_kib};
 
 use std::fs::File;
 use std::net::Ipv4Addr;

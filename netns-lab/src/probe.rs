@@ -3,12 +3,23 @@
 //! process's memory as `/proc` reports it.
 
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::time::Duration;
+
+/// How long [`connect_from`] waits for the connection.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A TCP connection to `dst` from the loopback address `src` (Linux routes
 /// all of 127.0.0.0/8 to lo): an attacker's own address, so that per-address
-/// caps tell it apart from the honest peers on 127.0.0.1.
+/// caps tell it apart from the honest peers on 127.0.0.1. Bounded by
+/// [`CONNECT_TIMEOUT`].
 pub fn connect_from(src: Ipv4Addr, dst: SocketAddr) -> std::io::Result<TcpStream> {
-    use std::os::fd::FromRawFd;
+    connect_from_timeout(src, dst, CONNECT_TIMEOUT)
+}
+
+/// [`connect_from`] bounded by `timeout` (a non-blocking connect and a
+/// poll); the stream it returns blocks.
+pub fn connect_from_timeout(src: Ipv4Addr, dst: SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    use std::os::fd::{AsRawFd, FromRawFd};
     let SocketAddr::V4(dst) = dst else { return Err(std::io::ErrorKind::Unsupported.into()) };
     let sin = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,
@@ -17,11 +28,12 @@ pub fn connect_from(src: Ipv4Addr, dst: SocketAddr) -> std::io::Result<TcpStream
         sin_zero: [0; 8],
     };
     let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: plain socket calls on a descriptor this function owns: the
-    // TcpStream takes it at once and closes it on every error path; the
-    // addresses are valid `sockaddr_in`s of the length passed.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+    // SAFETY: plain socket calls on a descriptor this function owns (the
+    // TcpStream takes it at once and closes it on every path); the
+    // addresses are valid `sockaddr_in`s of the length passed; poll gets
+    // one valid pollfd.
+    let s = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0);
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -32,10 +44,27 @@ pub fn connect_from(src: Ipv4Addr, dst: SocketAddr) -> std::io::Result<TcpStream
         }
         let remote = sin(*dst.ip(), dst.port());
         if libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len) != 0 {
-            return Err(std::io::Error::last_os_error());
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINPROGRESS) {
+                return Err(e);
+            }
+            let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+            let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+            let n = libc::poll(&mut p, 1, ms);
+            if n == 0 {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            if n < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
         }
-        Ok(s)
+        s
+    };
+    if let Some(e) = s.take_error()? {
+        return Err(e);
     }
+    s.set_nonblocking(false)?;
+    Ok(s)
 }
 
 /// A field of `/proc/self/status` in its own unit (KiB for `VmRSS:` and

@@ -308,6 +308,14 @@ fn hostile_side_channel_relayed_handshake_is_refused() {
         relay(proxy, dd.addr.parse().expect("addr"));
         let (prefill, _) = transport(&fabric, "prefill", k, Vec::new());
         let r = prefill.connect(&engine_desc(&dd, Some(&via)));
+        if bound {
+            // The acceptor counts its refusal after sending it: the dialer
+            // can see the refusal first.
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while decode.stats().auth.address_mismatch == 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         let s = decode.stats();
         if bound {
             assert!(
