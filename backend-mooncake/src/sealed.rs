@@ -18,11 +18,17 @@
 //!                                     <-   CHALLENGE
 //!   FINISH, [len][2]{notify}, tag     ->   queued under the proven name
 //!                                     <-   [len][2]{"notify_msg":"success"}
+//!   [len][2]{notify}, tag             ->   the next one, on the same session
+//!                                     <-   [len][2]{"notify_msg":"success"}
 //! ```
+//!
+//! The dialer keeps the connection for its next notification to the same
+//! engine (one round trip each, as a plain notification costs), for up to
+//! 2 s idle; the acceptor closes it after its idle deadline.
 //!
 //! The handshake binds both segment names and the address the dialer dialed
 //! (a relay is refused), and is fresh (both nonces); the tag is the session's
-//! first message, so nothing recorded opens again. The receiver also checks
+//! sequence number, so nothing recorded opens again. The receiver also checks
 //! that the name the dialer proved is at the address its connection came
 //! from (a segment name is `ip:port`). The notification is then queued under
 //! that name, marked [`NotifyDesc::proven`]; a plain one, whatever name it
@@ -34,10 +40,13 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kv_transfer_core::hash::HashMap;
 
 use kv_transfer_core::auth::{
-    self, AcceptorConfig, AuthCounters, AuthError, AuthStats, ClusterKey, DialerConfig, Identity, MAC_LEN,
+    self, AcceptorConfig, AuthCounters, AuthError, AuthStats, ClusterKey, DialerConfig, Identity, Session, MAC_LEN,
 };
 
 use crate::error::EngineError;
@@ -59,14 +68,33 @@ pub const SEALED_NOTIFY_VERSION: u32 = 1;
 pub struct NotifyAuth {
     acceptor: AcceptorConfig,
     counters: AuthCounters,
+    /// One established connection per target, kept between notifications
+    /// (a notification on it costs one round trip, as a plain one does).
+    idle: Mutex<HashMap<String, Open>>,
 }
+
+/// A dialed connection whose handshake is done, and when it was last used.
+#[derive(Debug)]
+struct Open {
+    stream: TcpStream,
+    session: Session,
+    used: Instant,
+}
+
+/// A kept connection idle longer than this is dropped rather than reused:
+/// below the acceptor's idle deadline ([`crate::ConnLimits::HANDSHAKE`],
+/// 5 s), so a reused connection is rarely one the other end just closed.
+const REUSE_WITHIN: Duration = Duration::from_secs(2);
+
+/// Targets with a kept connection at most (one each).
+const MAX_KEPT: usize = 256;
 
 impl NotifyAuth {
     /// `segment` is this engine's segment name (`ip:port` of its handshake
     /// port): its name and its endpoint, and what dialers dial.
     pub fn new(key: ClusterKey, segment: &str) -> Self {
         let acceptor = AcceptorConfig::new(key, AUTH_CONTEXT, Identity::new(segment, segment));
-        Self { acceptor, counters: AuthCounters::default() }
+        Self { acceptor, counters: AuthCounters::default(), idle: Mutex::default() }
     }
 
     /// What its handshakes proved and refused so far.
@@ -76,46 +104,63 @@ impl NotifyAuth {
 
     /// Sends `msg` to the engine whose segment is `target` (dialed at
     /// `addr`), sealed; `Ok` only if it proved to be `target` and queued it.
+    /// On the connection kept from the last notification to `target` if
+    /// there is one (a message whose connection turns out closed goes again
+    /// on a new one: a message is queued at most once per connection, and a
+    /// repeated DONE or ABORT is harmless), else on a new one.
     pub fn send(&self, addr: SocketAddr, target: &str, msg: &str, timeout: Duration) -> Result<(), EngineError> {
+        let frame = HandshakeFrame::new(HandshakeType::Notify, NotifyDesc::new(&self.acceptor.me.name, msg).to_json());
+        let frame = frame.encode();
+        let kept = lock(&self.idle).remove(target).filter(|o| o.used.elapsed() < REUSE_WITHIN);
+        if let Some(mut open) = kept {
+            if let Ok(r) = exchange(&mut open, &frame, target) {
+                self.keep(target, open);
+                return r;
+            }
+        }
+        let mut open = self.dial(addr, target, timeout)?;
+        let r = exchange(&mut open, &frame, target)?;
+        self.keep(target, open);
+        r
+    }
+
+    fn keep(&self, target: &str, mut open: Open) {
+        open.used = Instant::now();
+        let mut idle = lock(&self.idle);
+        if idle.len() >= MAX_KEPT && !idle.contains_key(target) {
+            idle.retain(|_, o| o.used.elapsed() < REUSE_WITHIN);
+            if idle.len() >= MAX_KEPT {
+                return;
+            }
+        }
+        idle.insert(target.to_string(), open);
+    }
+
+    /// A new connection to `target` at `addr`, its handshake done.
+    fn dial(&self, addr: SocketAddr, target: &str, timeout: Duration) -> Result<Open, EngineError> {
         let mut s = TcpStream::connect_timeout(&addr, timeout)
             .map_err(|e| EngineError::io(format!("connect handshake {addr}"), e))?;
         s.set_read_timeout(Some(timeout)).map_err(|e| EngineError::io("set timeout", e))?;
         s.set_write_timeout(Some(timeout)).map_err(|e| EngineError::io("set timeout", e))?;
-        // Four small writes before the answer: with Nagle each would wait
-        // for the previous one's (delayed) ACK, tens of ms per notification.
+        // Small writes each waiting for an answer: with Nagle each would
+        // wait for the previous one's (delayed) ACK, tens of ms a message.
         s.set_nodelay(true).map_err(|e| EngineError::io("set nodelay", e))?;
         HandshakeFrame::new(HandshakeType::SealedNotify, b"{}\n".to_vec()).write_to(&mut s)?;
-        let me = &self.acceptor.me;
         let cfg = DialerConfig {
             key: self.acceptor.key.clone(),
             context: AUTH_CONTEXT.into(),
-            me: me.clone(),
+            me: self.acceptor.me.clone(),
             dialed: target.to_string(),
             expect_name: Some(target.to_string()),
         };
-        let mut est = auth::dial(&mut s, cfg, &self.counters).map_err(EngineError::PeerAuth)?;
-        let frame = HandshakeFrame::new(HandshakeType::Notify, NotifyDesc::new(&me.name, msg).to_json()).encode();
-        let tag = est.session.seal(&frame);
-        let mut out = frame;
-        out.extend_from_slice(&tag);
-        s.write_all(&out).map_err(|e| EngineError::io(format!("sealed notify to {target}"), e))?;
-        let reply = HandshakeFrame::read_from(&mut s, MAX_HANDSHAKE_LEN)?;
-        if reply.kind != HandshakeType::Notify {
-            return Err(EngineError::UnexpectedReply { expected: HandshakeType::Notify, got: reply.kind });
-        }
-        let r: NotifyReply = serde_json::from_slice(&reply.json).map_err(crate::proto::ProtoError::from)?;
-        if r.is_success() {
-            Ok(())
-        } else {
-            Err(EngineError::NotifyRejected(r.notify_msg))
-        }
+        let est = auth::dial(&mut s, cfg, &self.counters).map_err(EngineError::PeerAuth)?;
+        Ok(Open { stream: s, session: est.session, used: Instant::now() })
     }
 
-    /// The acceptor's side, after the opening frame: the handshake, then the
-    /// sealed notification, returned with its sender set to the name the
-    /// handshake proved. `None` (counted) for anything refused.
-    pub(crate) fn accept<S: Read + Write>(&self, s: &mut S, source: IpAddr) -> Option<NotifyDesc> {
-        let mut est = auth::accept(s, &self.acceptor, Some(source), &self.counters).ok()?;
+    /// The acceptor's side, after the opening frame: the handshake, and
+    /// the name it proved. `None` (counted) if refused.
+    pub(crate) fn accept<S: Read + Write>(&self, s: &mut S, source: IpAddr) -> Option<Inbound> {
+        let est = auth::accept(s, &self.acceptor, Some(source), &self.counters).ok()?;
         let name = est.peer.identity.name.clone();
         // A segment name is where its engine listens: a key holder at one
         // address is not another address's engine.
@@ -127,20 +172,28 @@ impl NotifyAuth {
                 return None;
             }
         }
+        Some(Inbound { name, session: est.session })
+    }
+
+    /// The next sealed notification on an accepted connection, its sender
+    /// set to the name the handshake proved. `None` at the end of the
+    /// connection or (counted) for anything refused, which ends it.
+    pub(crate) fn next<S: Read>(&self, s: &mut S, inbound: &mut Inbound) -> Option<NotifyDesc> {
         let frame = HandshakeFrame::read_from(s, MAX_HANDSHAKE_LEN).ok()?;
         let mut tag = [0u8; MAC_LEN];
         s.read_exact(&mut tag).ok()?;
         if frame.kind != HandshakeType::Notify {
             return None;
         }
-        if let Err(e) = est.session.open(&frame.encode(), &tag) {
+        let name = &inbound.name;
+        if let Err(e) = inbound.session.open(&frame.encode(), &tag) {
             tracing::debug!(peer = %name, error = %e, "sealed notification with a bad tag");
             self.counters.count_refusal(&e);
             return None;
         }
         let mut n = NotifyDesc::from_json(&frame.json).ok()?;
-        if n.name != name {
-            let e = AuthError::NameMismatch { expected: name, got: n.name };
+        if n.name != *name {
+            let e = AuthError::NameMismatch { expected: name.clone(), got: n.name };
             tracing::debug!(error = %e, "sealed notification under another name");
             self.counters.count_refusal(&e);
             return None;
@@ -148,6 +201,35 @@ impl NotifyAuth {
         n.proven = true;
         Some(n)
     }
+}
+
+/// An accepted connection whose handshake is done: who it proved to be,
+/// and the session its notifications are sealed in.
+#[derive(Debug)]
+pub(crate) struct Inbound {
+    name: String,
+    session: Session,
+}
+
+/// One sealed notification on an open connection, and its answer: `Err`
+/// if the connection failed (the caller may try a new one), `Ok` with the
+/// target's verdict otherwise.
+fn exchange(open: &mut Open, frame: &[u8], target: &str) -> Result<Result<(), EngineError>, EngineError> {
+    let tag = open.session.seal(frame);
+    let mut out = Vec::with_capacity(frame.len() + MAC_LEN);
+    out.extend_from_slice(frame);
+    out.extend_from_slice(&tag);
+    open.stream.write_all(&out).map_err(|e| EngineError::io(format!("sealed notify to {target}"), e))?;
+    let reply = HandshakeFrame::read_from(&mut open.stream, MAX_HANDSHAKE_LEN)?;
+    if reply.kind != HandshakeType::Notify {
+        return Err(EngineError::UnexpectedReply { expected: HandshakeType::Notify, got: reply.kind });
+    }
+    let r: NotifyReply = serde_json::from_slice(&reply.json).map_err(crate::proto::ProtoError::from)?;
+    Ok(if r.is_success() { Ok(()) } else { Err(EngineError::NotifyRejected(r.notify_msg)) })
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// What [`crate::MooncakeEngine`] needs to seal: its key (`None`: the

@@ -498,13 +498,7 @@ fn serve_handshake_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
             Ok(n) => to_json_line(&queue_notify(sh, conn, n)),
             Err(_) => return,
         },
-        HandshakeType::SealedNotify => match sh.auth.accept(s, conn.peer.ip()) {
-            Some(n) => {
-                sh.stats.sealed_notifies.fetch_add(1, Ordering::Relaxed);
-                to_json_line(&queue_notify(sh, conn, n))
-            }
-            None => return,
-        },
+        HandshakeType::SealedNotify => return serve_sealed(s, sh, conn),
         HandshakeType::Probe => to_json_line(&ProbeReply { status: "success".into() }),
         HandshakeType::Connection => match &sh.hook {
             Some(hook) => hook.connection(&frame.json, conn.peer.ip()),
@@ -513,15 +507,29 @@ fn serve_handshake_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
         },
         HandshakeType::OldProtocol => b"{}\n".to_vec(),
     };
-    // A sealed notification is answered as a notification.
-    let kind = if frame.kind == HandshakeType::SealedNotify { HandshakeType::Notify } else { frame.kind };
-    if HandshakeFrame::new(kind, reply).write_to(s).is_err() {
+    if HandshakeFrame::new(frame.kind, reply).write_to(s).is_err() {
         return;
     }
     let _ = s.s.shutdown(Shutdown::Write);
     // Wait (bounded by the whole-handshake deadline) for the client to close.
     let mut b = [0u8; 64];
     let _ = s.read(&mut b);
+}
+
+/// A sealed notification's connection ([`crate::sealed`]): the handshake,
+/// then notifications on its session, each answered, until the dialer
+/// closes it, the idle deadline passes or one is refused.
+fn serve_sealed(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
+    let Some(mut inbound) = sh.auth.accept(s, conn.peer.ip()) else { return };
+    loop {
+        s.end();
+        let Some(n) = sh.auth.next(s, &mut inbound) else { return };
+        sh.stats.sealed_notifies.fetch_add(1, Ordering::Relaxed);
+        let reply = to_json_line(&queue_notify(sh, conn, n));
+        if HandshakeFrame::new(HandshakeType::Notify, reply).write_to(s).is_err() {
+            return;
+        }
+    }
 }
 
 /// Queues a notification under the sender address's budget (never evicting

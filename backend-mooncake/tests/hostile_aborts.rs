@@ -271,8 +271,11 @@ fn hostile_sealed_aborts_with_another_key_relayed_or_replayed_are_refused_typed_
     // The honest sender's connection goes through the recorder (the
     // address it dialed is the prefill's, so the prefill accepts it).
     let base = prefill.a.metrics().aborts_received;
-    let sent = honest.send(rec_at, &name, &abort_text(), t);
+    let recorded_sender = NotifyAuth::new(cluster_key(), "127.0.0.1:9");
+    let sent = recorded_sender.send(rec_at, &name, &abort_text(), t);
     assert!(sent.is_ok(), "the recorded notification itself is accepted: {sent:?}");
+    // Dropped, it closes the connection it kept: the recording ends.
+    drop(recorded_sender);
     let bytes = recorded.recv_timeout(t).unwrap();
     wait_until("the recorded ABORT delivered once", t, || prefill.a.metrics().aborts_received == base + 1);
     let before = base + 1;

@@ -290,3 +290,30 @@ fn uncertain_failure_withholds_the_ack() {
         assert!(!sent.iter().any(|(k, _)| *k == ControlKind::Done), "never a completion after a failure");
     }
 }
+
+/// Only a sealed ABORT buys abort state, and with
+/// `aborts_only_from_known_peers` only one under the proven name of a
+/// segment this side opened: a plain one under the peer's own name, and a
+/// sealed one under a name this side never opened, are dropped and
+/// counted; the peer's own sealed ABORT is answered.
+#[test]
+fn aborts_count_only_sealed_and_with_known_peers_only_under_a_name_this_side_opened() {
+    let state = Arc::new(AtomicU32::new(1));
+    let (frees, notes, inbox) = (Arc::new(AtomicU32::new(0)), Arc::new(Mutex::new(Vec::new())), Arc::default());
+    let m = mock_with(state, frees, notes.clone(), Arc::clone(&inbox));
+    let cfg = AdapterConfig { aborts_only_from_known_peers: true, ..Default::default() };
+    let a = MooncakeTransfer::new(Arc::new(m), cfg).unwrap();
+    let pool = a.register_pool(Arc::new(HostRegion::new(8 * SLOT).unwrap()), PoolConfig::new(SLOT)).unwrap();
+    // A post opens the peer's segment ("127.0.0.1:1"): a peer this side chose.
+    let out =
+        block_on(block_on(a.write(pool.reserve(1).unwrap(), &remote(1), TransferOptions::default())).unwrap()).unwrap();
+    out.result.unwrap();
+    out.lease.release();
+    let plain = crate::proto::NotifyDesc { proven: false, ..abort_note() };
+    let stranger = crate::proto::NotifyDesc { name: "127.0.0.9:5".into(), ..abort_note() };
+    inbox.lock().unwrap().extend([plain, stranger, abort_note()]);
+    wait_for("three ABORTs handled", || a.metrics().aborts_received == 3);
+    wait_for("the sealed one answered", || a.metrics().abort_acks_sent == 1);
+    let m = a.metrics();
+    assert_eq!((m.aborts_unproven, m.aborts_from_strangers, m.abort_state_peers), (1, 1, 1), "{m:?}");
+}
