@@ -295,4 +295,15 @@ mod tests {
         let r: NotifyReply = serde_json::from_str("{\"notify_msg\":\"success\"}\n").unwrap();
         assert!(r.is_success());
     }
+
+    /// Only a sealed connection's handshake proves a sender: a plain
+    /// notification that says it is proven is not, and the field never
+    /// goes out on the wire.
+    #[test]
+    fn a_notification_cannot_declare_itself_proven() {
+        let n = NotifyDesc::from_json(br#"{"name":"127.0.0.1:1","notify_msg":"kvt2 00","proven":true}"#).unwrap();
+        assert!(!n.proven);
+        let sealed = NotifyDesc { proven: true, ..NotifyDesc::new("x", "m") };
+        assert!(!String::from_utf8(sealed.to_json()).unwrap().contains("proven"));
+    }
 }
