@@ -56,6 +56,9 @@ kv_transfer_core::backend_counters! {
     connections_accepted,
     /// Accepted connections closed at once: handshakes at their cap.
     handshakes_refused_busy,
+    /// Handshakes in flight closed to make room at the total for a newer
+    /// connection (`ListenerLimits::evict_oldest`).
+    handshakes_evicted,
     /// Accepted connections closed at once: their address's handshakes at its cap.
     handshakes_refused_per_address,
     /// Accepted connections closed at once: their address's established

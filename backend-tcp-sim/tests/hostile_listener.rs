@@ -18,6 +18,12 @@ use backend_tcp_sim::{ListenerLimits, NicConfig, NicStats, SimNic};
 /// half-HELLO connections from 127.0.0.2, then an honest NIC connects.
 /// Whether it did, in how many ms, RSS before and during, the stats.
 fn run(limits: ListenerLimits, flood: usize) -> (bool, u128, u64, u64, NicStats) {
+    run_from(limits, flood, 1)
+}
+
+/// [`run`], the flood spread over `addresses` source addresses
+/// (127.0.0.2 and up, in turn).
+fn run_from(limits: ListenerLimits, flood: usize, addresses: u8) -> (bool, u128, u64, u64, NicStats) {
     let mut cfg = NicConfig::new("decode");
     cfg.listener = limits;
     cfg.handshake_timeout = Duration::from_secs(2);
@@ -37,7 +43,8 @@ fn run(limits: ListenerLimits, flood: usize) -> (bool, u128, u64, u64, NicStats)
     let before = rss_kib();
     let mut held = Vec::new();
     for i in 0..flood {
-        let mut s = connect_from(Ipv4Addr::new(127, 0, 0, 2), addr).expect("flood connection");
+        let from = Ipv4Addr::new(127, 0, 0, 2 + (i % usize::from(addresses)) as u8);
+        let mut s = connect_from(from, addr).expect("flood connection");
         if i % 2 == 0 {
             let _ = s.write_all(&hello[..hello.len() / 2]);
         }
@@ -68,6 +75,29 @@ fn hostile_idle_connections_do_not_shut_an_honest_nic_out_of_the_listener() {
     assert!(ok, "the honest NIC could not connect: {stats:?}");
     assert!(ms < 1000, "connected after {ms} ms");
     assert_eq!(stats.handshakes_refused_per_address, 18, "{stats:?}");
+}
+
+/// Many addresses: 80 idle or half-HELLO connections from 40 addresses
+/// (2 each, at the per-address cap; 10x the total of 8). The oldest
+/// handshakes give way to newer connections, so the honest NIC connects
+/// within 1 s and at most the total is held. Control (`evict_oldest` off,
+/// refusal at the total): the flood holds all 8 places and the honest NIC
+/// is refused.
+#[test]
+fn hostile_many_addresses_evict_the_oldest_handshake_and_never_fill_the_listener() {
+    let limits = ListenerLimits { handshakes: 8, per_address: 2, ..ListenerLimits::default() };
+    let (ok, ms, before, during, stats) = run_from(limits.clone(), 80, 40);
+    eprintln!("evicting: ok {ok}, {ms} ms, RSS {before} -> {during} KiB; {stats:?}");
+    assert!(ok, "the honest NIC could not connect: {stats:?}");
+    assert!(ms < 1000, "connected after {ms} ms");
+    assert!(stats.handshakes_evicted >= 72, "80 into 8 places, then the honest one: {stats:?}");
+    assert_eq!(stats.handshakes_refused_busy, 0, "{stats:?}");
+    let control = ListenerLimits { evict_oldest: false, ..limits };
+    let (ok, ms, _, _, stats) = run_from(control, 80, 40);
+    eprintln!("control: ok {ok}, {ms} ms; {stats:?}");
+    assert!(!ok, "control: the flood from many addresses should hold the total: {stats:?}");
+    assert!(stats.handshakes_refused_busy >= 72, "{stats:?}");
+    assert_eq!(stats.handshakes_evicted, 0, "{stats:?}");
 }
 
 /// 20 completed handshakes from 127.0.0.2 (real HELLOs), one at a time;

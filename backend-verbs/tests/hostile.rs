@@ -358,11 +358,23 @@ fn idle_flood(to: &VerbsTransfer, src: Ipv4Addr, n: usize) -> Vec<TcpStream> {
 /// connects both ways. Returns whether it did, how long it took, and the
 /// RSS (KiB) before and while the flood was held.
 fn idle_handshakes(limits: SideChannelLimits, flood: usize) -> (bool, u128, u64, u64, Vec<(&'static str, u64)>) {
+    idle_handshakes_from(limits, flood, 1)
+}
+
+/// [`idle_handshakes`], the flood spread over `addresses` source
+/// addresses (127.0.0.2 and up, `flood / addresses` from each).
+fn idle_handshakes_from(
+    limits: SideChannelLimits,
+    flood: usize,
+    addresses: u8,
+) -> (bool, u128, u64, u64, Vec<(&'static str, u64)>) {
     let fabric = FakeFabric::new(31);
     let decode = side(&fabric, "decode", |c| c.side_channel = limits);
     let prefill = side(&fabric, "prefill-b", |_| {});
     let before = rss_kib();
-    let held = idle_flood(&decode.t, Ipv4Addr::new(127, 0, 0, 2), flood);
+    let each = flood / usize::from(addresses);
+    let held: Vec<TcpStream> =
+        (0..addresses).flat_map(|a| idle_flood(&decode.t, Ipv4Addr::new(127, 0, 0, 2 + a), each)).collect();
     assert_eq!(held.len(), flood, "the flood's connections");
     // Let the acceptor take them all in.
     std::thread::sleep(Duration::from_millis(100));
@@ -390,6 +402,27 @@ fn hostile_idle_handshakes_do_not_delay_an_honest_add_peer() {
     assert!(ms < 1000, "the prefill connected after {ms} ms");
     let refused = counters.iter().find(|(n, _)| *n == "side_channel_per_address").map_or(0, |c| c.1);
     assert_eq!(refused, (9 * CAP) as u64, "{counters:?}");
+}
+
+/// Attack 8, many addresses: 80 idle or half-hello connections from 40
+/// addresses (2 each, at the per-address cap; 10x the total of 8). The
+/// oldest handshakes give way, so the prefill connects both ways within
+/// 1 s. Control (`evict_oldest` off): the flood holds the total and the
+/// prefill is refused.
+#[test]
+fn hostile_many_addresses_evict_the_oldest_handshake_and_an_honest_add_peer_connects() {
+    let limits = SideChannelLimits { handshakes: 8, per_address: 2, ..SideChannelLimits::default() };
+    let count = |c: &[(&str, u64)], name: &str| c.iter().find(|(n, _)| *n == name).map_or(0, |c| c.1);
+    let (ok, ms, before, during, counters) = idle_handshakes_from(limits.clone(), 80, 40);
+    eprintln!("evicting: ok {ok}, {ms} ms, RSS {before} -> {during} KiB; {counters:?}");
+    assert!(ok, "the prefill could not connect: {counters:?}");
+    assert!(ms < 1000, "the prefill connected after {ms} ms");
+    assert!(count(&counters, "side_channel_evicted") >= 72, "{counters:?}");
+    assert_eq!(count(&counters, "side_channel_busy"), 0, "{counters:?}");
+    let (ok, ms, _, _, counters) = idle_handshakes_from(SideChannelLimits { evict_oldest: false, ..limits }, 80, 40);
+    eprintln!("control: ok {ok}, {ms} ms; {counters:?}");
+    assert!(!ok, "control: the flood from many addresses should hold the total: {counters:?}");
+    assert!(count(&counters, "side_channel_busy") >= 72, "{counters:?}");
 }
 
 /// Attack 11's positive control: the old acceptor (one handshake at a

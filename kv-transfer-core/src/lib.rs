@@ -88,7 +88,7 @@ mod wait;
 pub use async_trait::async_trait;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use escalation::{EscalationAction, EscalationLadder, EscalationStep, QuarantineId, REDRAIN_MAX_INTERVAL};
-pub use gate::{GatePermit, GateRefusal, PeerGate};
+pub use gate::{AtFull, GatePermit, GateRefusal, PeerGate};
 pub use ids::{Generation, PeerId, PoolId, SlotId, Tenancy};
 pub use lease::{
     AccessError, Exposed, LeaseState, Reserved, SettleError, SettleErrorReason, Settled, SettledFuture, SlotLease,

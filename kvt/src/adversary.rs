@@ -118,7 +118,8 @@ impl AttackKind {
             Self::Garbage | Self::Oversized => "auth_malformed",
             Self::HalfOpen | Self::Slowloris => "auth_io",
             Self::Flood => "handshakes_refused_per_address",
-            Self::FloodManyAddresses => "handshakes_refused_busy",
+            // The oldest handshakes give way to newer connections.
+            Self::FloodManyAddresses => "handshakes_evicted",
         }
     }
 

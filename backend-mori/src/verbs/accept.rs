@@ -12,7 +12,7 @@
 //! control ([`SideChannelLimits::serial`]) serves handshakes one at a time
 //! on the accepting thread, as before.
 
-use kv_transfer_core::GateRefusal;
+use kv_transfer_core::{AtFull, GateRefusal};
 use std::net::{IpAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -21,11 +21,12 @@ use std::time::Duration;
 
 use super::{ConnState, Shared, SideChannelLimits};
 
-/// A handshake's place at the gate (core's [`PeerGate`]), given back when dropped.
-type Admitted = kv_transfer_core::GatePermit<IpAddr>;
+/// A handshake's place at the gate (core's [`PeerGate`]), given back when
+/// dropped; held with a clone of its connection, which an eviction closes.
+type Admitted = kv_transfer_core::GatePermit<IpAddr, TcpStream>;
 
-/// A place for a handshake from `addr`, or a counted refusal.
-fn admit(sh: &Arc<Shared>, addr: IpAddr) -> Option<Admitted> {
+/// A place for a handshake from `addr` on `s`, or a counted refusal.
+fn admit(sh: &Arc<Shared>, addr: IpAddr, s: &TcpStream) -> Option<Admitted> {
     let limits: &SideChannelLimits = &sh.cfg.side_channel;
     // Connections up but bound to no engine (claims of engines whose
     // descriptors are not registered, or impostors'), each with its queue
@@ -47,8 +48,17 @@ fn admit(sh: &Arc<Shared>, addr: IpAddr) -> Option<Admitted> {
         tracing::debug!(%addr, "side-channel connection refused: its address's unbound connections at their cap");
         return None;
     }
-    match sh.gate.enter(addr) {
-        Ok(place) => Some(place),
+    let Ok(handle) = s.try_clone() else { return None };
+    match sh.gate.enter_or_evict(addr, handle, AtFull::evict_if(limits.evict_oldest)) {
+        Ok((place, evicted)) => {
+            if let Some(old) = evicted {
+                // Its handshake's next read fails and its thread ends.
+                let _ = old.shutdown(std::net::Shutdown::Both);
+                sh.st().stats.handshakes_evicted += 1;
+                tracing::debug!(%addr, "the oldest side-channel handshake closed to make room");
+            }
+            Some(place)
+        }
         Err(GateRefusal::PerPeer) => {
             sh.st().stats.handshakes_per_address += 1;
             tracing::debug!(%addr, "side-channel connection refused: per-address cap");
@@ -93,7 +103,7 @@ pub(super) fn accept_loop(sh: Arc<Shared>, listener: TcpListener, threads: Arc<M
                     }
                     continue;
                 }
-                let Some(place) = admit(&sh, from.ip()) else { continue };
+                let Some(place) = admit(&sh, from.ip(), &s) else { continue };
                 let w = sh.clone();
                 sh.spawn(&threads, "mori-verbs-handshake", move || {
                     if let Some((id, s)) = serve(&w, s, from, Some(place)) {

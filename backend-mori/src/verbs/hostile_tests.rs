@@ -55,6 +55,12 @@ fn auth_dial(s: &mut TcpStream, name: &str, addr: SocketAddr) -> Result<(), Auth
 /// connections from 127.0.0.2, then an honest handshake from 127.0.0.1.
 /// Whether it was answered, in how many ms, RSS before and during, stats.
 fn run(limits: SideChannelLimits, flood: usize) -> (bool, u128, u64, u64, VerbsTransportStats) {
+    run_from(limits, flood, 1)
+}
+
+/// [`run`], the flood spread over `addresses` source addresses
+/// (127.0.0.2 and up, in turn).
+fn run_from(limits: SideChannelLimits, flood: usize, addresses: u8) -> (bool, u128, u64, u64, VerbsTransportStats) {
     let fabric = FakeFabric::new(11);
     let cfg = VerbsTransportConfig { side_channel: limits, qps: 1, ..VerbsTransportConfig::default() };
     let t = VerbsTransport::new(cfg, Arc::new(fabric.fake_nic())).expect("transport");
@@ -66,7 +72,8 @@ fn run(limits: SideChannelLimits, flood: usize) -> (bool, u128, u64, u64, VerbsT
     let before = rss_kib();
     let mut held = Vec::new();
     for i in 0..flood {
-        let mut s = connect_from(Ipv4Addr::new(127, 0, 0, 2), addr).expect("flood connection");
+        let from = Ipv4Addr::new(127, 0, 0, 2 + (i % usize::from(addresses)) as u8);
+        let mut s = connect_from(from, addr).expect("flood connection");
         if i % 2 == 0 {
             let (_, h) = Dialer::start(auth_cfg(env_key(), "idler", "127.0.0.2:0", addr)).expect("hello");
             let h = h.encode();
@@ -113,6 +120,26 @@ fn hostile_idle_side_channel_connections_do_not_hold_an_honest_handshake() {
     assert!(ok, "the honest dialer was not answered: {stats:?}");
     assert!(ms < 1000, "answered after {ms} ms");
     assert_eq!(stats.handshakes_per_address, 18, "{stats:?}");
+}
+
+/// Many addresses: 80 idle or half-hello connections from 40 addresses (2
+/// each, at the per-address cap; 10x the total of 8). The oldest
+/// handshakes give way, so the honest dialer is answered within 1 s.
+/// Control (`evict_oldest` off): the flood holds the total and the honest
+/// dialer is refused.
+#[test]
+fn hostile_many_addresses_evict_the_oldest_side_channel_handshake() {
+    let limits = SideChannelLimits { handshakes: 8, per_address: 2, ..SideChannelLimits::default() };
+    let (ok, ms, before, during, stats) = run_from(limits.clone(), 80, 40);
+    eprintln!("evicting: ok {ok}, {ms} ms, RSS {before} -> {during} KiB; {stats:?}");
+    assert!(ok, "the honest dialer was not answered: {stats:?}");
+    assert!(ms < 1000, "answered after {ms} ms");
+    assert!(stats.handshakes_evicted >= 72, "{stats:?}");
+    assert_eq!(stats.handshakes_busy, 0, "{stats:?}");
+    let (ok, ms, _, _, stats) = run_from(SideChannelLimits { evict_oldest: false, ..limits }, 80, 40);
+    eprintln!("control: ok {ok}, {ms} ms; {stats:?}");
+    assert!(!ok, "control: the flood from many addresses should hold the total: {stats:?}");
+    assert!(stats.handshakes_busy >= 72, "{stats:?}");
 }
 
 /// Positive control: the serial acceptor (2 s per handshake, as before):

@@ -214,6 +214,9 @@ pub struct VerbsTransportStats {
     pub data_errors: u64,
     /// Side-channel connections closed at once: handshakes at their cap.
     pub handshakes_busy: u64,
+    /// Side-channel handshakes in flight closed to make room at the total
+    /// for a newer connection (`SideChannelLimits::evict_oldest`).
+    pub handshakes_evicted: u64,
     /// Side-channel connections closed at once: their address's cap.
     pub handshakes_per_address: u64,
     /// Side-channel connections closed at once: their address's
@@ -367,7 +370,7 @@ struct Shared {
     closed: AtomicBool,
     polls: AtomicU64,
     /// Handshakes in flight, in all and per source address.
-    gate: kv_transfer_core::PeerGate<std::net::IpAddr>,
+    gate: kv_transfer_core::PeerGate<std::net::IpAddr, std::net::TcpStream>,
     /// The cluster key (resolved when the transport is built).
     key: ClusterKey,
     /// The side channel's own address (what its descriptor publishes).

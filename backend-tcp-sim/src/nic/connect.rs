@@ -7,16 +7,17 @@ use super::{lock, InboundEvent, NicError, NicInner};
 use crate::stats::inc;
 use crate::wire::{self, Body, AUTH_CONTEXT, PREFIX_LEN};
 use kv_transfer_core::auth::{self, AcceptorConfig, DialerConfig, Established, Identity};
-use kv_transfer_core::GateRefusal;
 use kv_transfer_core::PeerId;
+use kv_transfer_core::{AtFull, GateRefusal};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// A handshake's place at the gate (core's [`PeerGate`]), given back when dropped.
-type Admitted = kv_transfer_core::GatePermit<IpAddr>;
+/// A handshake's place at the gate (core's [`PeerGate`]), given back when
+/// dropped; held with a clone of its connection, which an eviction closes.
+type Admitted = kv_transfer_core::GatePermit<IpAddr, TcpStream>;
 
 /// Reads with a whole-handshake deadline: each read waits at most `idle`
 /// and never past `deadline` (a per-read timeout alone is restarted by
@@ -139,7 +140,7 @@ impl NicInner {
                 continue;
             }
             let Ok(from) = s.peer_addr().map(|a| a.ip()) else { continue };
-            let Some(place) = self.admit(from) else { continue };
+            let Some(place) = self.admit(from, &s) else { continue };
             let me = Arc::clone(&self);
             let spawned = std::thread::Builder::new().name(format!("sim-hs-{}", self.cfg.name)).spawn(move || {
                 let _place = place;
@@ -151,8 +152,8 @@ impl NicInner {
         }
     }
 
-    /// A place for a handshake from `addr`, or a counted refusal.
-    fn admit(self: &Arc<Self>, addr: IpAddr) -> Option<Admitted> {
+    /// A place for a handshake from `addr` on `s`, or a counted refusal.
+    fn admit(self: &Arc<Self>, addr: IpAddr, s: &TcpStream) -> Option<Admitted> {
         let limits = &self.cfg.listener;
         let established = lock(&self.conns)
             .values()
@@ -163,8 +164,17 @@ impl NicInner {
             tracing::debug!(%addr, "connection refused: its address's connections at their cap");
             return None;
         }
-        match self.gate.enter(addr) {
-            Ok(place) => Some(place),
+        let Ok(handle) = s.try_clone() else { return None };
+        match self.gate.enter_or_evict(addr, handle, AtFull::evict_if(limits.evict_oldest)) {
+            Ok((place, evicted)) => {
+                if let Some(old) = evicted {
+                    // Its handshake's next read fails and its thread ends.
+                    let _ = old.shutdown(Shutdown::Both);
+                    inc(&self.counters.handshakes_evicted);
+                    tracing::debug!(%addr, "the oldest handshake in flight closed to make room");
+                }
+                Some(place)
+            }
             Err(GateRefusal::PerPeer) => {
                 inc(&self.counters.handshakes_refused_per_address);
                 tracing::debug!(%addr, "connection refused: its address's handshakes at their cap");

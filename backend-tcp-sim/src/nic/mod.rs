@@ -119,7 +119,7 @@ struct NicInner {
     regs: RwLock<Vec<Arc<Reg>>>,
     conns: Mutex<HashMap<PeerId, Arc<Conn>>>,
     /// Handshakes in flight (the listener's caps).
-    gate: kv_transfer_core::PeerGate<std::net::IpAddr>,
+    gate: kv_transfer_core::PeerGate<std::net::IpAddr, std::net::TcpStream>,
     fenced: Mutex<HashSet<PeerId>>,
     next_peer: AtomicU32,
     next_conn_index: AtomicU32,

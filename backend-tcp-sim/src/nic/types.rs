@@ -37,6 +37,13 @@ pub struct ListenerLimits {
     pub connections_per_address: usize,
     /// Longest wait for any one read of a handshake.
     pub idle: Duration,
+    /// At `handshakes` in flight, the oldest handshake gives way to a new
+    /// connection (closed, counted `handshakes_evicted`) instead of the new
+    /// one being refused: many source addresses, each under its own cap,
+    /// cannot then hold the total against an honest peer for longer than
+    /// it takes them to open `handshakes` new connections. `false`: refuse
+    /// at the total (the many-addresses test's positive control).
+    pub evict_oldest: bool,
     /// The positive control only: handshakes one at a time on the
     /// accepting thread, no caps (the behaviour before issue 29).
     pub serial: bool,
@@ -49,6 +56,7 @@ impl Default for ListenerLimits {
             per_address: 8,
             connections_per_address: 1024,
             idle: Duration::from_secs(2),
+            evict_oldest: true,
             serial: false,
         }
     }
@@ -62,6 +70,7 @@ impl ListenerLimits {
             per_address: usize::MAX,
             connections_per_address: usize::MAX,
             idle: Duration::MAX,
+            evict_oldest: false,
             serial: true,
         }
     }

@@ -36,7 +36,7 @@
 //! to anyone (binding by address, not only by ticket). The ticket and the
 //! confirmation stay, as defence in depth.
 
-use kv_transfer_core::GateRefusal;
+use kv_transfer_core::{AtFull, GateRefusal};
 use std::net::{IpAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -84,6 +84,12 @@ pub struct SideChannelLimits {
     pub deadline: Duration,
     /// Longest wait for any one read of a handshake.
     pub idle: Duration,
+    /// At `handshakes` in flight, the oldest handshake gives way to a new
+    /// connection (closed, counted) instead of the new one being refused:
+    /// many source addresses, each under `per_address`, then cannot hold
+    /// the total against an honest peer. `false`: refuse at the total (the
+    /// many-addresses tests' positive control).
+    pub evict_oldest: bool,
     /// Unconfirmed claims (accepted connections no descriptor confirmed
     /// yet, each with a queue pair) kept per source address.
     pub claims_per_address: usize,
@@ -102,6 +108,7 @@ impl Default for SideChannelLimits {
             per_address: 8,
             deadline: Duration::from_secs(5),
             idle: Duration::from_secs(2),
+            evict_oldest: true,
             claims_per_address: 8,
             claims: 64,
             serial: false,
@@ -117,6 +124,7 @@ impl SideChannelLimits {
             per_address: usize::MAX,
             deadline,
             idle: deadline,
+            evict_oldest: false,
             claims_per_address: usize::MAX,
             claims: usize::MAX,
             serial: true,
@@ -124,8 +132,9 @@ impl SideChannelLimits {
     }
 }
 
-/// A handshake's place at the gate (core's [`PeerGate`]), given back when dropped.
-type Admitted = kv_transfer_core::GatePermit<IpAddr>;
+/// A handshake's place at the gate (core's [`PeerGate`]), given back when
+/// dropped; held with a clone of its connection, which an eviction closes.
+type Admitted = kv_transfer_core::GatePermit<IpAddr, TcpStream>;
 
 impl Inner {
     /// Accepts side-channel connections until stopped: each handshake on a
@@ -140,7 +149,7 @@ impl Inner {
                         self.serve(s, from.ip());
                         continue;
                     }
-                    let Some(ticket) = self.admit(from.ip()) else { continue };
+                    let Some(ticket) = self.admit(from.ip(), &s) else { continue };
                     let me = Arc::clone(&self);
                     let spawned = std::thread::Builder::new().name("verbs-handshake".into()).spawn(move || {
                         let _ticket = ticket;
@@ -160,13 +169,21 @@ impl Inner {
         }
     }
 
-    /// A place for a handshake from `addr`, or a counted refusal (the
-    /// connection is then closed when the caller drops it).
-    fn admit(self: &Arc<Self>, addr: IpAddr) -> Option<Admitted> {
-        let limits = &self.cfg.side_channel;
-        let _ = limits;
-        match self.gate.enter(addr) {
-            Ok(place) => Some(place),
+    /// A place for a handshake from `addr` on `s`, or a counted refusal
+    /// (the connection is then closed when the caller drops it).
+    fn admit(self: &Arc<Self>, addr: IpAddr, s: &TcpStream) -> Option<Admitted> {
+        let at_full = AtFull::evict_if(self.cfg.side_channel.evict_oldest);
+        let Ok(handle) = s.try_clone() else { return None };
+        match self.gate.enter_or_evict(addr, handle, at_full) {
+            Ok((place, evicted)) => {
+                if let Some(old) = evicted {
+                    // Its handshake's next read fails and its thread ends.
+                    let _ = old.shutdown(std::net::Shutdown::Both);
+                    inc(&self.counters.side_channel_evicted);
+                    tracing::debug!(%addr, "the oldest side-channel handshake closed to make room");
+                }
+                Some(place)
+            }
             Err(GateRefusal::PerPeer) => {
                 inc(&self.counters.side_channel_per_address);
                 tracing::debug!(%addr, "side-channel handshake refused: per-address cap");

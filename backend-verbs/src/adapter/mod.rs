@@ -332,6 +332,8 @@ impl VerbsTransfer {
             ("side_channel_refused", g(&c.side_channel_refused)),
             // Accepted connections closed at once: handshakes at their cap.
             ("side_channel_busy", g(&c.side_channel_busy)),
+            // Handshakes in flight closed to make room at the total.
+            ("side_channel_evicted", g(&c.side_channel_evicted)),
             // Accepted connections closed at once: their address's cap.
             ("side_channel_per_address", g(&c.side_channel_per_address)),
             // Claims to a name that the name's descriptor owner did not

@@ -20,6 +20,7 @@ pub(super) struct Counters {
     pub(super) heartbeats: AtomicU64,
     pub(super) side_channel_refused: AtomicU64,
     pub(super) side_channel_busy: AtomicU64,
+    pub(super) side_channel_evicted: AtomicU64,
     pub(super) side_channel_per_address: AtomicU64,
     pub(super) identity_unconfirmed: AtomicU64,
     pub(super) claims_refused: AtomicU64,
@@ -269,7 +270,7 @@ pub(super) struct Inner {
     pub(super) next_wr: AtomicU64,
     pub(super) counters: Counters,
     /// Side-channel handshakes in flight (the acceptor's caps).
-    pub(super) gate: kv_transfer_core::PeerGate<std::net::IpAddr>,
+    pub(super) gate: kv_transfer_core::PeerGate<std::net::IpAddr, std::net::TcpStream>,
     /// The side channel's acceptor: the cluster key, this side's identity,
     /// the addresses it answers to, and the listener's one replay cache.
     pub(super) auth: kv_transfer_core::auth::AcceptorConfig,

@@ -81,6 +81,8 @@ pub struct TargetStats {
     pub auth_io: u64,
     /// `stats().handshakes_refused_busy`.
     pub handshakes_refused_busy: u64,
+    /// `stats().handshakes_evicted`.
+    pub handshakes_evicted: u64,
     /// `stats().handshakes_refused_per_address`.
     pub handshakes_refused_per_address: u64,
     /// `stats().connections_refused_per_address`.
@@ -99,6 +101,7 @@ impl TargetStats {
             auth_malformed: a.malformed,
             auth_io: a.io,
             handshakes_refused_busy: s.handshakes_refused_busy,
+            handshakes_evicted: s.handshakes_evicted,
             handshakes_refused_per_address: s.handshakes_refused_per_address,
             connections_refused_per_address: s.connections_refused_per_address,
         }
@@ -114,6 +117,7 @@ impl TargetStats {
             auth_malformed: f(self.auth_malformed, o.auth_malformed),
             auth_io: f(self.auth_io, o.auth_io),
             handshakes_refused_busy: f(self.handshakes_refused_busy, o.handshakes_refused_busy),
+            handshakes_evicted: f(self.handshakes_evicted, o.handshakes_evicted),
             handshakes_refused_per_address: f(self.handshakes_refused_per_address, o.handshakes_refused_per_address),
             connections_refused_per_address: f(self.connections_refused_per_address, o.connections_refused_per_address),
         }
@@ -130,6 +134,7 @@ impl TargetStats {
             "auth_malformed" => self.auth_malformed,
             "auth_io" => self.auth_io,
             "handshakes_refused_busy" => self.handshakes_refused_busy,
+            "handshakes_evicted" => self.handshakes_evicted,
             "handshakes_refused_per_address" => self.handshakes_refused_per_address,
             "connections_refused_per_address" => self.connections_refused_per_address,
             _ => 0,
