@@ -20,7 +20,7 @@
 //! carries no identity: the address the local side chose is the identity.
 
 use kv_transfer_core::hash::HashMap;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -41,6 +41,17 @@ pub struct ConnLimits {
     /// counted (`conns_refused_strangers`). The rest of `max_conns` stays
     /// for the peers this side chose, whatever many addresses do.
     pub max_stranger_conns: usize,
+    /// At a full port (or a full strangers' share), the oldest stranger's
+    /// connection that has completed no request yet gives way to the new
+    /// one (closed, counted `conns_evicted_unserved`) instead of the new
+    /// one being refused. Many addresses holding silent or trickling
+    /// connections then cannot keep an honest stranger out (on the
+    /// handshake port every peer's first contact is a stranger's) for
+    /// longer than it takes them to open a port's worth of new ones.
+    /// Chosen peers' connections, and any that has been served, are never
+    /// evicted. `false`: refuse (the many-addresses tests' positive
+    /// control).
+    pub evict_unserved_strangers: bool,
     /// Longest wait for the first byte of a request (data: between requests
     /// on one connection; handshake: for the frame) before the connection is
     /// closed and counted (`idle_closed`). `None`: wait for ever (the old
@@ -63,18 +74,21 @@ impl ConnLimits {
         max_conns: 1024,
         max_conns_per_addr: 256,
         max_stranger_conns: 256,
+        evict_unserved_strangers: true,
         idle_timeout: Some(Duration::from_secs(120)),
         request_timeout: Some(Duration::from_secs(120)),
     };
 
     /// The handshake port's defaults: 256 handshakes at once, 32 per
     /// address, 5 s idle and 10 s for the whole exchange. Strangers are not
-    /// set apart here: every peer's first contact (a decode fetching a
-    /// prefill's descriptor) comes before this side chose it.
+    /// given a smaller share here: every peer's first contact (a decode
+    /// fetching a prefill's descriptor) comes before this side chose it;
+    /// the oldest unserved stranger gives way instead.
     pub const HANDSHAKE: ConnLimits = ConnLimits {
         max_conns: 256,
         max_conns_per_addr: 32,
         max_stranger_conns: 256,
+        evict_unserved_strangers: true,
         idle_timeout: Some(Duration::from_secs(5)),
         request_timeout: Some(Duration::from_secs(10)),
     };
@@ -85,6 +99,7 @@ impl ConnLimits {
         max_conns: 1024,
         max_conns_per_addr: usize::MAX,
         max_stranger_conns: usize::MAX,
+        evict_unserved_strangers: false,
         idle_timeout: None,
         request_timeout: None,
     };
@@ -134,12 +149,22 @@ impl NotifyLimits {
     }
 }
 
-/// Connections per source address of one listener.
+/// Connections per source address of one listener, and each connection
+/// held (by its listener id, oldest first): its address, what it was
+/// admitted as, and whether it has been served a request.
 #[derive(Debug, Default)]
 pub(crate) struct AddrCounts {
     by_addr: HashMap<IpAddr, usize>,
     total: usize,
     strangers: usize,
+    held: BTreeMap<u64, Held>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    ip: IpAddr,
+    who: Admitted,
+    served: bool,
 }
 
 /// Why a connection was refused at accept.
@@ -160,36 +185,66 @@ pub(crate) enum Admitted {
 }
 
 impl AddrCounts {
-    /// Counts a new connection from `ip`, or says which cap refuses it.
-    pub(crate) fn admit(&mut self, ip: IpAddr, who: Admitted, l: &ConnLimits) -> Result<(), ConnRefusal> {
-        if self.total >= l.max_conns {
-            return Err(ConnRefusal::Global);
-        }
-        if who == Admitted::Stranger && self.strangers >= l.max_stranger_conns {
-            return Err(ConnRefusal::Strangers);
-        }
-        let n = self.by_addr.entry(ip).or_insert(0);
-        if *n >= l.max_conns_per_addr {
+    /// Counts new connection `id` from `ip`, or says which cap refuses it.
+    /// At the total or the strangers' share, under
+    /// [`ConnLimits::evict_unserved_strangers`], the oldest unserved
+    /// stranger gives way first: its id is returned for the caller to
+    /// close (it is released already).
+    pub(crate) fn admit(
+        &mut self,
+        id: u64,
+        ip: IpAddr,
+        who: Admitted,
+        l: &ConnLimits,
+    ) -> Result<Option<u64>, ConnRefusal> {
+        if self.by_addr.get(&ip).copied().unwrap_or(0) >= l.max_conns_per_addr {
             return Err(ConnRefusal::PerAddr);
         }
-        *n += 1;
+        let full = if self.total >= l.max_conns {
+            Some(ConnRefusal::Global)
+        } else if who == Admitted::Stranger && self.strangers >= l.max_stranger_conns {
+            Some(ConnRefusal::Strangers)
+        } else {
+            None
+        };
+        let mut evicted = None;
+        if let Some(why) = full {
+            let oldest = self.held.iter().find(|(_, h)| h.who == Admitted::Stranger && !h.served).map(|(id, _)| *id);
+            match oldest {
+                Some(old) if l.evict_unserved_strangers => {
+                    self.release(old);
+                    evicted = Some(old);
+                }
+                _ => return Err(why),
+            }
+        }
+        *self.by_addr.entry(ip).or_insert(0) += 1;
         self.total += 1;
         if who == Admitted::Stranger {
             self.strangers += 1;
         }
-        Ok(())
+        self.held.insert(id, Held { ip, who, served: false });
+        Ok(evicted)
     }
 
-    /// A connection from `ip`, admitted as `who`, ended.
-    pub(crate) fn release(&mut self, ip: IpAddr, who: Admitted) {
-        if let Some(n) = self.by_addr.get_mut(&ip) {
+    /// Connection `id` was served a request: never evicted from now on.
+    pub(crate) fn served(&mut self, id: u64) {
+        if let Some(h) = self.held.get_mut(&id) {
+            h.served = true;
+        }
+    }
+
+    /// Connection `id` ended (a no-op if it was evicted: released then).
+    pub(crate) fn release(&mut self, id: u64) {
+        let Some(h) = self.held.remove(&id) else { return };
+        if let Some(n) = self.by_addr.get_mut(&h.ip) {
             *n -= 1;
             self.total -= 1;
-            if who == Admitted::Stranger {
+            if h.who == Admitted::Stranger {
                 self.strangers -= 1;
             }
             if *n == 0 {
-                self.by_addr.remove(&ip);
+                self.by_addr.remove(&h.ip);
             }
         }
     }
@@ -285,19 +340,20 @@ mod tests {
             max_conns: 3,
             max_conns_per_addr: 2,
             max_stranger_conns: 3,
+            evict_unserved_strangers: false,
             idle_timeout: None,
             request_timeout: None,
         };
         let (a, b): (IpAddr, IpAddr) = ("127.0.0.2".parse().unwrap(), "127.0.0.1".parse().unwrap());
         let s = Admitted::Stranger;
         let mut c = AddrCounts::default();
-        assert_eq!(c.admit(a, s, &l), Ok(()));
-        assert_eq!(c.admit(a, s, &l), Ok(()));
-        assert_eq!(c.admit(a, s, &l), Err(ConnRefusal::PerAddr));
-        assert_eq!(c.admit(b, s, &l), Ok(()));
-        assert_eq!(c.admit(b, s, &l), Err(ConnRefusal::Global));
-        c.release(a, s);
-        assert_eq!(c.admit(b, s, &l), Ok(()));
+        assert_eq!(c.admit(1, a, s, &l), Ok(None));
+        assert_eq!(c.admit(2, a, s, &l), Ok(None));
+        assert_eq!(c.admit(3, a, s, &l), Err(ConnRefusal::PerAddr));
+        assert_eq!(c.admit(4, b, s, &l), Ok(None));
+        assert_eq!(c.admit(5, b, s, &l), Err(ConnRefusal::Global));
+        c.release(1);
+        assert_eq!(c.admit(6, b, s, &l), Ok(None));
         assert_eq!(c.by_addr.len(), 2);
     }
 
@@ -307,18 +363,55 @@ mod tests {
             max_conns: 4,
             max_conns_per_addr: 1,
             max_stranger_conns: 2,
+            evict_unserved_strangers: false,
             idle_timeout: None,
             request_timeout: None,
         };
         let ip = |i: u8| IpAddr::from([127, 0, 0, i]);
         let mut c = AddrCounts::default();
-        assert_eq!(c.admit(ip(2), Admitted::Stranger, &l), Ok(()));
-        assert_eq!(c.admit(ip(3), Admitted::Stranger, &l), Ok(()));
+        assert_eq!(c.admit(2, ip(2), Admitted::Stranger, &l), Ok(None));
+        assert_eq!(c.admit(3, ip(3), Admitted::Stranger, &l), Ok(None));
         // A third address, one connection each: still a stranger.
-        assert_eq!(c.admit(ip(4), Admitted::Stranger, &l), Err(ConnRefusal::Strangers));
-        assert_eq!(c.admit(ip(1), Admitted::Chosen, &l), Ok(()));
-        c.release(ip(2), Admitted::Stranger);
-        assert_eq!(c.admit(ip(4), Admitted::Stranger, &l), Ok(()));
+        assert_eq!(c.admit(4, ip(4), Admitted::Stranger, &l), Err(ConnRefusal::Strangers));
+        assert_eq!(c.admit(1, ip(1), Admitted::Chosen, &l), Ok(None));
+        c.release(2);
+        assert_eq!(c.admit(5, ip(4), Admitted::Stranger, &l), Ok(None));
+    }
+
+    #[test]
+    fn rule9_at_a_full_port_the_oldest_unserved_stranger_gives_way_never_a_served_or_chosen_one() {
+        let l = ConnLimits {
+            max_conns: 3,
+            max_conns_per_addr: 1,
+            max_stranger_conns: 3,
+            evict_unserved_strangers: true,
+            idle_timeout: None,
+            request_timeout: None,
+        };
+        let ip = |i: u8| IpAddr::from([127, 0, 0, i]);
+        let mut c = AddrCounts::default();
+        assert_eq!(c.admit(1, ip(1), Admitted::Chosen, &l), Ok(None));
+        assert_eq!(c.admit(2, ip(2), Admitted::Stranger, &l), Ok(None));
+        assert_eq!(c.admit(3, ip(3), Admitted::Stranger, &l), Ok(None));
+        c.served(2);
+        // Full: the chosen one and the served stranger stay; 3 gives way.
+        assert_eq!(c.admit(4, ip(4), Admitted::Stranger, &l), Ok(Some(3)));
+        c.release(3); // its thread ends later: nothing is released twice
+        assert_eq!((c.total, c.strangers), (3, 2));
+        // 40 more from 40 addresses: each evicts the one before; the total holds.
+        for i in 0..40u8 {
+            assert_eq!(c.admit(10 + u64::from(i), ip(10 + i), Admitted::Stranger, &l).map(|e| e.is_some()), Ok(true));
+        }
+        assert_eq!((c.total, c.strangers, c.by_addr.len()), (3, 2, 3));
+        // The per-address cap still refuses, evicting nothing.
+        assert_eq!(c.admit(99, ip(49), Admitted::Stranger, &l), Err(ConnRefusal::PerAddr));
+        // Everything served: nothing left to evict, refused.
+        c.served(49);
+        assert_eq!(c.admit(100, ip(60), Admitted::Stranger, &l), Err(ConnRefusal::Global));
+        for id in [1, 2, 49] {
+            c.release(id);
+        }
+        assert_eq!((c.total, c.strangers, c.by_addr.len(), c.held.len()), (0, 0, 0, 0));
     }
 
     #[test]

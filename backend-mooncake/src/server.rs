@@ -141,6 +141,9 @@ target_counters! {
     /// this engine opened) held their share of the port
     /// (`max_stranger_conns`).
     conns_refused_strangers,
+    /// Connections of strangers closed, unserved, to make room at a full
+    /// port for a newer one (`ConnLimits::evict_unserved_strangers`).
+    conns_evicted_unserved,
     /// Connections closed for sending nothing within `idle_timeout`.
     idle_closed,
     /// Connections closed for a request not finished within `request_timeout`.
@@ -270,6 +273,16 @@ pub(crate) struct Conn {
     pub(crate) id: u64,
     /// The source address: a peer's identity here (see [`crate::limits`]).
     pub(crate) peer: SocketAddr,
+    /// The listener's counts, where this connection is marked served.
+    counts: Arc<Mutex<AddrCounts>>,
+}
+
+impl Conn {
+    /// A request was served on this connection: it is no longer one a
+    /// newcomer may evict at a full port (`evict_unserved_strangers`).
+    pub(crate) fn served(&self) {
+        lock(&self.counts).served(self.id);
+    }
 }
 
 type Handler = fn(TcpStream, &ServerShared, &Conn);
@@ -313,36 +326,46 @@ fn spawn_listener(
                 // Refused at once, before a thread or a byte of buffer is
                 // spent on it: the caps are what bound both.
                 let who = sh.admitted_as(peer.ip());
-                if let Err(why) = lock(&counts).admit(peer.ip(), who, &limits) {
-                    let c = match why {
-                        ConnRefusal::Global => &sh.stats.conns_refused_global,
-                        ConnRefusal::PerAddr => &sh.stats.conns_refused_per_addr,
-                        ConnRefusal::Strangers => &sh.stats.conns_refused_strangers,
-                    };
-                    c.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(port = name, %peer, ?why, "connection refused at a cap");
-                    drop(stream);
-                    continue;
+                let id = next_id + 1;
+                let admitted = lock(&counts).admit(id, peer.ip(), who, &limits);
+                let evicted = match admitted {
+                    Ok(evicted) => evicted,
+                    Err(why) => {
+                        let c = match why {
+                            ConnRefusal::Global => &sh.stats.conns_refused_global,
+                            ConnRefusal::PerAddr => &sh.stats.conns_refused_per_addr,
+                            ConnRefusal::Strangers => &sh.stats.conns_refused_strangers,
+                        };
+                        c.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(port = name, %peer, ?why, "connection refused at a cap");
+                        drop(stream);
+                        continue;
+                    }
+                };
+                next_id = id;
+                if let Some(old) = evicted.and_then(|old| lock(&conns_l).remove(&old)) {
+                    // Its handler's next read fails and its thread ends.
+                    let _ = old.shutdown(Shutdown::Both);
+                    sh.stats.conns_evicted_unserved.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(port = name, %peer, "the oldest unserved stranger closed to make room");
                 }
                 let Ok(clone) = stream.try_clone() else {
-                    lock(&counts).release(peer.ip(), who);
+                    lock(&counts).release(id);
                     continue;
                 };
-                next_id += 1;
-                let id = next_id;
                 lock(&conns_l).insert(id, clone);
                 live.fetch_add(1, Ordering::AcqRel);
                 let sh2 = sh.clone();
                 let (live2, conns2, counts2) = (live.clone(), conns_l.clone(), counts.clone());
                 let spawned = std::thread::Builder::new().name("mc-conn".into()).spawn(move || {
-                    handler(stream, &sh2, &Conn { id, peer });
+                    handler(stream, &sh2, &Conn { id, peer, counts: counts2.clone() });
                     lock(&conns2).remove(&id);
-                    lock(&counts2).release(peer.ip(), who);
+                    lock(&counts2).release(id);
                     live2.fetch_sub(1, Ordering::AcqRel);
                 });
                 if spawned.is_err() {
                     lock(&conns_l).remove(&id);
-                    lock(&counts).release(peer.ip(), who);
+                    lock(&counts).release(id);
                     live.fetch_sub(1, Ordering::AcqRel);
                 }
             }
@@ -510,6 +533,7 @@ fn serve_handshake_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
     if HandshakeFrame::new(frame.kind, reply).write_to(s).is_err() {
         return;
     }
+    conn.served();
     let _ = s.s.shutdown(Shutdown::Write);
     // Wait (bounded by the whole-handshake deadline) for the client to close.
     let mut b = [0u8; 64];
@@ -521,6 +545,8 @@ fn serve_handshake_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
 /// closes it, the idle deadline passes or one is refused.
 fn serve_sealed(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
     let Some(mut inbound) = sh.auth.accept(s, conn.peer.ip()) else { return };
+    // A key holder's session: it has proven itself, and is kept.
+    conn.served();
     loop {
         s.end();
         let Some(n) = sh.auth.next(s, &mut inbound) else { return };
@@ -650,6 +676,7 @@ fn serve_data_on(s: &mut Timed<'_>, sh: &ServerShared, conn: &Conn) {
             tracing::debug!(?peer, "data connection failed mid-request");
             return;
         }
+        conn.served();
     }
 }
 

@@ -127,6 +127,7 @@ fn data_limits(checked: bool) -> ConnLimits {
             max_conns: 32,
             max_conns_per_addr: 4,
             max_stranger_conns: 32,
+            evict_unserved_strangers: false,
             idle_timeout: Some(Duration::from_secs(30)),
             request_timeout: Some(Duration::from_secs(30)),
         }
@@ -173,6 +174,8 @@ fn hostile_many_addresses_fill_only_the_strangers_share_of_the_data_port() {
             max_conns: 32,
             max_conns_per_addr: 4,
             max_stranger_conns: if checked { 16 } else { 32 },
+            // The share alone (eviction is the next test's).
+            evict_unserved_strangers: false,
             idle_timeout: Some(Duration::from_secs(30)),
             request_timeout: Some(Duration::from_secs(30)),
         };
@@ -284,6 +287,7 @@ fn hostile_handshake_port_idle_flood_does_not_shut_out_a_new_prefill() {
                 max_conns: 32,
                 max_conns_per_addr: 4,
                 max_stranger_conns: 32,
+                evict_unserved_strangers: false,
                 idle_timeout: Some(Duration::from_secs(30)),
                 request_timeout: Some(Duration::from_secs(30)),
             }
@@ -330,6 +334,75 @@ fn hostile_handshake_port_idle_flood_does_not_shut_out_a_new_prefill() {
     }
 }
 
+/// Issue 46, attack 8 (many addresses), handshake port: 320 idle
+/// connections from 80 addresses (4 each, at the per-address cap; 10x the
+/// total of 32). Every peer's first contact here is a stranger's, so no
+/// share can set the flood apart; instead the oldest stranger's
+/// connection that has been served nothing gives way to each newcomer.
+/// Checked: the new prefill's metadata fetch (`add_peer` of the decode)
+/// succeeds within 2 s while the flood holds, at most 32 held (threads
+/// bounded), the rest evicted and counted (`conns_evicted_unserved`).
+/// Positive control (`evict_unserved_strangers` off): the flood holds the
+/// port and the fetch fails.
+#[test]
+fn hostile_many_addresses_at_the_handshake_port_evict_the_oldest_unserved_and_a_new_prefill_fetches() {
+    let _g = serial();
+    for evict in [false, true] {
+        let limits = ConnLimits {
+            max_conns: 32,
+            max_conns_per_addr: 4,
+            max_stranger_conns: 32,
+            evict_unserved_strangers: evict,
+            idle_timeout: Some(Duration::from_secs(30)),
+            request_timeout: Some(Duration::from_secs(30)),
+        };
+        let ecfg = EngineConfig { handshake_limits: limits, ..Default::default() };
+        let decode = side_with(ecfg, AdapterConfig::default(), 1, SLOT);
+        let hs = decode.engine.handshake_addr().unwrap();
+        let before = mem();
+        let flood: Vec<_> = (2..82u8)
+            .flat_map(|i| (0..4).filter_map(move |_| connect_from(std::net::Ipv4Addr::new(127, 0, 0, i), hs).ok()))
+            .collect();
+        wait_until("flood accepted, evicted or refused", Duration::from_secs(5), || {
+            let s = decode.engine.target_stats();
+            s.conns_evicted_unserved + s.conns_refused_global >= 288
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let during = mem();
+        let prefill = side_with(
+            EngineConfig { handshake_timeout: Duration::from_secs(1), ..Default::default() },
+            AdapterConfig::default(),
+            1,
+            SLOT,
+        );
+        let t0 = Instant::now();
+        let got = prefill.a.add_peer(decode.a.segment_name());
+        let took = t0.elapsed();
+        let stats = decode.engine.target_stats();
+        eprintln!(
+            "evict={evict}: 320 connections from 80 addresses, evicted {} / refused global {} / per addr {}; \
+             threads {} -> {}; honest metadata fetch {:?} in {took:?}",
+            stats.conns_evicted_unserved,
+            stats.conns_refused_global,
+            stats.conns_refused_per_addr,
+            before.threads,
+            during.threads,
+            got.as_ref().map(|_| "ok")
+        );
+        if evict {
+            got.unwrap();
+            assert!(took < Duration::from_secs(2), "honest fetch took {took:?}");
+            assert!(stats.conns_evicted_unserved >= 288, "{stats:?}");
+            assert_eq!(stats.conns_refused_global, 0, "{stats:?}");
+            assert!(during.threads <= before.threads + 32 + 2, "threads bounded by the port's total");
+        } else {
+            assert!(got.is_err(), "positive control: many addresses hold the handshake port");
+            assert!(stats.conns_refused_global >= 288, "{stats:?}");
+        }
+        drop(flood);
+    }
+}
+
 /// Attack 8, deadlines: a connection that sends nothing is closed at the
 /// idle deadline, and one that trickles a request a byte at a time is
 /// closed at the whole-request deadline, each counted. Positive control
@@ -343,6 +416,7 @@ fn hostile_data_port_idle_and_trickling_connections_are_cut_at_their_deadlines()
                 max_conns: 32,
                 max_conns_per_addr: 4,
                 max_stranger_conns: 32,
+                evict_unserved_strangers: false,
                 idle_timeout: Some(Duration::from_millis(300)),
                 request_timeout: Some(Duration::from_millis(500)),
             }
