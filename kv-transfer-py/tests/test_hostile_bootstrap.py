@@ -318,9 +318,10 @@ def test_hostile_a_recorded_lookup_answer_replayed_to_a_decode_is_refused(monkey
 
 def test_hostile_challenges_are_bounded_per_address_in_all_and_in_time():
     """``GET /challenge`` needs no secret, so what it keeps is bounded: per
-    address, in all, and by deadline (expired ones are dropped), refusals
-    counted (429). Positive control: with the caps lifted, every request
-    leaves a challenge behind."""
+    address (refused, 429), in all (the oldest dropped for a new one; 429
+    with ``evict_oldest_challenge=False``), and by deadline (expired ones
+    are dropped), all counted. Positive control: with the caps lifted, every
+    request leaves a challenge behind."""
     from kv_transfer.sglang import bootstrap
 
     lim = bootstrap.RegistryLimits(max_challenges=64, max_challenges_per_address=8, challenge_ttl_s=0.2)
@@ -330,11 +331,16 @@ def test_hostile_challenges_are_bounded_per_address_in_all_and_in_time():
     assert codes.count(200) == 8 and codes.count(429) == 92
     for i in range(7):  # more addresses fill the total
         [reg.challenge(f"127.0.1.{i}") for _ in range(8)]
-    assert reg.stats()["challenges_outstanding"] == 64 and reg.challenge(HONEST)[0] == 429
-    assert reg.stats()["challenges_refused"] == 93
+    assert reg.stats()["challenges_outstanding"] == 64 and reg.challenge(HONEST)[0] == 200  # the oldest gave way
+    assert reg.stats()["challenges_outstanding"] == 64 and reg.stats()["challenges_evicted"] == 1
+    assert reg.stats()["challenges_refused"] == 92
     now[0] += 0.25
     assert reg.challenge(HONEST)[0] == 200  # past the deadline the stale ones are dropped
     assert reg.stats()["challenges_outstanding"] == 1 and reg.stats()["challenges_expired"] == 64
+    # The old cap in all (a refusal) where eviction is off.
+    old = bootstrap.BootstrapRegistry(bootstrap.RegistryLimits(max_challenges=8, max_challenges_per_address=8,
+                                                               evict_oldest_challenge=False), SECRET)
+    assert [old.challenge(ATTACKER)[0] for _ in range(8)] == [200] * 8 and old.challenge(HONEST)[0] == 429
     # Without a secret there is nothing to challenge and nothing is kept.
     assert bootstrap.BootstrapRegistry(lim, None).challenge(HONEST)[0] == 404
     # Positive control: caps lifted, the map grows with every request.
@@ -342,6 +348,140 @@ def test_hostile_challenges_are_bounded_per_address_in_all_and_in_time():
                                                                  max_challenges_per_address=1 << 30), SECRET)
     assert [naive.challenge(ATTACKER)[0] for _ in range(1000)].count(200) == 1000
     assert naive.stats()["challenges_outstanding"] == 1000
+
+
+@pytest.mark.parametrize("evict", [True, False])
+def test_hostile_many_addresses_cannot_fill_the_challenge_table_and_keep_the_prefill_out(evict):
+    """Issue 46, attack 8 on ``GET /challenge``: 80 challenges (10x the cap
+    of 8 outstanding) asked from 40 addresses, 2 each (the per-address cap),
+    never used (the TTL, 30 s, frees nothing here: the registry's clock is
+    held still). With eviction each new challenge drops the oldest, so the
+    prefill (127.0.0.1) arriving then gets one and registers, and the decode
+    reads it back, within 2 s; a third from one address is still a 429.
+    Positive control (``evict_oldest_challenge=False``): the first 8 hold
+    the table and the prefill's challenge is refused (429). Either way the
+    per-address counts add up to the table and drain with it."""
+    import urllib.error
+
+    from kv_transfer.sglang import bootstrap
+
+    from test_hostile_peers import MANY
+
+    cap, per_address = 8, 2
+    server = bootstrap.BootstrapServer("127.0.0.1", 0, secret=SECRET, registry_limits=bootstrap.RegistryLimits(
+        max_challenges=cap, max_challenges_per_address=per_address, challenge_ttl_s=30.0,
+        evict_oldest_challenge=evict))
+    reg = server.registry
+    now = [1000.0]
+    reg._clock = lambda: now[0]  # held still: the caps are checked, not the machine's speed
+    base, real = f"http://127.0.0.1:{server.port}", _reg(0, 5000, b"real")
+    try:
+        t0 = time.perf_counter()
+        codes = [_http(server.port, "GET", "/challenge", src)[0] for src in MANY for _ in range(per_address)]
+        flood_ms = (time.perf_counter() - t0) * 1000
+        assert _http(server.port, "GET", "/challenge", MANY[-1] if evict else MANY[0])[0] == 429  # per address
+        t0 = time.perf_counter()
+        if evict:
+            bootstrap.put_registration(base, real.to_json(), 2, SECRET)
+            assert bootstrap.fetch_registration(f"{base}/route?rank=0", 2, SECRET) == real.to_json()
+        else:
+            with pytest.raises(urllib.error.HTTPError) as e:
+                bootstrap.put_registration(base, real.to_json(), 2, SECRET)
+            assert e.value.code == 429
+        honest_ms = (time.perf_counter() - t0) * 1000
+        st = reg.stats()
+        print(f"many addresses, challenges (evict={evict}): {len(codes)} asked from {len(MANY)} addresses in "
+              f"{flood_ms:.0f} ms: {codes.count(200)} issued, {codes.count(429)} refused; evicted "
+              f"{st['challenges_evicted']}, refused {st['challenges_refused']}; prefill "
+              f"{'registered' if evict else 'refused'} in {honest_ms:.1f} ms")
+        if evict:
+            assert codes == [200] * 10 * cap and honest_ms < 2000
+            # 72 by the flood, 1 by the prefill; its own challenge is spent by its PUT.
+            assert st["challenges_evicted"] == 9 * cap + 1 and st["challenges_refused"] == 1, st
+            assert st["registered"] == 1 and st["ranks"] == 1 and st["challenges_outstanding"] == cap - 1, st
+        else:
+            assert codes.count(200) == cap and codes.count(429) == 9 * cap
+            assert st["challenges_evicted"] == 0 and st["challenges_refused"] == 9 * cap + 2, st
+            assert st["ranks"] == 0 and st["challenges_outstanding"] == cap, st
+        with reg._lock:  # the per-address counts are the table's, no more
+            assert sum(reg._challenges_per_addr.values()) == len(reg._challenges)
+        now[0] += 31.0  # past the TTL: everything outstanding drains, and the counts with it
+        assert _http(server.port, "GET", "/challenge", HONEST)[0] == 200
+        with reg._lock:
+            assert reg._challenges_per_addr == {HONEST: 1} and len(reg._challenges) == 1
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("evict", [True, False])
+def test_hostile_many_addresses_cannot_fill_the_bootstrap_port_and_keep_the_prefill_out(evict):
+    """Issue 46, attack 8 on the bootstrap server's port (its
+    ``ConnectionGuard``): 80 silent connections (10x the cap of 8) from 40
+    addresses, 2 each (the per-address cap), none of which sends a byte
+    (idle timeout and deadline 30 s: they free nothing here). With eviction
+    each newcomer shuts down the oldest connection that has completed no
+    request, so the prefill (127.0.0.1) arriving then takes its challenge,
+    registers, and the decode reads it back, within 2 s; a third connection
+    from one address is still refused by its own cap. Positive control
+    (``evict_unserved=False``): the first 8 hold the port and the prefill's
+    connection is refused. Either way the port's accounting returns to 0
+    once the connections are closed."""
+    from kv_transfer.ports import ServerLimits
+    from kv_transfer.sglang import bootstrap
+
+    from test_hostile_peers import MANY, silent_flood, wait_for
+
+    cap, per_address = 8, 2
+    server = bootstrap.BootstrapServer("127.0.0.1", 0, secret=SECRET, server_limits=ServerLimits(
+        max_connections=cap, max_per_address=per_address, idle_timeout_s=30.0, message_deadline_s=30.0,
+        evict_unserved=evict))
+    guard = server._server.guard
+    base, real = f"http://127.0.0.1:{server.port}", _reg(0, 5000, b"real")
+
+    def handled() -> int:
+        s = guard.stats()
+        return s["accepted"] + s["refused_busy"] + s["refused_per_address"]
+
+    flood: list = []
+    try:
+        flood = silent_flood(server.port, per_address)
+        assert len(flood) == 10 * cap
+        wait_for("the flood handled", lambda: handled() >= 10 * cap)
+        flood.append(socket.create_connection(("127.0.0.1", server.port), 2,
+                                              source_address=(MANY[-1] if evict else MANY[0], 0)))
+        wait_for("the third from one address handled", lambda: handled() >= 10 * cap + 1)
+        s = guard.stats()
+        assert s["refused_per_address"] == 1 and s["active"] == cap, s  # the per-address cap stays a refusal
+        t0 = time.perf_counter()
+        if evict:
+            bootstrap.put_registration(base, real.to_json(), 2, SECRET)
+            assert bootstrap.fetch_registration(f"{base}/route?rank=0", 2, SECRET) == real.to_json()
+        else:
+            with pytest.raises(OSError):  # closed or reset before any answer
+                bootstrap.put_registration(base, real.to_json(), 2, SECRET)
+        honest_ms = (time.perf_counter() - t0) * 1000
+        s = server.stats()
+        print(f"many addresses, bootstrap port (evict={evict}): evicted {s['bootstrap_evicted_unserved']}, "
+              f"refused busy {s['bootstrap_refused_busy']}, per address {s['bootstrap_refused_per_address']}; "
+              f"prefill {'registered' if evict else 'refused'} in {honest_ms:.1f} ms")
+        if evict:
+            # 72 by the flood, 1 to 3 by the prefill's and decode's 3 connections (each frees its slot as it
+            # ends, maybe after the next one arrived).
+            assert 9 * cap + 1 <= s["bootstrap_evicted_unserved"] <= 9 * cap + 3, s
+            assert s["bootstrap_refused_busy"] == 0 and s["bootstrap_registered"] == 1 and honest_ms < 2000, s
+        else:
+            assert s["bootstrap_evicted_unserved"] == 0 and s["bootstrap_refused_busy"] == 9 * cap + 1, s
+            assert s["bootstrap_ranks"] == 0, s
+        assert s["bootstrap_active_peak"] == cap, s
+    finally:
+        for c in flood:
+            c.close()
+        try:  # everything closed: no slot or address left charged
+            wait_for("the port's accounting back to 0", lambda: guard.stats()["active"] == 0
+                     and guard.stats()["active_addresses"] == 0)
+            assert not guard._live and not guard._per_addr
+        finally:
+            server.close()
 
 
 def test_hostile_registration_flood_is_capped_per_address():

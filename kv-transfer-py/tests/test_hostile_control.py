@@ -175,3 +175,77 @@ def test_metadata_for_a_room_whose_sender_failed_is_refused_and_the_memory_is_bo
     t.commit(7, t.reserve(7, "a", 10), "7 was forgotten")  # the oldest went first
     with pytest.raises(RoomRefused):
         t.reserve(21, "a", 10)
+
+
+@pytest.mark.parametrize("evict", [True, False])
+def test_hostile_many_addresses_cannot_fill_a_frame_ports_connections_and_keep_an_honest_peer_out(evict):
+    """Issue 46, attack 8 on a guarded port (``kv_transfer.ports``: a
+    :class:`FramePort`, the same :class:`ConnectionGuard` as the bootstrap
+    server's): 80 silent connections (10x the cap of 8) from 40 addresses,
+    2 each (the per-address cap), none of which sends a byte (deadline and
+    idle timeout 30 s: they free nothing here). With eviction each newcomer
+    shuts down the oldest connection that has completed no request, so the
+    honest peer (127.0.0.1) arriving then is answered within 2 s; a third
+    connection from one address is still refused by its own cap. Positive
+    control (``evict_unserved=False``): the first 8 hold the port, the rest
+    and the honest peer are refused. Either way the accounting returns to 0
+    once the connections are closed."""
+    import socket
+    import time
+
+    from kv_transfer.frames import ProtocolError, recv_frame, send_frame
+    from kv_transfer.ports import FramePort, ServerLimits
+
+    from test_hostile_peers import MANY, silent_flood, wait_for
+
+    cap, per_address = 8, 2
+    port = FramePort("many", lambda data, peer: {"ok": True, "echo": data.decode(), "peer": peer},
+                     limits=ServerLimits(max_connections=cap, max_per_address=per_address, idle_timeout_s=30.0,
+                                         message_deadline_s=30.0, evict_unserved=evict))
+    guard = port._server.guard
+
+    def handled() -> int:
+        s = port.stats()
+        return s["accepted"] + s["refused_busy"] + s["refused_per_address"]
+
+    flood: list = []
+    try:
+        flood = silent_flood(port.address[1], per_address)
+        assert len(flood) == 10 * cap
+        wait_for("the flood handled", lambda: handled() >= 10 * cap)
+        flood.append(socket.create_connection(port.address, 2, source_address=(MANY[-1] if evict else MANY[0], 0)))
+        wait_for("the third from one address handled", lambda: handled() >= 10 * cap + 1)
+        s = port.stats()
+        assert s["refused_per_address"] == 1 and s["active"] == cap, s  # the per-address cap stays a refusal
+        t0 = time.perf_counter()
+        reply = None
+        with socket.create_connection(port.address, 2, source_address=("127.0.0.1", 0)) as honest:
+            honest.settimeout(2.0)
+            try:
+                send_frame(honest, b"honest")
+                reply = json.loads(recv_frame(honest))
+            except (OSError, ProtocolError):  # refused: closed (or reset) without a reply
+                pass
+        honest_ms = (time.perf_counter() - t0) * 1000
+        s = port.stats()
+        print(f"many addresses on a FramePort (evict={evict}): evicted {s['evicted_unserved']}, refused busy "
+              f"{s['refused_busy']}, per address {s['refused_per_address']}; honest "
+              f"{'answered' if reply else 'refused'} in {honest_ms:.1f} ms; bad requests {s['bad_requests']}")
+        if evict:
+            assert reply == {"ok": True, "echo": "honest", "peer": "127.0.0.1"} and honest_ms < 2000, reply
+            # 72 by the flood, 1 by the honest peer; an evicted connection is no bad request.
+            assert s["evicted_unserved"] == 9 * cap + 1 and s["refused_busy"] == 0 and s["bad_requests"] == 0, s
+        else:
+            assert reply is None, reply
+            assert s["evicted_unserved"] == 0 and s["refused_busy"] == 9 * cap + 1, s
+        assert s["active_peak"] == cap, s
+    finally:
+        for c in flood:
+            c.close()
+        # Everything closed: no slot, address or byte left charged.
+        try:
+            wait_for("the port's accounting back to 0", lambda: port.stats()["active"] == 0
+                     and port.stats()["active_addresses"] == 0 and port.stats()["inflight_bytes"] == 0)
+            assert not guard._live and not guard._per_addr and not guard._bytes_per_addr
+        finally:
+            port.close()

@@ -227,3 +227,79 @@ def test_an_error_in_a_handler_goes_back_typed_and_the_connection_stays(listener
     finally:
         d.close()
         p.close()
+
+
+#: Issue 46, attack 8 ("many addresses"): the attacker's source addresses, each under its own cap.
+MANY = [f"127.0.0.{i}" for i in range(2, 42)]
+
+
+def silent_flood(port: int, per_address: int) -> list:
+    """``per_address`` connections from each of :data:`MANY`, in that order,
+    sending nothing (bounded: one dial each, 2 s each)."""
+    socks = []
+    for src in MANY:
+        for _ in range(per_address):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), 2, source_address=(src, 0)))
+            except OSError:
+                pass
+    return socks
+
+
+@pytest.mark.parametrize("evict", [True, False])
+def test_hostile_many_addresses_cannot_fill_the_handshake_table_and_keep_an_honest_peer_out(listener, evict):
+    """Attack 8 on the control plane: 80 silent connections (10x the
+    handshake cap of 8) from 40 addresses, 2 each (the per-address cap),
+    none of which starts its handshake (the deadline, 30 s, frees nothing
+    here). With eviction, each newcomer closes the oldest handshake in
+    flight, so the honest peer (127.0.0.1) arriving then is served within
+    2 s; a third connection from one address is still refused by its own
+    cap. Positive control (``evict_oldest_handshake=False``): the first 8
+    hold the table, the rest and the honest peer are refused. Either way the
+    handshake bookkeeping returns to 0 once the connections are gone."""
+    cap, per_address = 8, 2
+    p, host, port = listener(PlaneLimits(max_handshakes=cap, max_handshakes_per_address=per_address,
+                                         handshake_deadline_s=30.0, evict_oldest_handshake=evict))
+    flood = silent_flood(port, per_address)
+    assert len(flood) == 10 * cap
+    wait_for("the flood accepted", lambda: p.stats().get("connections", 0) >= 10 * cap)
+    # A third from an address with its 2 in flight (the newest with eviction, the first without).
+    extra = socket.create_connection(("127.0.0.1", port), 2, source_address=(MANY[-1] if evict else MANY[0], 0))
+    wait_for("the third from one address handled", lambda: p.stats().get("connections", 0) >= 10 * cap + 1)
+    s = p.stats()
+    assert s.get("refused_handshakes_per_address", 0) == 1, s  # the per-address cap stays a refusal
+    assert s["handshakes_in_flight"] == cap and s["handshakes_peak"] == cap, s
+    decode = ControlPlane("honest", KEY)
+    try:
+        t0 = time.perf_counter()
+        if evict:
+            assert decode.call(host, port, b"x", timeout=5) == b"honest:x"
+        else:
+            with pytest.raises((EOFError, OSError, kv_transfer.KvTransferError)):
+                decode.call(host, port, b"x", timeout=5)
+        honest_ms = (time.perf_counter() - t0) * 1000
+        s = p.stats()
+        print(f"many addresses (evict={evict}): {len(flood)} silent connections from {len(MANY)} addresses; "
+              f"evicted {s.get('handshakes_evicted', 0)}, refused busy {s.get('refused_handshakes_busy', 0)}, "
+              f"per address {s.get('refused_handshakes_per_address', 0)}; honest "
+              f"{'served' if evict else 'refused'} in {honest_ms:.1f} ms")
+        if evict:
+            # 72 by the flood, 1 by the honest peer: the newest 8 held at any time, never more.
+            assert s.get("handshakes_evicted", 0) == 9 * cap + 1 and s.get("refused_handshakes_busy", 0) == 0, s
+            assert s["auth_established"] == 1 and s["peers"] == 1 and honest_ms < 2000, s
+        else:
+            assert s.get("handshakes_evicted", 0) == 0 and s.get("refused_handshakes_busy", 0) == 9 * cap + 1, s
+            assert s.get("auth_established", 0) == 0 and s["peers"] == 0, s
+        assert s["handshakes_peak"] == cap, s
+    finally:
+        decode.close()
+        for c in flood + [extra]:
+            c.close()
+    # Everything closed: nothing left charged to any address.
+    wait_for("the handshakes released", lambda: p.stats()["handshakes_in_flight"] == 0 and p.stats()["peers"] == 0)
+
+    async def tables() -> tuple:
+        svc = next(iter(p._services.values()))
+        return dict(svc.handshaking), len(svc.in_handshake), len(svc.conns)
+
+    wait_for("the connections gone", lambda: p._run(tables(), 5) == ({}, 0, 0))

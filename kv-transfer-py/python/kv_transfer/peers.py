@@ -19,9 +19,14 @@ per source address, each by a deadline), authenticated peers (in all, and
 connections per proven name), requests in flight and their bytes (per peer
 and in all, charged from the declared size before a body byte is read), a
 whole-frame deadline and an idle timeout. A refusal closes the connection
-and is counted (:meth:`ControlPlane.stats`). Handlers run on a fixed pool of
-threads, one request at a time per peer, so a peer's slow request waits only
-behind its own.
+and is counted (:meth:`ControlPlane.stats`). At the handshake cap in all
+the oldest handshake still in flight gives way to the new connection
+(closed, counted), so many source addresses, each under its own cap, cannot
+hold the listener full and keep an honest peer out (issue 46, attack 8):
+they would have to open a cap's worth of connections within one honest
+handshake (about a millisecond), not just hold them. Handlers run on a
+fixed pool of threads, one request at a time per peer, so a peer's slow
+request waits only behind its own.
 
 Nothing here imports an engine: ``kv_transfer.sglang`` serves and dials
 through it, and its tests drive it alone.
@@ -80,7 +85,8 @@ class PlaneLimits:
     max_peers: int = 256
     #: Connections held at once per proven name.
     max_links_per_peer: int = 2
-    #: Handshakes in flight, all addresses together.
+    #: Handshakes in flight, all addresses together. At the cap the oldest
+    #: one gives way to a new connection (see ``evict_oldest_handshake``).
     max_handshakes: int = 64
     #: Handshakes in flight from one source address.
     max_handshakes_per_address: int = 8
@@ -103,6 +109,13 @@ class PlaneLimits:
     handler_threads: int = 4
     #: A dialer's default wait for a reply (connecting included).
     request_timeout_s: float = 15.0
+    #: At ``max_handshakes``, the connection that has been in its handshake
+    #: longest is closed (``handshakes_evicted``) and the new one admitted:
+    #: a connection that has proven nothing yet holds its place only until
+    #: a newer one needs it. False: the new connection is refused
+    #: (``refused_handshakes_busy``), the old behaviour, for positive
+    #: controls only.
+    evict_oldest_handshake: bool = True
 
 
 class _PeerState:
@@ -128,6 +141,9 @@ class _Service:
         self.listener = listener
         self.peers: Dict[str, _PeerState] = {}
         self.handshaking: Counter = Counter()
+        #: The connections in their handshake, oldest first (a dict: ordered,
+        #: O(1) removal); as many as ``handshaking`` counts.
+        self.in_handshake: Dict["_ServerConn", None] = {}
         self.handshakes_peak = 0
         self.inflight_bytes = 0
         self.server: Optional[asyncio.AbstractServer] = None
@@ -172,15 +188,28 @@ class _ServerConn(asyncio.Protocol):
         plane._count("connections")
         peername = transport.get_extra_info("peername")
         self.src = str(peername[0]) if peername else "?"
-        if sum(service.handshaking.values()) >= lim.max_handshakes:
-            plane._count("refused_handshakes_busy")
-            return self.close()
+        # The address's own cap first: an address at its cap is refused, and
+        # evicts nobody on its way out.
         if service.handshaking[self.src] >= lim.max_handshakes_per_address:
             plane._count("refused_handshakes_per_address")
             return self.close()
+        if len(service.in_handshake) >= lim.max_handshakes:
+            if not lim.evict_oldest_handshake or not service.in_handshake:
+                plane._count("refused_handshakes_busy")
+                return self.close()
+            # The oldest handshake has had longest to finish and has not: it
+            # gives way, so connections from many addresses that hold their
+            # handshakes open cannot keep a newcomer out. Its close releases
+            # its share (once: its connection_lost finds it closed).
+            oldest = next(iter(service.in_handshake))
+            plane._count("handshakes_evicted")
+            logger.debug("kvtransfer: handshake cap reached: the oldest handshake (from %s) gives way to one from %s",
+                         oldest.src, self.src)
+            oldest.close()
         service.handshaking[self.src] += 1
+        service.in_handshake[self] = None
         self.handshaking = True
-        service.handshakes_peak = max(service.handshakes_peak, sum(service.handshaking.values()))
+        service.handshakes_peak = max(service.handshakes_peak, len(service.in_handshake))
         service.conns.add(self)
         self._arm(lim.handshake_deadline_s, self._handshake_late)
 
@@ -252,12 +281,13 @@ class _ServerConn(asyncio.Protocol):
         return self._admit(session)
 
     def _handshake_over(self) -> None:
-        if self.handshaking:
+        if self.handshaking:  # released once: the flag goes with the share
             self.handshaking = False
             hs = self.service.handshaking
             hs[self.src] -= 1
             if hs[self.src] <= 0:
                 del hs[self.src]
+            self.service.in_handshake.pop(self, None)
         self.hs = None
 
     def _admit(self, session: Any) -> bool:
@@ -685,13 +715,15 @@ class ControlPlane:
 
     # --- the rest --------------------------------------------------------------
     def stats(self) -> Dict[str, int]:
-        """Counters (refusals by kind, cuts, requests), handshake counts
-        (``auth_*``), and gauges: peers connected, links open."""
+        """Counters (refusals by kind, cuts, evictions, requests), handshake
+        counts (``auth_*``), and gauges: peers connected, handshakes in
+        flight, links open."""
 
         async def snap() -> Dict[str, int]:
             out = dict(self.counters)
             out["peers"] = sum(len(s.peers) for s in self._services.values())
             out["handshakes_peak"] = max([s.handshakes_peak for s in self._services.values()] or [0])
+            out["handshakes_in_flight"] = sum(sum(s.handshaking.values()) for s in self._services.values())
             out["links"] = sum(1 for link in self._links.values() if link.sock is not None)
             for s in self._services.values():
                 for k, v in s.listener.stats().items():

@@ -7,7 +7,12 @@ A peer here is the source address the kernel reports for the connection
 connection is:
 
 - admitted against a cap on connections in all and per address (a refusal
-  is a close, counted, logged);
+  is a close, counted, logged); at the cap in all, the oldest connection
+  that has completed no request yet gives way to the newcomer (shut down,
+  counted), so many source addresses, each under its own cap, cannot hold
+  the port full and keep an honest peer out (issue 46, attack 8): they
+  would have to open a cap's worth of connections within one honest
+  request (about a millisecond), not just hold them;
 - served by a bounded pool of worker threads (at most one per admitted
   connection, so no connection waits behind another's slow bytes);
 - cut at an idle timeout (the socket's own timeout, per read) and at a
@@ -44,6 +49,7 @@ class ServerLimits:
     the old servers had."""
 
     #: Connections (and worker threads) served at once, all peers together.
+    #: At the cap the oldest unserved one gives way (see ``evict_unserved``).
     max_connections: int = 128
     #: Connections served at once from one source address.
     max_per_address: int = 32
@@ -57,13 +63,19 @@ class ServerLimits:
     max_inflight_bytes_per_address: int = 256 << 20
     #: False: the old behaviour (no caps, no deadline), for positive controls only.
     enforce: bool = True
+    #: At ``max_connections``, the oldest connection that has completed no
+    #: request (see :meth:`ConnectionGuard.mark_served`) is shut down
+    #: (``evicted_unserved``) and the new one admitted; with none such, the
+    #: new one is refused. False: the new one is refused
+    #: (``refused_busy``), the old behaviour, for positive controls only.
+    evict_unserved: bool = True
 
     @classmethod
     def from_env(cls) -> "ServerLimits":
         """The defaults, each overridable from the environment for operators:
         ``KV_TRANSFER_PORT_MAX_CONNECTIONS``, ``KV_TRANSFER_PORT_MAX_PER_ADDRESS``,
         ``KV_TRANSFER_PORT_IDLE_S``, ``KV_TRANSFER_PORT_DEADLINE_S``. There
-        is no environment switch for ``enforce``."""
+        is no environment switch for ``enforce`` or ``evict_unserved``."""
         d = cls()
 
         def get(name: str, default: Any, kind: type) -> Any:
@@ -83,18 +95,21 @@ class ServerLimits:
 
 
 class Ticket:
-    """One admitted connection: its address, socket, deadline and the frame
-    bytes it holds in the budget."""
+    """One admitted connection: its address, socket, deadline, the frame
+    bytes it holds in the budget, and whether it has completed a request
+    (``served``: then it no longer gives way to newcomers)."""
 
-    __slots__ = ("addr", "sock", "deadline", "held_bytes", "done", "seq")
+    __slots__ = ("addr", "sock", "deadline", "held_bytes", "done", "seq", "served")
 
     def __init__(self, addr: str, sock: socket.socket, deadline: float, seq: int):
         self.addr = addr
         self.sock = sock
         self.deadline = deadline
         self.held_bytes = 0
+        #: Its slot is back (released, or evicted); its bytes go back at release.
         self.done = False
         self.seq = seq
+        self.served = False
 
 
 class ConnectionGuard:
@@ -110,11 +125,14 @@ class ConnectionGuard:
         self._bytes = 0
         self._active = 0
         self._heap: List[Tuple[float, int, Ticket]] = []
+        #: The admitted connections holding a slot, oldest first (seq -> ticket).
+        self._live: Dict[int, Ticket] = {}
         self._seq = itertools.count()
         self._closed = False
         self.counters: Dict[str, int] = {
             "accepted": 0,
             "refused_busy": 0,
+            "evicted_unserved": 0,
             "refused_per_address": 0,
             "refused_oversize": 0,
             "refused_byte_budget": 0,
@@ -129,18 +147,32 @@ class ConnectionGuard:
 
     # --- admission -------------------------------------------------------
     def admit(self, sock: socket.socket, addr: str) -> Optional[Ticket]:
-        """A ticket for a new connection, or None (counted, logged) at a cap."""
+        """A ticket for a new connection, or None (counted, logged) at a cap.
+        At the cap in all, the oldest connection that has completed no
+        request gives way (its socket shut down, ``evicted_unserved``) when
+        the limits allow it; the cap per address is always a refusal."""
         lim = self.limits
+        victim: Optional[Ticket] = None
         with self._lock:
             if lim.enforce:
-                if self._active >= lim.max_connections:
-                    self.counters["refused_busy"] += 1
-                    refused = "busy"
-                elif self._per_addr.get(addr, 0) >= lim.max_per_address:
+                refused = ""
+                # The address's own cap first: an address at its cap is
+                # refused, and evicts nobody on its way out.
+                if self._per_addr.get(addr, 0) >= lim.max_per_address:
                     self.counters["refused_per_address"] += 1
                     refused = "per_address"
-                else:
-                    refused = ""
+                elif self._active >= lim.max_connections:
+                    if lim.evict_unserved:
+                        victim = next((x for x in self._live.values() if not x.served), None)
+                    if victim is None:
+                        self.counters["refused_busy"] += 1
+                        refused = "busy"
+                    else:
+                        # Its slot is the newcomer's now; its worker, woken by
+                        # the shutdown below, ends and gives its bytes back
+                        # (release() finds the slot released already).
+                        self._free_slot(victim)
+                        self.counters["evicted_unserved"] += 1
                 if refused:
                     logger.debug("kvtransfer %s: refused a connection from %s (%s cap)", self.name, addr, refused)
                     return None
@@ -149,6 +181,7 @@ class ConnectionGuard:
             self.counters["accepted"] += 1
             self.counters["active_peak"] = max(self.counters["active_peak"], self._active)
             t = Ticket(addr, sock, self._clock() + lim.message_deadline_s, next(self._seq))
+            self._live[t.seq] = t
             if lim.enforce:
                 if len(self._heap) > 4 * lim.max_connections + 64:
                     # Connections that ended early wait in the heap for their deadline;
@@ -157,14 +190,32 @@ class ConnectionGuard:
                     heapq.heapify(self._heap)
                 heapq.heappush(self._heap, (t.deadline, t.seq, t))
                 self._lock.notify_all()
+        if victim is not None:
+            logger.debug("kvtransfer %s: connection cap reached: an unserved connection from %s gives way to %s",
+                         self.name, victim.addr, addr)
+            try:
+                victim.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         sock.settimeout(lim.idle_timeout_s)
         return t
+
+    def mark_served(self, t: Optional[Ticket] = None) -> None:
+        """``t`` (default: this worker's connection) has completed a request
+        (read it whole): it has proven it is no idle holder, and no longer
+        gives way to a newcomer at the connection cap."""
+        t = t or current_ticket()
+        if t is not None:
+            with self._lock:
+                t.served = True
 
     def reserve_bytes(self, t: Ticket, n: int, max_frame: int) -> Optional[str]:
         """Charges a frame's declared size before its body is read; returns
         None, or why it was refused (counted)."""
         lim = self.limits
         with self._lock:
+            if t.done:  # evicted: its connection is being shut down
+                return "the connection gave way to a newer one"
             if n > max_frame:
                 self.counters["refused_oversize"] += 1
                 return f"frame of {n} B exceeds {max_frame} B"
@@ -179,18 +230,24 @@ class ConnectionGuard:
             t.held_bytes += n
         return None
 
+    def _free_slot(self, t: Ticket) -> None:
+        # Under the lock. Once per ticket: at its release, or earlier when it
+        # is evicted (then its release gives back only its bytes).
+        if t.done:
+            return
+        t.done = True
+        self._live.pop(t.seq, None)
+        self._active -= 1
+        left = self._per_addr.get(t.addr, 0) - 1
+        if left > 0:
+            self._per_addr[t.addr] = left
+        else:
+            self._per_addr.pop(t.addr, None)
+
     def release(self, t: Ticket) -> None:
-        """The connection ended: its slot and bytes go back."""
+        """The connection ended: its slot (unless it was evicted) and its bytes go back."""
         with self._lock:
-            if t.done:
-                return
-            t.done = True
-            self._active -= 1
-            left = self._per_addr.get(t.addr, 0) - 1
-            if left > 0:
-                self._per_addr[t.addr] = left
-            else:
-                self._per_addr.pop(t.addr, None)
+            self._free_slot(t)
             if t.held_bytes:
                 self._bytes -= t.held_bytes
                 b = self._bytes_per_addr.get(t.addr, 0) - t.held_bytes
@@ -213,6 +270,7 @@ class ConnectionGuard:
         with self._lock:
             out = dict(self.counters)
             out["active"] = self._active
+            out["active_addresses"] = len(self._per_addr)
             out["inflight_bytes"] = self._bytes
         return out
 
@@ -340,8 +398,12 @@ class FramePort:
 
                 try:
                     data = recv_frame(conn, outer.max_frame, reserve)
+                    if t is not None:  # read whole: from here it is ours to answer, not to evict
+                        guard.mark_served(t)
                     reply = handle(data, peer)
                 except ProtocolError as e:
+                    if t is not None and t.done:  # it gave way to a newer connection (the guard counted it)
+                        return
                     outer.bad_requests += 1
                     logger.warning("kv_transfer %s: refused a request from %s: %s", name, peer, e)
                     reply = {"ok": False, "error": "bad_request", "message": str(e)[:512]}

@@ -17,7 +17,9 @@ What it trusts, and what it bounds (DESIGN.md rule 9):
 
   * a PUT first takes a challenge (``GET /challenge``: 16 random bytes, good
     once and for :attr:`RegistryLimits.challenge_ttl_s`; at most
-    :attr:`RegistryLimits.max_challenges` outstanding, and
+    :attr:`RegistryLimits.max_challenges` outstanding, the oldest dropped
+    for a new one (``challenges_evicted``: many addresses together cannot
+    keep the prefill from getting one, issue 46, attack 8), and
     :attr:`RegistryLimits.max_challenges_per_address` per address, 429
     beyond) and carries ``X-KVT-Challenge: hex(challenge)`` and
     ``X-KVT-Auth: hex(HMAC(secret, PUT_LABEL || challenge || body))``;
@@ -37,8 +39,10 @@ What it trusts, and what it bounds (DESIGN.md rule 9):
   take that rank (first writer wins cannot tell who is honest).
 - Registrations are capped per source address and in all (refusal 429,
   counted); bodies are checked for size and shape before parsing; the
-  port's connections go through :mod:`guard` (caps per address and in all,
-  idle and whole-request deadlines, a bounded worker pool).
+  port's connections go through :mod:`kv_transfer.ports` (caps per address
+  and in all, where at the cap in all the oldest connection that has
+  completed no request gives way to a newcomer; idle and whole-request
+  deadlines; a bounded worker pool).
 
 Nothing here imports SGLang.
 """
@@ -188,7 +192,8 @@ class RegistryLimits:
     max_ranks: int = 4096
     #: False: a later registration replaces the first (the old behaviour).
     first_writer_wins: bool = True
-    #: Challenges outstanding in all (with a secret).
+    #: Challenges outstanding in all (with a secret). At the cap the oldest
+    #: gives way to a new one (see ``evict_oldest_challenge``).
     max_challenges: int = 1024
     #: Challenges outstanding for one source address.
     max_challenges_per_address: int = 32
@@ -197,6 +202,12 @@ class RegistryLimits:
     #: False: the v1 scheme, HMAC(secret, body) on PUT and GET alike, no
     #: challenge, no nonce, first writer wins (issue 46, attack 4: replayable).
     fresh_registrations: bool = True
+    #: At ``max_challenges``, the oldest outstanding challenge is dropped
+    #: (``challenges_evicted``; a PUT that then carries it is refused as
+    #: stale, 403) and the new one issued. False: the request
+    #: is refused (429, ``challenges_refused``), the old behaviour, for
+    #: positive controls only.
+    evict_oldest_challenge: bool = True
 
 
 class BootstrapRegistry:
@@ -228,6 +239,7 @@ class BootstrapRegistry:
             "challenges_issued": 0,
             "challenges_expired": 0,
             "challenges_refused": 0,
+            "challenges_evicted": 0,
             "lookups_refused": 0,
         }
 
@@ -258,18 +270,31 @@ class BootstrapRegistry:
 
     def challenge(self, addr: str) -> Tuple[int, bytes]:
         """A GET /challenge; returns (HTTP status, reply body): a one-time
-        challenge for the next PUT, bounded per address and in all."""
+        challenge for the next PUT, bounded per address (429 beyond) and in
+        all (the oldest outstanding one dropped for it, or, with
+        ``evict_oldest_challenge=False``, 429)."""
         with self._lock:
             if self.secret is None:
                 return 404, (b'{"error": "this bootstrap server holds no shared secret: '
                              b'registrations are not challenged"}')
             now = self._clock()
             self._expire(now)
+            full = len(self._challenges) >= self.limits.max_challenges
             if (self._challenges_per_addr.get(addr, 0) >= self.limits.max_challenges_per_address
-                    or len(self._challenges) >= self.limits.max_challenges):
+                    or (full and not (self.limits.evict_oldest_challenge and self._challenges))):
                 self.counters["challenges_refused"] += 1
                 logger.warning("kvtransfer bootstrap: refused a challenge to %s: too many outstanding", addr)
                 return 429, b'{"error": "too many challenges outstanding"}'
+            if full:
+                # The oldest has had longest to be used and was not: it gives
+                # way, so challenges asked from many addresses, each under its
+                # cap, cannot keep the prefill from getting one. Its PUT, if
+                # it comes, is refused as stale (403).
+                oldest = next(iter(self._challenges))
+                logger.debug("kvtransfer bootstrap: challenge cap reached: the oldest (to %s) gives way to one for %s",
+                             self._challenges[oldest][1], addr)
+                self._drop_challenge(oldest)
+                self.counters["challenges_evicted"] += 1
             c = secrets.token_bytes(CHALLENGE_BYTES)
             self._challenges[c] = (now + self.limits.challenge_ttl_s, addr)
             self._challenges_per_addr[addr] = self._challenges_per_addr.get(addr, 0) + 1
@@ -394,6 +419,9 @@ class BootstrapServer:
                 logger.debug("bootstrap: " + fmt, *args)
 
             def _reply(self, code: int, body: bytes, auth: str = "") -> None:
+                # The request was read whole: this connection no longer gives
+                # way to a newcomer at the port's connection cap.
+                guard.mark_served()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))

@@ -217,7 +217,17 @@ class KvTransferManager(BaseKVManager):
                 bootstrap.put_registration(self._bootstrap_base(), body, CTRL_TIMEOUT_S)
                 return
             except urllib.error.HTTPError as e:
-                raise kv_transfer.DescriptorError(f"the bootstrap server refused our registration: {e.read()!r}") from None
+                why = e.read()
+                # Challenges outstanding at their cap (429), or ours given way
+                # to newer ones before our PUT came (403, stale: the server
+                # evicts the oldest under a flood from many addresses): a
+                # fresh challenge may pass. Anything else is final.
+                if e.code == 429 or (e.code == 403 and b"unknown, spent or expired" in why):
+                    logger.warning("kvtransfer: bootstrap registration attempt %d refused (%d): %r",
+                                   attempt + 1, e.code, why[:120])
+                    time.sleep(0.05 * 2**attempt)
+                    continue
+                raise kv_transfer.DescriptorError(f"the bootstrap server refused our registration: {why!r}") from None
             except OSError as e:
                 logger.warning("kvtransfer: bootstrap registration attempt %d failed: %s", attempt + 1, e)
                 time.sleep(0.2 * 2**attempt)
