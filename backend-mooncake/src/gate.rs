@@ -76,9 +76,7 @@ impl GatedTransport {
             s.holding = false;
             std::mem::take(&mut s.held)
         };
-        for w in held {
-            self.inner.submit(w);
-        }
+        self.inner.submit_all(held);
     }
 
     /// Drops every held task (each reports FAILED: it never left) and every
