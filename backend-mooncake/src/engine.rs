@@ -473,10 +473,8 @@ impl TransferEngine for MooncakeEngine {
         }
         let protos: Vec<ProtoVersion> = prepared.iter().map(|(_, s, _)| s.proto).collect();
         let first = b.reserve(&protos)?;
-        let works = prepared
-            .into_iter()
-            .enumerate()
-            .map(|(i, (r, seg, local))| TransportWork {
+        for (i, (r, seg, local)) in prepared.into_iter().enumerate() {
+            transport.submit(TransportWork {
                 opcode: r.opcode,
                 local,
                 local_addr: r.source,
@@ -484,9 +482,8 @@ impl TransferEngine for MooncakeEngine {
                 remote_addr: r.target_offset,
                 len: r.length,
                 completion: Completion::new(b.clone(), first + i),
-            })
-            .collect();
-        transport.submit_all(works);
+            });
+        }
         Ok(first..first + requests.len())
     }
 

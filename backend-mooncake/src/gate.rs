@@ -76,7 +76,9 @@ impl GatedTransport {
             s.holding = false;
             std::mem::take(&mut s.held)
         };
-        self.inner.submit_all(held);
+        for w in held {
+            self.inner.submit(w);
+        }
     }
 
     /// Drops every held task (each reports FAILED: it never left) and every

@@ -68,13 +68,9 @@ pub const SEALED_NOTIFY_VERSION: u32 = 1;
 pub struct NotifyAuth {
     acceptor: AcceptorConfig,
     counters: AuthCounters,
-    /// Established connections per target, kept between notifications (a
-    /// notification on one costs one round trip, as a plain one does);
-    /// the most recently used last. More than one: a transfer's DONEs to
-    /// one target (one per pool: KV, aux, state) go out at once, and each
-    /// takes a kept connection instead of dialing (a new handshake, two
-    /// round trips more, and a thread at the target) for all but the first.
-    idle: Mutex<HashMap<String, Vec<Open>>>,
+    /// One established connection per target, kept between notifications
+    /// (a notification on it costs one round trip, as a plain one does).
+    idle: Mutex<HashMap<String, Open>>,
 }
 
 /// A dialed connection whose handshake is done, and when it was last used.
@@ -90,11 +86,8 @@ struct Open {
 /// 5 s), so a reused connection is rarely one the other end just closed.
 const REUSE_WITHIN: Duration = Duration::from_secs(2);
 
-/// Kept connections at most, all targets together.
+/// Targets with a kept connection at most (one each).
 const MAX_KEPT: usize = 256;
-
-/// Kept connections at most per target (notifications to it at once).
-const MAX_KEPT_PER_TARGET: usize = 4;
 
 impl NotifyAuth {
     /// `segment` is this engine's segment name (`ip:port` of its handshake
@@ -118,7 +111,7 @@ impl NotifyAuth {
     pub fn send(&self, addr: SocketAddr, target: &str, msg: &str, timeout: Duration) -> Result<(), EngineError> {
         let frame = HandshakeFrame::new(HandshakeType::Notify, NotifyDesc::new(&self.acceptor.me.name, msg).to_json());
         let frame = frame.encode();
-        let kept = self.take_kept(target);
+        let kept = lock(&self.idle).remove(target).filter(|o| o.used.elapsed() < REUSE_WITHIN);
         if let Some(mut open) = kept {
             if let Ok(r) = exchange(&mut open, &frame, target) {
                 self.keep(target, open);
@@ -131,36 +124,16 @@ impl NotifyAuth {
         r
     }
 
-    /// The most recently used kept connection to `target` still within
-    /// its reuse window (older ones are dropped).
-    fn take_kept(&self, target: &str) -> Option<Open> {
-        let mut idle = lock(&self.idle);
-        let kept = idle.get_mut(target)?;
-        kept.retain(|o| o.used.elapsed() < REUSE_WITHIN);
-        let open = kept.pop();
-        if kept.is_empty() {
-            idle.remove(target);
-        }
-        open
-    }
-
     fn keep(&self, target: &str, mut open: Open) {
         open.used = Instant::now();
         let mut idle = lock(&self.idle);
-        let total: usize = idle.values().map(Vec::len).sum();
-        if total >= MAX_KEPT {
-            idle.retain(|_, v| {
-                v.retain(|o| o.used.elapsed() < REUSE_WITHIN);
-                !v.is_empty()
-            });
-            if idle.values().map(Vec::len).sum::<usize>() >= MAX_KEPT {
+        if idle.len() >= MAX_KEPT && !idle.contains_key(target) {
+            idle.retain(|_, o| o.used.elapsed() < REUSE_WITHIN);
+            if idle.len() >= MAX_KEPT {
                 return;
             }
         }
-        let kept = idle.entry(target.to_string()).or_default();
-        if kept.len() < MAX_KEPT_PER_TARGET {
-            kept.push(open);
-        }
+        idle.insert(target.to_string(), open);
     }
 
     /// A new connection to `target` at `addr`, its handshake done.

@@ -91,13 +91,6 @@ pub trait DataTransport: Send + Sync + std::fmt::Debug {
     fn protocol(&self) -> &'static str;
     /// Queues a task. Must eventually call `work.completion.finish` (or drop it).
     fn submit(&self, work: TransportWork);
-    /// Runs several tasks, queued together (a transport may then run them
-    /// as one, e.g. WRITEs to one segment on one connection).
-    fn submit_all(&self, works: Vec<TransportWork>) {
-        for w in works {
-            self.submit(w);
-        }
-    }
     /// Forgets pooled connections to a segment (after close or peer failure).
     fn forget_segment(&self, _segment: u64) {}
 }
@@ -193,59 +186,17 @@ impl DataTransport for TcpTransport {
         self.shared.1.notify_one();
     }
 
-    fn submit_all(&self, works: Vec<TransportWork>) {
-        let mut q = self.shared.0.lock().unwrap_or_else(|e| e.into_inner());
-        if q.closed {
-            drop(q);
-            for w in works {
-                w.completion.finish(Err(TaskError::Dropped));
-            }
-            return;
-        }
-        q.items.extend(works);
-        drop(q);
-        // One worker takes the first run and wakes another for the rest.
-        self.shared.1.notify_one();
-    }
-
     fn forget_segment(&self, segment: u64) {
         let mut q = self.shared.0.lock().unwrap_or_else(|e| e.into_inner());
         q.forget.push(segment);
     }
 }
 
-/// Most WRITEs to one segment a worker sends back to back on one
-/// connection before it reads their status words, and their bytes. A
-/// Mooncake target serves a connection's requests in order, so a request's
-/// buffers (one WRITE each) then cost one worker and about one round trip,
-/// not a worker, a thread switch and a round trip each.
-const PIPELINE_MAX: usize = 64;
-const PIPELINE_MAX_BYTES: u64 = 64 << 20;
-
-/// The next tasks a worker runs: the queue's first, and the WRITEs to the
-/// same segment queued right behind it (in order, within the pipeline's
-/// bounds; none with `connection_per_request`, as Mooncake's default).
-fn take_run(q: &mut Queue, pipeline: bool) -> Option<Vec<TransportWork>> {
-    let first = q.items.pop_front()?;
-    let (seg, write) = (first.remote.id, first.opcode == TcpOpcode::Write);
-    let mut bytes = first.len;
-    let mut run = vec![first];
-    while pipeline && write && run.len() < PIPELINE_MAX {
-        let Some(next) = q.items.front() else { break };
-        if next.opcode != TcpOpcode::Write || next.remote.id != seg || bytes + next.len > PIPELINE_MAX_BYTES {
-            break;
-        }
-        bytes += next.len;
-        run.extend(q.items.pop_front());
-    }
-    Some(run)
-}
-
 fn worker(sh: Arc<(Mutex<Queue>, Condvar)>, cfg: TcpTransportConfig) {
     let mut conns: HashMap<u64, (TcpStream, Instant)> = HashMap::default();
     let mut seen_forget = 0usize;
     loop {
-        let run = {
+        let work = {
             let mut q = sh.0.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 if q.forget.len() > seen_forget {
@@ -254,12 +205,8 @@ fn worker(sh: Arc<(Mutex<Queue>, Condvar)>, cfg: TcpTransportConfig) {
                     }
                     seen_forget = q.forget.len();
                 }
-                if let Some(run) = take_run(&mut q, !cfg.connection_per_request) {
-                    if !q.items.is_empty() {
-                        // More than this run: another worker takes the rest.
-                        sh.1.notify_one();
-                    }
-                    break Some(run);
+                if let Some(w) = q.items.pop_front() {
+                    break Some(w);
                 }
                 if q.closed {
                     break None;
@@ -267,92 +214,45 @@ fn worker(sh: Arc<(Mutex<Queue>, Condvar)>, cfg: TcpTransportConfig) {
                 q = sh.1.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
-        let Some(run) = run else { return };
-        for w in &run {
-            w.completion.started();
-        }
-        let seg = run[0].remote.id;
+        let Some(work) = work else { return };
+        work.completion.started();
+        let seg = work.remote.id;
         let pooled = conns.remove(&seg).filter(|(s, since)| since.elapsed() < cfg.max_idle && still_open(s));
-        let mut stream = match pooled {
+        let stream = match pooled {
             Some((s, _)) => s,
-            None => match connect(&run[0].remote.data_addr, &cfg) {
+            None => match connect(&work.remote.data_addr, &cfg) {
                 Ok(s) => s,
                 Err(e) => {
-                    let e = TaskError::Connect(e.to_string());
-                    report(run, 0, Some(e));
+                    let TransportWork { completion, local, remote, .. } = work;
+                    drop((local, remote));
+                    completion.finish(Err(TaskError::Connect(e.to_string())));
                     continue;
                 }
             },
         };
-        let (confirmed, failed) = run_pipelined(&mut stream, &run);
-        if failed.is_some() {
-            // Fence the connection before reporting: after shutdown no more
-            // bytes of these requests leave or enter this process's memory.
-            let _ = stream.shutdown(Shutdown::Both);
-            drop(stream);
-            tracing::debug!(segment = seg, error = ?failed, confirmed, tasks = run.len(), "tcp task failed");
-        } else if !cfg.connection_per_request {
-            conns.insert(seg, (stream, Instant::now()));
-        }
-        report(run, confirmed, failed);
-    }
-}
-
-/// Reports a run's outcomes: the first `confirmed` COMPLETED, the rest
-/// FAILED with `failed`. Every task's holds on local and remote memory
-/// are released before the first report, so a caller that sees a terminal
-/// status can unregister at once.
-fn report(run: Vec<TransportWork>, confirmed: usize, failed: Option<TaskError>) {
-    let done: Vec<(Completion, u64)> = run
-        .into_iter()
-        .map(|w| {
-            let TransportWork { completion, local, remote, len, .. } = w;
-            drop((local, remote));
-            (completion, len)
-        })
-        .collect();
-    for (i, (completion, len)) in done.into_iter().enumerate() {
-        match (&failed, i < confirmed) {
-            (None, _) | (Some(_), true) => completion.finish(Ok(len)),
-            (Some(e), false) => completion.finish(Err(e.clone())),
-        }
-    }
-}
-
-/// Runs `run` on `s`: a READ alone; WRITEs back to back, then their
-/// status words in order (v2). How many completed, and why the rest
-/// failed (the caller must then close the connection).
-fn run_pipelined(s: &mut TcpStream, run: &[TransportWork]) -> (usize, Option<TaskError>) {
-    if let [one] = run {
-        return match run_one(s, one) {
-            Ok(_) => (1, None),
-            Err(e) => (0, Some(e)),
-        };
-    }
-    for w in run {
-        let hdr = RequestHeader {
-            size: w.len,
-            addr: w.remote_addr,
-            opcode: w.opcode,
-            v2: w.remote.proto == ProtoVersion::V2,
-        }
-        .encode();
-        // SAFETY: inside the region held by `w.local`; we only read it.
-        let sent = unsafe { w.local.with_bytes(w.local_addr, w.len, |payload| write_all_vectored(s, &hdr, payload)) };
-        match sent {
-            Some(Ok(())) => {}
-            Some(Err(e)) => return (0, Some(conn_err(e))),
-            None => return (0, Some(TaskError::Dropped)),
-        }
-    }
-    for (i, w) in run.iter().enumerate() {
-        if w.remote.proto == ProtoVersion::V2 {
-            if let Err(e) = read_status(s) {
-                return (i, Some(e));
+        let mut stream = stream;
+        let result = run_one(&mut stream, &work);
+        // No more access to local memory: release the holds before reporting,
+        // so a caller that sees the terminal status can unregister at once.
+        let TransportWork { completion, local, remote, .. } = work;
+        drop((local, remote));
+        match result {
+            Ok(n) => {
+                if !cfg.connection_per_request {
+                    conns.insert(seg, (stream, Instant::now()));
+                }
+                completion.finish(Ok(n));
+            }
+            Err(e) => {
+                // Fence the connection before reporting: after shutdown no more
+                // bytes of this request leave or enter this process's memory.
+                let _ = stream.shutdown(Shutdown::Both);
+                drop(stream);
+                tracing::debug!(segment = seg, error = %e, "tcp task failed");
+                completion.finish(Err(e));
             }
         }
     }
-    (run.len(), None)
 }
 
 /// Whether the peer has not closed a pooled connection (nothing to read,

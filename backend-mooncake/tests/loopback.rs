@@ -83,58 +83,6 @@ fn write_then_read_back() {
     drop(target);
 }
 
-/// WRITEs to one segment submitted together go back to back on one
-/// connection, their status words read in order: a rejected one in the
-/// middle fails typed, the ones before it complete, the ones after it fail
-/// (the target closed the connection, nothing of theirs was applied), and
-/// the next batch reconnects.
-#[test]
-fn pipelined_writes_report_each_outcome_in_order() {
-    let mut tbuf = Buf::new(1 << 20, 5);
-    let mut ibuf = Buf::new(1 << 20, 11);
-    let before = tbuf.0.clone();
-    let target = engine();
-    let init = MooncakeEngine::new(EngineConfig { check_remote_bounds: false, ..Default::default() }).unwrap();
-    tbuf.register(&target);
-    ibuf.register(&init);
-    let (ta, ia) = (tbuf.addr(), ibuf.addr());
-    let seg = init.open_segment(&target.local_segment_name()).unwrap();
-    let w = |i: u64, off: u64| TransferRequest {
-        opcode: TcpOpcode::Write,
-        source: ia + i * 4096,
-        target_id: seg,
-        target_offset: off,
-        length: 4096,
-    };
-    // 16 good writes: all complete, every byte lands.
-    let good: Vec<_> = (0..16u64).map(|i| w(i, ta + i * 4096)).collect();
-    assert!(run(&init, &good).iter().all(|s| s.status == TransferStatus::Completed));
-    assert!(tbuf.0[..16 * 4096] == ibuf.0[..16 * 4096]);
-    // 2 good, 1 outside the target's memory, 2 more.
-    let mixed = [
-        w(20, ta + 20 * 4096),
-        w(21, ta + 21 * 4096),
-        w(22, ta + (1 << 20)),
-        w(23, ta + 23 * 4096),
-        w(24, ta + 24 * 4096),
-    ];
-    let st = run(&init, &mixed);
-    let got: Vec<_> = st.iter().map(|s| (s.status, s.error.clone())).collect();
-    assert_eq!(got[0], (TransferStatus::Completed, None));
-    assert_eq!(got[1], (TransferStatus::Completed, None));
-    assert_eq!(got[2], (TransferStatus::Failed, Some(TaskError::AddrRejected)));
-    assert!(
-        got[3..].iter().all(|(s, e)| *s == TransferStatus::Failed
-            && matches!(e, Some(TaskError::AddrRejected | TaskError::Connection(_)))),
-        "{got:?}"
-    );
-    assert!(tbuf.0[20 * 4096..22 * 4096] == ibuf.0[20 * 4096..22 * 4096]);
-    assert!(tbuf.0[23 * 4096..25 * 4096] == before[23 * 4096..25 * 4096], "nothing after the rejected one applied");
-    // The next batch reconnects.
-    assert!(run(&init, &good[..2]).iter().all(|s| s.status == TransferStatus::Completed));
-    drop((init, target));
-}
-
 #[test]
 fn out_of_range_is_typed_and_changes_nothing() {
     let mut tbuf = Buf::new(1 << 20, 3);
