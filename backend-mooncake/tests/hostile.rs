@@ -273,6 +273,21 @@ fn hostile_data_port_idle_flood_does_not_shut_out_a_new_prefill() {
     }
 }
 
+/// A new prefill (its own engine, 1 s handshakes) fetches the decode's
+/// descriptor (`add_peer`, on the handshake port): the outcome and how
+/// long it took.
+fn new_prefill_fetches(decode: &Side) -> (Result<(), String>, Duration) {
+    let prefill = side_with(
+        EngineConfig { handshake_timeout: Duration::from_secs(1), ..Default::default() },
+        AdapterConfig::default(),
+        1,
+        SLOT,
+    );
+    let t0 = Instant::now();
+    let got = prefill.a.add_peer(decode.a.segment_name()).map(|_| ()).map_err(|e| e.to_string());
+    (got, t0.elapsed())
+}
+
 /// Attack 8, handshake port: the same flood (40 idle connections, 10x the
 /// per-address cap of 4) against the handshake port. Positive control:
 /// the old port (32 in all, no idle deadline) is full and a new prefill's
@@ -306,15 +321,7 @@ fn hostile_handshake_port_idle_flood_does_not_shut_out_a_new_prefill() {
         });
         std::thread::sleep(Duration::from_millis(50));
         let during = mem();
-        let prefill = side_with(
-            EngineConfig { handshake_timeout: Duration::from_secs(1), ..Default::default() },
-            AdapterConfig::default(),
-            1,
-            SLOT,
-        );
-        let t0 = Instant::now();
-        let got = prefill.a.add_peer(decode.a.segment_name());
-        let took = t0.elapsed();
+        let (got, took) = new_prefill_fetches(&decode);
         eprintln!(
             "checked={checked}: handshake flood of 40; threads {} -> {}, VmHWM {} -> {} KiB; \
              honest metadata fetch {:?} in {took:?}",
@@ -369,15 +376,7 @@ fn hostile_many_addresses_at_the_handshake_port_evict_the_oldest_unserved_and_a_
         });
         std::thread::sleep(Duration::from_millis(50));
         let during = mem();
-        let prefill = side_with(
-            EngineConfig { handshake_timeout: Duration::from_secs(1), ..Default::default() },
-            AdapterConfig::default(),
-            1,
-            SLOT,
-        );
-        let t0 = Instant::now();
-        let got = prefill.a.add_peer(decode.a.segment_name());
-        let took = t0.elapsed();
+        let (got, took) = new_prefill_fetches(&decode);
         let stats = decode.engine.target_stats();
         eprintln!(
             "evict={evict}: 320 connections from 80 addresses, evicted {} / refused global {} / per addr {}; \
