@@ -51,6 +51,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, tries: int = 50) -> int:
+    """A port ``p`` with ``p .. p + n - 1`` all free on loopback (a TP
+    engine's workers listen on consecutive side ports); bounded tries."""
+    for _ in range(tries):
+        base = free_port()
+        held = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                held.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports in {tries} tries")
+
+
 def http_get(port: int, path: str, timeout: float) -> Tuple[int, bytes]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:

@@ -40,17 +40,21 @@ class Server(EngineServer):
     """One ``vllm.entrypoints.openai.api_server`` process tree."""
 
     def __init__(self, name: str, model: str, kv: Optional[Dict[str, Any]], core: int, blocks: int,
-                 env: Optional[Dict[str, str]] = None):
+                 env: Optional[Dict[str, str]] = None, tp: int = 1):
         port = free_port()
         e = dict(os.environ)
+        # TP > 1: one worker per core (gloo, MultiprocExecutor; SERVING-SHAPES.md).
+        bind = "|".join(str(c % 2) for c in range(tp)) if tp > 1 else str(core)
         e.update({
-            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind, "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
             "PYTHONPATH": HERE + os.pathsep + e.get("PYTHONPATH", ""), "VLLM_LOGGING_LEVEL": "INFO",
         })
         e.update(env or {})
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
                "--host", "127.0.0.1", "--num-gpu-blocks-override", str(blocks), *COMMON]
+        if tp > 1:
+            cmd += ["--tensor-parallel-size", str(tp)]
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         super().__init__(name, port, cmd, e, LOG_DIR)

@@ -88,6 +88,10 @@ GOOD = wire.Offer("ab" * 16, "127.0.0.1", 5700, ("tcp-sim",), (3, 4), 40).to_par
         {"remote_block_ids": [True]},
         {"remote_block_ids": "3,4"},
         {"remote_num_tokens": "40"},
+        {"kvt_tp": 0},
+        {"kvt_tp": 257},
+        {"kvt_tp": "2"},
+        {"kvt_port": 65535, "kvt_tp": 2},
     ],
 )
 def test_bad_offer_params_are_a_params_error(change):

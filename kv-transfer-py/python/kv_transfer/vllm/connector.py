@@ -90,8 +90,11 @@ class Settings:
     side_port: Optional[int]
     engine_id: str
     limits: prefill.OfferLimits
-    #: The prefills' side ports a decode may dial (``prefills``: "host:port", ...).
+    #: The prefills' side ports a decode may dial (``prefills``: "host:port", ...):
+    #: each prefill's first worker; worker ``r`` listens on ``port + r``.
     prefills: FrozenSet[Tuple[str, int]] = frozenset()
+    #: This engine's tensor-parallel size (its workers, one KV shard each).
+    tp: int = 1
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig") -> "Settings":
@@ -113,9 +116,11 @@ class Settings:
         if role in ("kv_producer", "kv_both") and side_port is None:
             raise kv_transfer.DescriptorError("kv_transfer.vllm: a prefill (kv_producer) needs "
                                               "kv_connector_extra_config.side_port")
-        tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
-        if tp != 1:
-            raise kv_transfer.DescriptorError(f"kv_transfer.vllm supports one worker per engine so far (TP x PP = {tp})")
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size != 1:
+            raise kv_transfer.DescriptorError(
+                f"kv_transfer.vllm supports tensor parallelism, not pipeline parallelism yet (PP = {pc.pipeline_parallel_size})")
+        tp = int(pc.tensor_parallel_size)
         prefills = frozenset(_host_port(p) for p in (extra.get("prefills") or ()))
         if role in ("kv_consumer", "kv_both") and not prefills:
             raise kv_transfer.DescriptorError(
@@ -127,7 +132,7 @@ class Settings:
             exposed_s=float(extra.get("exposed_s", d.exposed_s)),
         )
         return cls(role, backends, str(extra.get("host", "127.0.0.1")), side_port, str(kt.engine_id), limits,
-                   prefills)
+                   prefills, tp)
 
     @property
     def producer(self) -> bool:
@@ -144,6 +149,15 @@ def _host_port(p: Any) -> Tuple[str, int]:
         return host, int(port)
     except ValueError:
         raise kv_transfer.DescriptorError(f"kv_transfer.vllm: prefills entry {p!r} is not host:port") from None
+
+
+def tp_rank(tp: int) -> int:
+    """This worker's tensor-parallel rank (0 in a one-worker engine)."""
+    if tp == 1:
+        return 0
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def kv_device(kv_caches: Dict[str, "torch.Tensor"]) -> Optional[int]:
@@ -198,6 +212,7 @@ class KvTransferConnector(KVConnectorBase_V1):
         self.offers: Optional[prefill.PrefillOffers] = None
         self.loads: Optional[decode.DecodeLoads] = None
         self.port: Optional[Tuple[str, int]] = None
+        self.rank = 0
         self.plane: Optional[ControlPlane] = None
         self._failed_blocks: Set[int] = set()
         self._failed_reqs: Set[str] = set()
@@ -250,7 +265,8 @@ class KvTransferConnector(KVConnectorBase_V1):
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) or not block_ids:
             return False, None  # never offered, never exposed: vLLM frees the blocks now
         offer = wire.Offer(prefill.new_offer_id(), self.settings.host, int(self.settings.side_port or 0),
-                           self.settings.backends, tuple(block_ids), int(request.num_computed_tokens))
+                           self.settings.backends, tuple(block_ids), int(request.num_computed_tokens),
+                           self.settings.tp)
         self._next.offers.append((request.request_id, offer.offer, list(block_ids)))
         return True, offer.to_params()
 
@@ -260,20 +276,24 @@ class KvTransferConnector(KVConnectorBase_V1):
         buffers = kv_buffers(kv_caches, num_blocks)
         owners = list(kv_caches.values())
         self.kv_caches = kv_caches
-        self.plane = ControlPlane(f"vllm-{self.settings.engine_id[:12]}-{os.getpid()}",
-                                  limits=PlaneLimits(max_frame=wire.MAX_SIDE_FRAME))
+        self.rank = tp_rank(self.settings.tp)
+        me = f"vllm-{self.settings.engine_id[:12]}-tp{self.rank}-{os.getpid()}"
+        self.plane = ControlPlane(me, limits=PlaneLimits(max_frame=wire.MAX_SIDE_FRAME))
         for b in self.settings.backends:
-            ep = kv_transfer.Endpoint(b, f"vllm-{self.settings.engine_id[:12]}-{os.getpid()}-{b}", host=self.settings.host)
+            ep = kv_transfer.Endpoint(b, f"{me}-{b}", host=self.settings.host)
             self.sides[b] = (ep, ep.register(buffers, owner=owners, device=kv_device(kv_caches)))
         if self.settings.producer:
             self.offers = prefill.PrefillOffers(self.sides, self.settings.limits)
         if self.settings.consumer:
             self.loads = decode.DecodeLoads(self.sides, self.plane, set(self.settings.prefills),
+                                            rank=self.rank, tp=self.settings.tp,
                                             before_post=self._before_post, after_load=self._after_load)
         if self.settings.side_port is not None:
-            self.port = self.plane.serve(self.settings.host, self.settings.side_port, self._serve_bytes)
-        logger.info("kv_transfer.vllm: %d KV buffers of %d blocks (%d B each) on %s; side port %s",
-                    len(buffers), num_blocks, buffers[0][2] if buffers else 0, ",".join(self.sides), self.port)
+            # Worker r of the engine: side port + r (the offer names the first).
+            self.port = self.plane.serve(self.settings.host, self.settings.side_port + self.rank, self._serve_bytes)
+        logger.info("kv_transfer.vllm: worker %d of %d: %d KV buffers of %d blocks (%d B each) on %s; side port %s",
+                    self.rank, self.settings.tp, len(buffers), num_blocks, buffers[0][2] if buffers else 0,
+                    ",".join(self.sides), self.port)
 
     def _serve_bytes(self, peer: str, data: bytes) -> bytes:
         """One side-port request from ``peer`` (the name its control-plane

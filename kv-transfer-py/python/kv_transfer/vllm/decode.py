@@ -83,14 +83,23 @@ class DecodeLoads:
     """Loads by request id over one endpoint and pool per backend (``sides``:
     ``{backend: (endpoint, pool)}``; the first is the default), talking to
     prefills on ``plane``, only those in ``prefills`` (``(host, port)`` of
-    their side ports; ``None``: any, for tests only)."""
+    their first worker's side ports; ``None``: any, for tests only).
+
+    This is worker ``rank`` of a decode of ``tp`` workers: it holds its
+    shard of every block (its KV heads) and pulls it from the prefill's
+    worker of the same rank (side port ``port + rank``), whose shard is the
+    same heads. A prefill of another TP size is refused, typed, before any
+    connection (heterogeneous TP is not built yet)."""
 
     def __init__(self, sides: Dict[str, Any], plane: ControlPlane, prefills: Optional[Set[Tuple[str, int]]], *,
+                 rank: int = 0, tp: int = 1,
                  before_post: Optional[Callable[[str, Dict[str, Any]], None]] = None,
                  after_load: Optional[Callable[[str, Sequence[int], Dict[str, Any]], None]] = None):
         self.sides = sides
         self.plane = plane
         self.prefills = prefills
+        self.rank = rank
+        self.tp = tp
         self._before_post = before_post
         self._after_load = after_load
         self._lock = threading.Lock()
@@ -99,7 +108,7 @@ class DecodeLoads:
         self._work: "queue.Queue[Optional[Tuple[str, Any]]]" = queue.Queue()
         self.counters: Dict[str, int] = {
             "loads": 0, "loaded": 0, "load_failures": 0, "cancelled": 0, "releases_sent": 0, "release_failures": 0,
-            "refused_unnamed_prefill": 0,
+            "refused_unnamed_prefill": 0, "refused_tp_mismatch": 0,
         }
         self._thread = threading.Thread(target=self._run, name="kvt-vllm-puller", daemon=True)
         self._thread.start()
@@ -119,6 +128,10 @@ class DecodeLoads:
             if not self._named(offer):
                 self.counters["refused_unnamed_prefill"] += 1
                 raise wire.ParamsError(f"{offer.host}:{offer.port} is not a prefill this decode was configured with")
+            if offer.tp != self.tp:
+                self.counters["refused_tp_mismatch"] += 1
+                raise wire.ParamsError(f"the prefill runs TP {offer.tp}, this decode TP {self.tp}: each worker "
+                                       "would need another worker's heads (heterogeneous TP is not supported yet)")
             state: LoadState = Queued(offer, tuple(blocks))
         except wire.ParamsError as e:
             logger.error("kv_transfer.vllm: request %s: %s", req_id, e)
@@ -142,6 +155,8 @@ class DecodeLoads:
         if not self._named(offer):
             self.counters["refused_unnamed_prefill"] += 1
             return
+        if offer.tp != self.tp and self.rank != 0:
+            return  # a refused (mismatched) offer: worker 0 hands it back at its first worker
         self._send_release(offer)
 
     def finished(self, req_ids: Any) -> None:
@@ -239,7 +254,7 @@ class DecodeLoads:
     def _ask_fetch(self, req_id: str, offer: wire.Offer, backend: str, endpoint: Any, early_until: float) -> None:
         """Sends the fetch; its answer comes back to the puller (never waited for)."""
         req = wire.fetch_request(offer.offer, backend, endpoint.descriptor(), len(offer.blocks))
-        f = self.plane.request(offer.host, offer.port, req, SIDE_TIMEOUT_S)
+        f = self.plane.request(offer.host, self._port(offer), req, SIDE_TIMEOUT_S)
         f.add_done_callback(lambda f: self._work.put(("fetched", (req_id, offer, backend, early_until, f))))
 
     def _fetched(self, req_id: str, offer: wire.Offer, backend: str, early_until: float,
@@ -257,7 +272,7 @@ class DecodeLoads:
                 return
             return self._fail(req_id, f"the prefill refused the fetch: {e}")
         except (kv_transfer.KvTransferError, ProtocolError, OSError, concurrent.futures.TimeoutError) as e:
-            return self._fail(req_id, f"fetch from {offer.host}:{offer.port}: {type(e).__name__}: {e}")
+            return self._fail(req_id, f"fetch from {offer.host}:{self._port(offer)}: {type(e).__name__}: {e}")
         got = self._check_exposure(offer, backend, endpoint, remote_b, descriptor)
         if isinstance(got, str):
             return self._fail(req_id, got)
@@ -316,10 +331,14 @@ class DecodeLoads:
                 # The prefill keeps the offer; its own deadline withdraws it
                 # (never exposed) or aborts it (exposed: freed only when proven).
                 self.counters["release_failures"] += 1
-                logger.warning("kv_transfer.vllm: release to %s:%s failed: %s", offer.host, offer.port, e)
+                logger.warning("kv_transfer.vllm: release to %s:%s failed: %s", offer.host, self._port(offer), e)
 
-        self.plane.request(offer.host, offer.port, wire.release_request(offer.offer), SIDE_TIMEOUT_S) \
+        self.plane.request(offer.host, self._port(offer), wire.release_request(offer.offer), SIDE_TIMEOUT_S) \
             .add_done_callback(done)
+
+    def _port(self, offer: wire.Offer) -> int:
+        """The side port of the prefill worker that holds this worker's shard."""
+        return offer.port + (self.rank if offer.tp == self.tp else 0)
 
 
 def summarize(loads: Optional[DecodeLoads]) -> Dict[str, Any]:

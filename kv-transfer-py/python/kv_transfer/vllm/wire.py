@@ -34,6 +34,8 @@ MAX_SIDE_FRAME = 4 << 20
 MAX_BLOCKS = 1 << 16
 #: Most backends an offer may list.
 MAX_BACKENDS = 8
+#: Most workers (tensor-parallel ranks) an offer may name.
+MAX_TP = 256
 _OFFER = re.compile(r"[0-9a-f]{32}\Z")
 _BACKEND = re.compile(r"[a-z][a-z0-9-]{0,15}\Z")
 
@@ -47,7 +49,9 @@ class Offer:
     """Where a request's prefilled blocks wait (the prefill's answer, in
     ``kv_transfer_params``): the capability ``offer`` (128 random bits; the
     first decode that presents it is the one the blocks are exposed to),
-    the prefill worker's side port, the backends it serves and the blocks."""
+    the side port of the prefill's first worker (worker ``r`` of ``tp``
+    listens on ``port + r``, each over its own shard of the blocks), the
+    backends it serves and the blocks."""
 
     offer: str
     host: str
@@ -55,6 +59,8 @@ class Offer:
     backends: Sequence[str]
     blocks: Sequence[int]
     tokens: int
+    #: The prefill's tensor-parallel size (its workers, one shard each).
+    tp: int = 1
 
     def to_params(self) -> Dict[str, Any]:
         """The decode's ``kv_transfer_params`` (vLLM's own keys, plus ours)."""
@@ -67,6 +73,7 @@ class Offer:
             "kvt_host": self.host,
             "kvt_port": self.port,
             "kvt_backends": list(self.backends),
+            "kvt_tp": self.tp,
         }
 
 
@@ -99,9 +106,13 @@ def parse_offer(params: Any) -> Offer:
         if len(set(blocks)) != len(blocks):
             raise ParamsError("remote_block_ids repeats a block")
         tokens = _uint(params, "remote_num_tokens", 1 << 31)
+        # Absent in offers of a one-worker prefill from before TP > 1.
+        tp = _uint(params, "kvt_tp", MAX_TP + 1) if "kvt_tp" in params else 1
+        if tp == 0 or port + tp - 1 >= 1 << 16:
+            raise ParamsError(f"kvt_tp {tp}: 1 to {MAX_TP} workers, each on a side port from kvt_port")
     except ProtocolError as e:
         raise ParamsError(f"kv_transfer_params: {e}") from None
-    return Offer(offer, host, port, tuple(backends), tuple(blocks), tokens)
+    return Offer(offer, host, port, tuple(backends), tuple(blocks), tokens, tp)
 
 
 # --- side port ---------------------------------------------------------------
