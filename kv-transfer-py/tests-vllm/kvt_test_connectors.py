@@ -6,11 +6,15 @@ two controls that a request's ``kv_transfer_params`` switch on (only the
 tests send them): ``kvt_test_hold_s`` holds the READ after the offer is
 claimed (a pull in flight, for the abort storm and the hazard), and
 ``kvt_test_corrupt`` overwrites the loaded blocks before vLLM uses them
-(the negative control: corrupted KV must change the tokens)."""
+(the negative control: corrupted KV must change the tokens), and
+``kvt_test_fail_read`` makes the READ fail for real: the claimed offer is
+released at the prefill first (its exposure aborted), so the READ that
+follows is refused by the prefill's side (a load failure, reported through
+``get_block_ids_with_load_errors``)."""
 
 import time
 
-from kv_transfer.vllm import KvTransferConnector
+from kv_transfer.vllm import KvTransferConnector, wire
 
 
 class ControlledConnector(KvTransferConnector):
@@ -18,6 +22,10 @@ class ControlledConnector(KvTransferConnector):
         hold = float(params.get("kvt_test_hold_s", 0) or 0)
         if 0 < hold <= 60:
             time.sleep(hold)
+        if params.get("kvt_test_fail_read"):
+            offer = wire.parse_offer(params)
+            wire.parse_ok(self.plane.call(offer.host, offer.port + self.rank, wire.release_request(offer.offer),
+                                          timeout=10))
 
     def _after_load(self, req_id, blocks, params):
         if params.get("kvt_test_corrupt"):

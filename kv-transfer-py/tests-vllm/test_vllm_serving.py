@@ -45,6 +45,23 @@ class Fleet:
         self.p_side = self.d_side = 0
         self.np: Optional[h.Server] = None
         self.nd: Optional[h.Server] = None
+        self.rd: Optional[h.Server] = None
+        self.rd_side = 0
+
+    def recompute_decode(self) -> h.Server:
+        """A second decode of ours whose load failures vLLM recomputes
+        (``kv_load_failure_policy: recompute``; the fleet's decode keeps
+        vLLM's default, ``fail``)."""
+        if self.rd is None:
+            assert self.p is not None
+            self.rd_side = h.free_port()
+            kv = h.ours("kv_consumer", self.rd_side, ",".join(BACKENDS), prefills=[f"127.0.0.1:{self.p_side}"],
+                        **CONTROLLED)
+            kv["kv_load_failure_policy"] = "recompute"
+            self.rd = h.Server("decode-recompute", h.MODEL_NAME[0], kv, 1, BLOCKS)
+            self.servers.append(self.rd)
+            h.start_all([self.rd])
+        return self.rd
 
     def nixl_pair(self) -> None:
         if self.np is None:
@@ -129,6 +146,68 @@ def test_negative_control_corrupted_kv_changes_the_tokens(fleet: Fleet, vocab: i
     # A 1-token prompt's KV is recomputed by the decode (it loads nothing it uses).
     assert len(differ) >= len(prompts) - 2, f"only prompts of lengths {differ} differ: the comparison is blind"
     pools_whole(fleet)
+
+
+def test_metrics_operators_scrape_move_with_the_transfers(fleet: Fleet, vocab: int):
+    """vLLM's /metrics carries our series (NixlConnector's meanings under
+    ``vllm:kvt_``): a decode's transfers, bytes and descriptors, and the
+    prefill's proofs; the safety gauges are there and end at 0."""
+    prompts = [pr for pr in h.prompts(vocab, LENGTHS, seed=7) if len(pr) in (33, 97, 150)]
+
+    def scrape():
+        return {"xfers": fleet.d.metric("vllm:kvt_xfer_time_seconds_count"),
+                "bytes": fleet.d.metric("vllm:kvt_bytes_transferred_sum"),
+                "descs": fleet.d.metric("vllm:kvt_num_descriptors_sum"),
+                "proofs": fleet.p.metric("vllm:kvt_num_proofs_completed_total")}
+
+    def scrape_or_zero():
+        try:
+            return scrape()
+        except KeyError:  # a series appears with its first observation
+            return {"xfers": 0.0, "bytes": 0.0, "descs": 0.0, "proofs": 0.0}
+
+    before = scrape_or_zero()
+    for pr in prompts:
+        assert pd(fleet, pr, "mooncake") == fleet.refs[tuple(pr)]
+    # vLLM publishes connector stats with its step outputs: bounded wait.
+    h.wait_until("the transfers on /metrics", lambda: scrape_or_zero()["xfers"] - before["xfers"] >= len(prompts), 30)
+    h.wait_until("the proofs on /metrics", lambda: scrape_or_zero()["proofs"] - before["proofs"] >= len(prompts), 30)
+    after = scrape()
+    assert after["bytes"] > before["bytes"] and after["descs"] > before["descs"], (before, after)
+    pools_whole(fleet)
+    for s in (fleet.p, fleet.d):
+        for name in ("vllm:kvt_num_failed_transfers_total", "vllm:kvt_num_kv_expired_reqs_total"):
+            s.metric(name)  # present (0 or more): a dashboard's series exist
+    print(f"/metrics: {after}")
+
+
+def test_load_failure_fails_the_request_under_fail_and_gives_equal_tokens_under_recompute(fleet: Fleet, vocab: int):
+    """A READ that fails for real (the offer's exposure aborted at the
+    prefill before it): under vLLM's default policy (``fail``) the request
+    ends in an error, under ``recompute`` vLLM recomputes the blocks and the
+    tokens are the single instance's; neither decode ever decodes on
+    unread blocks, and every block comes back by proof on both sides."""
+    prompts = [pr for pr in h.prompts(vocab, LENGTHS, seed=7) if len(pr) in (33, 97)]
+    rd = fleet.recompute_decode()
+    for d, side in ((fleet.d, fleet.d_side), (rd, fleet.rd_side)):
+        failures = h.side_stats(side)["loads_load_failures"]
+        for pr in prompts:
+            params = h.complete(fleet.p.port, pr, 1, {"do_remote_decode": True})["kv_transfer_params"]
+            params.update(kvt_backends=["tcp-sim"], kvt_test_fail_read=True)
+            try:
+                r = h.complete(d.port, pr, NEW, params)
+            except RuntimeError as e:  # vLLM may answer an errored request with an HTTP error
+                r = {"tokens": [], "finish": f"http: {e}"}
+            if d is rd:
+                assert r["tokens"] == fleet.refs[tuple(pr)], (len(pr), r["finish"])
+            else:
+                assert r["finish"] not in ("length", "stop"), f"decoded on unread blocks: {r}"
+        assert h.side_stats(side)["loads_load_failures"] - failures == len(prompts)
+    pools_whole(fleet)
+    st = h.side_stats(fleet.rd_side)
+    assert st["tcp-sim"]["quarantine_stuck"] == 0 and st["tcp-sim"]["free"] == st["tcp-sim"]["capacity"], st
+    h.wait_until("decode-recompute: vllm:kv_cache_usage_perc == 0",
+                 lambda: rd.metric("vllm:kv_cache_usage_perc") == 0.0, 60)
 
 
 # --- 2. abort storm ---------------------------------------------------------------

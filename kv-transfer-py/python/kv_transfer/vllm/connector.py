@@ -25,11 +25,13 @@ every READ is terminal. No timer frees a block.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
 
 import vllm
 
@@ -53,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 
 from ..peers import ControlPlane, PlaneLimits  # noqa: E402
 from . import decode, prefill, wire  # noqa: E402
+from .stats import KvtKVConnectorStats, KvtPromMetrics  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +66,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kv_transfer.vllm")
+
+#: The pools' counters (proofs, refusals, quarantine) are read for the
+#: metrics at most this often.
+POOL_METRICS_EVERY_S = 1.0
 
 #: Environment default of the ``backends`` setting.
 BACKEND_ENV = "KV_TRANSFER_BACKEND"
@@ -121,6 +128,13 @@ class Settings:
             raise kv_transfer.DescriptorError(
                 f"kv_transfer.vllm supports tensor parallelism, not pipeline parallelism yet (PP = {pc.pipeline_parallel_size})")
         tp = int(pc.tensor_parallel_size)
+        if tp != 1 and not extra.get("experimental_tp"):
+            # The per-worker offers, side ports and pulls are built and tested
+            # without vLLM; in a real vLLM at TP 2 the decode's first fetch
+            # does not reach the prefill's worker in time yet (issue 47).
+            raise kv_transfer.DescriptorError(
+                f"kv_transfer.vllm at TP {tp} is not proven in a real vLLM yet: set "
+                "kv_connector_extra_config.experimental_tp to try it")
         prefills = frozenset(_host_port(p) for p in (extra.get("prefills") or ()))
         if role in ("kv_consumer", "kv_both") and not prefills:
             raise kv_transfer.DescriptorError(
@@ -149,6 +163,47 @@ def _host_port(p: Any) -> Tuple[str, int]:
         return host, int(port)
     except ValueError:
         raise kv_transfer.DescriptorError(f"kv_transfer.vllm: prefills entry {p!r} is not host:port") from None
+
+
+@contextlib.contextmanager
+def _unpinned() -> Iterator[None]:
+    """Runs the block with this thread's CPU mask widened to every CPU the
+    process may use (threads started in it inherit that), then restores it."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    try:
+        allowed = _allowed_cpus()
+        if allowed and allowed != mine:
+            os.sched_setaffinity(0, allowed)
+    except OSError as e:
+        logger.debug("kv_transfer.vllm: CPU mask left as it was: %s", e)
+    try:
+        yield
+    finally:
+        try:
+            os.sched_setaffinity(0, mine)
+        except OSError:
+            pass
+
+
+def _allowed_cpus() -> Set[int]:
+    """The CPUs this process may run on: its cgroup's (v2
+    ``cpuset.cpus.effective``), else every online CPU. (The process's own
+    ``Cpus_allowed_list`` is its main thread's, which vLLM pinned.)"""
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective") as f:
+            out: Set[int] = set()
+            for part in f.read().strip().split(","):
+                if part:
+                    lo, _, hi = part.partition("-")
+                    out.update(range(int(lo), int(hi or lo) + 1))
+            if out:
+                return out
+    except (OSError, ValueError):
+        pass
+    return set(range(os.cpu_count() or 1))
 
 
 def tp_rank(tp: int) -> int:
@@ -216,6 +271,12 @@ class KvTransferConnector(KVConnectorBase_V1):
         self.plane: Optional[ControlPlane] = None
         self._failed_blocks: Set[int] = set()
         self._failed_reqs: Set[str] = set()
+        # metrics (worker side): this interval's, and the totals at the last report
+        self._stats = KvtKVConnectorStats()
+        self._reported: Dict[str, int] = {}
+        self._gauged: Dict[str, int] = {}
+        self._pools: List[Dict[str, Any]] = []
+        self._pools_read_at = float("-inf")
         logger.info("kv_transfer.vllm: %s connector, role %s, backends %s", role.name.lower(),
                     self.settings.role, ",".join(self.settings.backends))
 
@@ -277,20 +338,28 @@ class KvTransferConnector(KVConnectorBase_V1):
         owners = list(kv_caches.values())
         self.kv_caches = kv_caches
         self.rank = tp_rank(self.settings.tp)
-        me = f"vllm-{self.settings.engine_id[:12]}-tp{self.rank}-{os.getpid()}"
-        self.plane = ControlPlane(me, limits=PlaneLimits(max_frame=wire.MAX_SIDE_FRAME))
-        for b in self.settings.backends:
-            ep = kv_transfer.Endpoint(b, f"{me}-{b}", host=self.settings.host)
-            self.sides[b] = (ep, ep.register(buffers, owner=owners, device=kv_device(kv_caches)))
-        if self.settings.producer:
-            self.offers = prefill.PrefillOffers(self.sides, self.settings.limits)
-        if self.settings.consumer:
-            self.loads = decode.DecodeLoads(self.sides, self.plane, set(self.settings.prefills),
-                                            rank=self.rank, tp=self.settings.tp,
-                                            before_post=self._before_post, after_load=self._after_load)
-        if self.settings.side_port is not None:
-            # Worker r of the engine: side port + r (the offer names the first).
-            self.port = self.plane.serve(self.settings.host, self.settings.side_port + self.rank, self._serve_bytes)
+        # The threads made here (the backends' I/O, the control plane's loop,
+        # the puller) inherit this thread's CPU mask, which vLLM's CPU worker
+        # pins to its compute cores, where its OMP threads and its busy
+        # wait for the next step leave them little time: at TP 2 on two
+        # cores a peer's handshake then missed its deadline. They are made
+        # with the process's whole mask instead.
+        with _unpinned():
+            me = f"vllm-{self.settings.engine_id[:12]}-tp{self.rank}-{os.getpid()}"
+            self.plane = ControlPlane(me, limits=PlaneLimits(max_frame=wire.MAX_SIDE_FRAME))
+            for b in self.settings.backends:
+                ep = kv_transfer.Endpoint(b, f"{me}-{b}", host=self.settings.host)
+                self.sides[b] = (ep, ep.register(buffers, owner=owners, device=kv_device(kv_caches)))
+            if self.settings.producer:
+                self.offers = prefill.PrefillOffers(self.sides, self.settings.limits)
+            if self.settings.consumer:
+                self.loads = decode.DecodeLoads(self.sides, self.plane, set(self.settings.prefills),
+                                                rank=self.rank, tp=self.settings.tp,
+                                                before_post=self._before_post, after_load=self._after_load,
+                                                on_loaded=self._stats.record_transfer)
+            if self.settings.side_port is not None:
+                # Worker r of the engine: side port + r (the offer names the first).
+                self.port = self.plane.serve(self.settings.host, self.settings.side_port + self.rank, self._serve_bytes)
         logger.info("kv_transfer.vllm: worker %d of %d: %d KV buffers of %d blocks (%d B each) on %s; side port %s",
                     self.rank, self.settings.tp, len(buffers), num_blocks, buffers[0][2] if buffers else 0,
                     ",".join(self.sides), self.port)
@@ -342,6 +411,10 @@ class KvTransferConnector(KVConnectorBase_V1):
             recving, bad = self.loads.poll()
             if bad:
                 self._failed_blocks |= bad
+        if sending or recving:
+            # Blocks just came back (proofs): this step's metrics read the pools
+            # afresh (the engine may not step again once the request is done).
+            self._pools_read_at = float("-inf")
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
@@ -351,6 +424,57 @@ class KvTransferConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> Set[int]:
         out, self._failed_blocks = self._failed_blocks, set()
         return out
+
+    # --- metrics (vLLM's logger and /metrics) --------------------------------
+    def _totals(self) -> Dict[str, int]:
+        """The worker's running totals behind the counted series."""
+        p = self.offers.counters if self.offers is not None else {}
+        d = self.loads.counters if self.loads is not None else {}
+        now = time.monotonic()
+        if now - self._pools_read_at >= POOL_METRICS_EVERY_S:
+            # The pools' own counters cost a call into each pool: read at most
+            # this often (vLLM asks every engine step).
+            self._pools = [kv_transfer.metrics(pool) for _, pool in self.sides.values()]
+            self._pools_read_at = now
+        pools = self._pools
+        total = lambda key: sum(int(m.get(key, 0)) for m in pools)  # noqa: E731
+        return {
+            "num_failed_transfers": d.get("load_failures", 0),
+            "num_failed_notifications": d.get("release_failures", 0),
+            "num_kv_expired_reqs": p.get("expired", 0),
+            "num_proofs_completed": total("settled_completed"),
+            "num_proofs_revoked": total("settled_revoked"),
+            "num_proofs_fenced": total("settled_fenced"),
+            "num_refused": p.get("refused_fetches", 0) + p.get("refused_releases", 0)
+            + d.get("refused_unnamed_prefill", 0) + d.get("refused_tp_mismatch", 0)
+            + total("admission_rejected") + total("forged_rejected") + total("stale_rejected"),
+            "slots_quarantined": total("quarantined"),
+            "slots_stuck": total("quarantine_stuck"),
+        }
+
+    def get_kv_connector_stats(self) -> Optional[KvtKVConnectorStats]:
+        """What this worker saw since its last report (None: nothing)."""
+        if not self.sides:
+            return None
+        now = self._totals()
+        gauges = {key: now.pop(key) for key in ("slots_quarantined", "slots_stuck")}
+        for key, v in gauges.items():
+            if v != self._gauged.get(key):  # a gauge is reported when it moves
+                self._stats.gauge(key, self.rank, v)
+                self._gauged[key] = v
+        for key, v in now.items():  # running totals: their increments since the last report
+            self._stats.count(key, max(0, v - self._reported.get(key, 0)))
+        self._reported = now
+        return None if self._stats.is_empty() else self._stats.clone_and_reset()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KvtKVConnectorStats:
+        return KvtKVConnectorStats(data=data) if data is not None else KvtKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Any, labelnames: List[str],
+                           per_engine_labelvalues: Dict[int, List[object]]) -> KvtPromMetrics:
+        return KvtPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def stats(self) -> Dict[str, Any]:
         """The worker's counters and, per backend, its pool's gauges

@@ -59,6 +59,11 @@ class Queued:
 class Posted:
     backend: str
     transfer: Any  # kv_transfer.Transfer (a READ)
+    #: When the post returned, how long it took, its bytes and descriptors (for the metrics).
+    posted_at: float = 0.0
+    post_s: float = 0.0
+    nbytes: int = 0
+    descriptors: int = 0
 
 
 @dataclass
@@ -94,7 +99,8 @@ class DecodeLoads:
     def __init__(self, sides: Dict[str, Any], plane: ControlPlane, prefills: Optional[Set[Tuple[str, int]]], *,
                  rank: int = 0, tp: int = 1,
                  before_post: Optional[Callable[[str, Dict[str, Any]], None]] = None,
-                 after_load: Optional[Callable[[str, Sequence[int], Dict[str, Any]], None]] = None):
+                 after_load: Optional[Callable[[str, Sequence[int], Dict[str, Any]], None]] = None,
+                 on_loaded: Optional[Callable[[float, float, int, int], None]] = None):
         self.sides = sides
         self.plane = plane
         self.prefills = prefills
@@ -102,6 +108,8 @@ class DecodeLoads:
         self.tp = tp
         self._before_post = before_post
         self._after_load = after_load
+        #: Told of each load's transfer time, post time, bytes and descriptors.
+        self._on_loaded = on_loaded
         self._lock = threading.Lock()
         self._loads: Dict[str, _Load] = {}
         self._peers: Dict[Tuple[str, bytes], int] = {}
@@ -195,6 +203,8 @@ class DecodeLoads:
                 self._after_load(ld.req_id, ld.blocks, ld.params)
             ld.state = Done(True, "loaded")
             self.counters["loaded"] += 1
+            if self._on_loaded is not None:
+                self._on_loaded(time.perf_counter() - s.posted_at, s.post_s, s.nbytes, s.descriptors)
         else:
             why = s.transfer.error or status
             s.transfer.release()
@@ -289,20 +299,27 @@ class DecodeLoads:
             return
         q = ld.state
         if self._before_post is not None:
-            self._before_post(req_id, ld.params)
+            try:
+                self._before_post(req_id, ld.params)
+            except Exception as e:  # noqa: BLE001 (a hook's failure fails this load, never the puller)
+                self._send_release(offer)
+                return self._fail(req_id, f"before the READ: {type(e).__name__}: {e}")
         try:
             lease = pool.reserve(list(q.blocks))
         except kv_transfer.KvTransferError as e:
             self._send_release(offer)
             return self._fail(req_id, f"cannot reserve vLLM's blocks {list(q.blocks)[:8]}: {e}")
+        t0 = time.perf_counter()
         try:
             t = endpoint.read(lease, remote)
         except kv_transfer.KvTransferError as e:
             lease.release()
             self._send_release(offer)
             return self._fail(req_id, f"READ refused: {e}")
+        t1 = time.perf_counter()
+        n = len(q.blocks)
         with self._lock:
-            ld.state = Posted(backend, t)
+            ld.state = Posted(backend, t, t1, t1 - t0, n * sum(pool.page_bytes), n * pool.buffers)
 
     def _check_exposure(self, offer: wire.Offer, backend: str, endpoint: Any, remote_b: bytes,
                         descriptor: bytes) -> Union[str, Tuple[Any, int]]:

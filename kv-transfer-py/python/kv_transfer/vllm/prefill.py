@@ -126,6 +126,8 @@ class PrefillOffers:
             "offered": 0, "claimed": 0, "settled_by_done": 0, "withdrawn": 0, "aborted": 0,
             "drained": 0, "refused_fetches": 0, "released_by_decode": 0, "reported": 0,
             "refused_releases": 0,
+            # Deadlines reached: an offer withdrawn unclaimed, an exposure aborted.
+            "expired": 0,
         }
 
     # --- vLLM's side -------------------------------------------------------
@@ -170,11 +172,13 @@ class PrefillOffers:
                                o.req_id, now - s.since)
                 o.state = Free("withdrawn")
                 self.counters["withdrawn"] += 1
+                self.counters["expired"] += 1
         elif isinstance(s, Exposed):
             if not self._settled(o, s) and now - s.since >= self.limits.exposed_s:
                 logger.warning("kv_transfer.vllm: exposure for %s without its DONE after %.0f s: aborted "
                                "(its blocks come back only when proven)", o.req_id, now - s.since)
                 self._abort(o, s, now)
+                self.counters["expired"] += 1
         elif isinstance(s, Draining):
             if s.lease.drained:
                 o.state = Free("drained")
