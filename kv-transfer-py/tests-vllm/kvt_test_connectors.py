@@ -7,14 +7,17 @@ tests send them): ``kvt_test_hold_s`` holds the READ after the offer is
 claimed (a pull in flight, for the abort storm and the hazard), and
 ``kvt_test_corrupt`` overwrites the loaded blocks before vLLM uses them
 (the negative control: corrupted KV must change the tokens), and
-``kvt_test_fail_read`` makes the READ fail for real: the claimed offer is
-released at the prefill first (its exposure aborted), so the READ that
-follows is refused by the prefill's side (a load failure, reported through
-``get_block_ids_with_load_errors``)."""
+``kvt_test_fail_read`` fails the load after the offer was claimed (exposed
+at the prefill) and before its READ: the decode hands the offer back (the
+prefill aborts the exposure; its blocks return by proof) and reports the
+load's blocks through ``get_block_ids_with_load_errors``, as for a READ
+that failed. (Releasing the offer first and letting the READ meet the
+aborted exposure is not deterministic: the exposure stays readable until
+the prefill's ladder revokes it.)"""
 
 import time
 
-from kv_transfer.vllm import KvTransferConnector, wire
+from kv_transfer.vllm import KvTransferConnector
 
 
 class ControlledConnector(KvTransferConnector):
@@ -23,9 +26,7 @@ class ControlledConnector(KvTransferConnector):
         if 0 < hold <= 60:
             time.sleep(hold)
         if params.get("kvt_test_fail_read"):
-            offer = wire.parse_offer(params)
-            wire.parse_ok(self.plane.call(offer.host, offer.port + self.rank, wire.release_request(offer.offer),
-                                          timeout=10))
+            raise RuntimeError("kvt_test_fail_read: an injected load failure")
 
     def _after_load(self, req_id, blocks, params):
         if params.get("kvt_test_corrupt"):

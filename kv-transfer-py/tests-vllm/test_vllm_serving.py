@@ -182,11 +182,12 @@ def test_metrics_operators_scrape_move_with_the_transfers(fleet: Fleet, vocab: i
 
 
 def test_load_failure_fails_the_request_under_fail_and_gives_equal_tokens_under_recompute(fleet: Fleet, vocab: int):
-    """A READ that fails for real (the offer's exposure aborted at the
-    prefill before it): under vLLM's default policy (``fail``) the request
-    ends in an error, under ``recompute`` vLLM recomputes the blocks and the
-    tokens are the single instance's; neither decode ever decodes on
-    unread blocks, and every block comes back by proof on both sides."""
+    """A load that fails after its offer was claimed (exposed at the
+    prefill), before its READ (``kvt_test_fail_read``): under vLLM's
+    default policy (``fail``) the request ends in an error, under
+    ``recompute`` vLLM recomputes the blocks and the tokens are the single
+    instance's; neither decode ever decodes on unread blocks, and every
+    block comes back by proof on both sides."""
     prompts = [pr for pr in h.prompts(vocab, LENGTHS, seed=7) if len(pr) in (33, 97)]
     rd = fleet.recompute_decode()
     for d, side in ((fleet.d, fleet.d_side), (rd, fleet.rd_side)):
