@@ -130,8 +130,9 @@ class Settings:
         tp = int(pc.tensor_parallel_size)
         if tp != 1 and not extra.get("experimental_tp"):
             # The per-worker offers, side ports and pulls are built and tested
-            # without vLLM; in a real vLLM at TP 2 the decode's first fetch
-            # does not reach the prefill's worker in time yet (issue 47).
+            # without vLLM; in a real vLLM at TP 2 a decode request does not
+            # complete yet (a decode worker dies after its claim is answered;
+            # issue 47).
             raise kv_transfer.DescriptorError(
                 f"kv_transfer.vllm at TP {tp} is not proven in a real vLLM yet: set "
                 "kv_connector_extra_config.experimental_tp to try it")
