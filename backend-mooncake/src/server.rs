@@ -275,13 +275,18 @@ pub(crate) struct Conn {
     pub(crate) peer: SocketAddr,
     /// The listener's counts, where this connection is marked served.
     counts: Arc<Mutex<AddrCounts>>,
+    /// Marked already: the shared counts' lock is taken once per
+    /// connection, not on every request of the data path.
+    marked: std::sync::atomic::AtomicBool,
 }
 
 impl Conn {
     /// A request was served on this connection: it is no longer one a
     /// newcomer may evict at a full port (`evict_unserved_strangers`).
     pub(crate) fn served(&self) {
-        lock(&self.counts).served(self.id);
+        if !self.marked.swap(true, Ordering::Relaxed) {
+            lock(&self.counts).served(self.id);
+        }
     }
 }
 
@@ -358,7 +363,7 @@ fn spawn_listener(
                 let sh2 = sh.clone();
                 let (live2, conns2, counts2) = (live.clone(), conns_l.clone(), counts.clone());
                 let spawned = std::thread::Builder::new().name("mc-conn".into()).spawn(move || {
-                    handler(stream, &sh2, &Conn { id, peer, counts: counts2.clone() });
+                    handler(stream, &sh2, &Conn { id, peer, counts: counts2.clone(), marked: Default::default() });
                     lock(&conns2).remove(&id);
                     lock(&counts2).release(id);
                     live2.fetch_sub(1, Ordering::AcqRel);

@@ -723,7 +723,7 @@ class ControlPlane:
             out = dict(self.counters)
             out["peers"] = sum(len(s.peers) for s in self._services.values())
             out["handshakes_peak"] = max([s.handshakes_peak for s in self._services.values()] or [0])
-            out["handshakes_in_flight"] = sum(sum(s.handshaking.values()) for s in self._services.values())
+            out["handshakes_in_flight"] = sum(len(s.in_handshake) for s in self._services.values())
             out["links"] = sum(1 for link in self._links.values() if link.sock is not None)
             for s in self._services.values():
                 for k, v in s.listener.stats().items():
