@@ -68,9 +68,12 @@ pub const SEALED_NOTIFY_VERSION: u32 = 1;
 pub struct NotifyAuth {
     acceptor: AcceptorConfig,
     counters: AuthCounters,
-    /// One established connection per target, kept between notifications
-    /// (a notification on it costs one round trip, as a plain one does).
-    idle: Mutex<HashMap<String, Open>>,
+    /// Established connections per target, kept between notifications (a
+    /// notification on one costs one round trip, as a plain one does). More
+    /// than one, because a request's DONEs (its KV pages, its aux row) end
+    /// at once on different threads: with one kept, the second dialed a new
+    /// handshake for every request.
+    idle: Mutex<HashMap<String, Vec<Open>>>,
 }
 
 /// A dialed connection whose handshake is done, and when it was last used.
@@ -86,8 +89,12 @@ struct Open {
 /// 5 s), so a reused connection is rarely one the other end just closed.
 const REUSE_WITHIN: Duration = Duration::from_secs(2);
 
-/// Targets with a kept connection at most (one each).
+/// Targets with kept connections at most.
 const MAX_KEPT: usize = 256;
+
+/// Connections kept per target at most (each holds a thread at the target's
+/// handshake port until its idle deadline).
+const MAX_KEPT_PER_TARGET: usize = 4;
 
 impl NotifyAuth {
     /// `segment` is this engine's segment name (`ip:port` of its handshake
@@ -111,8 +118,7 @@ impl NotifyAuth {
     pub fn send(&self, addr: SocketAddr, target: &str, msg: &str, timeout: Duration) -> Result<(), EngineError> {
         let frame = HandshakeFrame::new(HandshakeType::Notify, NotifyDesc::new(&self.acceptor.me.name, msg).to_json());
         let frame = frame.encode();
-        let kept = lock(&self.idle).remove(target).filter(|o| o.used.elapsed() < REUSE_WITHIN);
-        if let Some(mut open) = kept {
+        if let Some(mut open) = self.take_kept(target) {
             if let Ok(r) = exchange(&mut open, &frame, target) {
                 self.keep(target, open);
                 return r;
@@ -124,16 +130,35 @@ impl NotifyAuth {
         r
     }
 
+    /// The most recently used kept connection to `target` still within
+    /// [`REUSE_WITHIN`] (older ones are dropped).
+    fn take_kept(&self, target: &str) -> Option<Open> {
+        let mut idle = lock(&self.idle);
+        let kept = idle.get_mut(target)?;
+        kept.retain(|o| o.used.elapsed() < REUSE_WITHIN);
+        let open = kept.pop();
+        if kept.is_empty() {
+            idle.remove(target);
+        }
+        open
+    }
+
     fn keep(&self, target: &str, mut open: Open) {
         open.used = Instant::now();
         let mut idle = lock(&self.idle);
         if idle.len() >= MAX_KEPT && !idle.contains_key(target) {
-            idle.retain(|_, o| o.used.elapsed() < REUSE_WITHIN);
+            idle.retain(|_, kept| {
+                kept.retain(|o| o.used.elapsed() < REUSE_WITHIN);
+                !kept.is_empty()
+            });
             if idle.len() >= MAX_KEPT {
                 return;
             }
         }
-        idle.insert(target.to_string(), open);
+        let kept = idle.entry(target.to_string()).or_default();
+        if kept.len() < MAX_KEPT_PER_TARGET {
+            kept.push(open);
+        }
     }
 
     /// A new connection to `target` at `addr`, its handshake done.

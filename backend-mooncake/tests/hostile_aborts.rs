@@ -297,3 +297,34 @@ fn hostile_sealed_aborts_with_another_key_relayed_or_replayed_are_refused_typed_
     let m = prefill.a.metrics();
     assert_eq!(m.aborts_unproven, 0, "{m:?}");
 }
+
+/// A request's DONEs (its KV pages', its aux row's) end at once on two
+/// threads. Each sealed notification must find a kept connection rather
+/// than dial a new handshake (three round trips and a thread at the
+/// target): with one connection kept per target, every request paid one
+/// handshake (SGLang's time to first token, issue 46).
+#[test]
+fn sealed_notifications_sent_at_once_to_one_target_reuse_kept_connections() {
+    let prefill = side(AdapterConfig::default());
+    let to: SocketAddr = prefill.a.segment_name().parse().unwrap();
+    let name = prefill.a.segment_name().to_string();
+    let sender = NotifyAuth::new(cluster_key(), "127.0.0.1:9");
+    let t = Duration::from_secs(5);
+    const ROUNDS: usize = 20;
+    for _ in 0..ROUNDS {
+        let gate = std::sync::Barrier::new(2);
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    gate.wait();
+                    sender.send(to, &name, "not for the adapter", t).unwrap();
+                });
+            }
+        });
+    }
+    let dialed = sender.stats().established;
+    // Two at once need two connections; every later round reuses them (a
+    // third only if a round's two overlap with neither kept yet).
+    assert!(dialed <= 3, "{dialed} handshakes for {ROUNDS} rounds of two notifications at once");
+    wait_until("every notification delivered", t, || prefill.a.metrics().notifies_foreign == 2 * ROUNDS as u64);
+}
