@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,23 +46,32 @@ def percentile(xs: List[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+#: Where the servers' fixed ports are drawn from: below Linux's ephemeral
+#: range (32768-60999), which every server's own bind(0) sockets (control
+#: planes, Mooncake handshake and RPC ports, ZMQ) draw from while the test's
+#: servers start. A port taken from the ephemeral range was free when
+#: checked and could be an engine's socket by the time its server bound it
+#: (seen: "address already in use" on a decode's HTTP port).
+PORT_RANGE = (20000, 32000)
+_ports = random.Random(os.getpid() ^ time.time_ns())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
-def free_ports(n: int, tries: int = 50) -> int:
+def free_ports(n: int, tries: int = 200) -> int:
     """A port ``p`` with ``p .. p + n - 1`` all free on loopback (a TP
-    engine's workers listen on consecutive side ports); bounded tries."""
+    engine's workers listen on consecutive side ports), drawn from
+    :data:`PORT_RANGE`; bounded tries."""
     for _ in range(tries):
-        base = free_port()
+        base = _ports.randrange(PORT_RANGE[0], PORT_RANGE[1] - n)
         held = []
         try:
             for i in range(n):
                 s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
                 held.append(s)
+                s.bind(("127.0.0.1", base + i))
             return base
         except OSError:
             continue
