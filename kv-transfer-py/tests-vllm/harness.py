@@ -19,7 +19,7 @@ LOG_DIR = os.environ.get("KVT_VLLM_LOGS", "/tmp/kvt-vllm-logs")
 BLOCK = 32
 #: Engine flags every server of the tests shares (see VLLM facts: the CPU
 #: attention wants blocks of 32; fp32 and eager keep greedy decoding exact).
-COMMON = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--no-enable-prefix-caching",
+COMMON = ["--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
           "--max-model-len", "512", "--max-num-seqs", "16"]
 
 
@@ -40,7 +40,7 @@ class Server(EngineServer):
     """One ``vllm.entrypoints.openai.api_server`` process tree."""
 
     def __init__(self, name: str, model: str, kv: Optional[Dict[str, Any]], core: int, blocks: int,
-                 env: Optional[Dict[str, str]] = None, tp: int = 1):
+                 env: Optional[Dict[str, str]] = None, tp: int = 1, prefix_caching: bool = False):
         port = free_port()
         e = dict(os.environ)
         # TP > 1: one worker per core (gloo, MultiprocExecutor; SERVING-SHAPES.md).
@@ -52,7 +52,8 @@ class Server(EngineServer):
         })
         e.update(env or {})
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-               "--host", "127.0.0.1", "--num-gpu-blocks-override", str(blocks), *COMMON]
+               "--host", "127.0.0.1", "--num-gpu-blocks-override", str(blocks), *COMMON,
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
         if tp > 1:
             cmd += ["--tensor-parallel-size", str(tp)]
         if kv is not None:

@@ -43,12 +43,12 @@ def rig(**limits):
     return offers, clock, (pep, ppool), (dep, dpool, dbuf)
 
 
-def fetch(offer: str, dep, pages: int) -> wire.Fetch:
-    return wire.parse_request(wire.fetch_request(offer, "tcp-sim", dep.descriptor(), pages))
+def fetch(offer: str, dep, pages: int, skip: int = 0) -> wire.Fetch:
+    return wire.parse_request(wire.fetch_request(offer, "tcp-sim", dep.descriptor(), pages, skip))
 
 
-def claimed(offers, offer_id: str, dep, pages: int):
-    reply = offers.claim(fetch(offer_id, dep, pages), "decode")
+def claimed(offers, offer_id: str, dep, pages: int, skip: int = 0):
+    reply = offers.claim(fetch(offer_id, dep, pages, skip), "decode")
     assert reply["ok"], reply
     import base64
 
@@ -123,7 +123,7 @@ def test_an_offer_is_exposed_once_to_the_claimant_and_freed_only_by_its_done():
     offers.offer("req-1", oid, [2, 5])
     offers.finished(["req-1"])
     assert offers.claim(fetch(oid, dep, 3), "decode") == wire.refused(
-        "pages", "the decode asks for 3 blocks, the offer has 2")
+        "pages", "the decode asks for 3 blocks after 0, the offer has 2")
     assert offers.claim(fetch("cd" * 16, dep, 2), "decode")["error"] == "unknown_offer"
     remote = claimed(offers, oid, dep, 2)
     assert offers.claim(fetch(oid, dep, 2), "decode")["error"] == "claimed"
@@ -195,7 +195,7 @@ def test_hostile_claims_that_cannot_be_served_buy_no_peer_entry_and_entries_go_w
     for i, ep in enumerate(spellings):
         oid = prefill.new_offer_id()
         offers.offer(f"busy{i}", oid, [7])
-        assert offers.claim(fetch(oid, ep, 1), "attacker")["error"] == "expose"
+        assert offers.claim(fetch(oid, ep, 1), "attacker")["error"] == "busy"
     assert offers.peers() == 0, "a claim that reserved nothing bought an entry"
     busy.release()
     # Served claims: each entry lives while its offer does.
@@ -222,3 +222,42 @@ def test_hostile_only_the_claimant_releases_an_exposed_offer():
     assert offers.held()["exposed"] == 1 and offers.counters["refused_releases"] == 1
     assert offers.release(wire.Release(oid), "decode") == wire.ok()
     assert offers.held()["draining"] == 1
+
+
+def test_a_decode_with_a_prefix_hit_is_exposed_only_the_blocks_it_lacks():
+    """The decode's prefix cache holds the prompt's first blocks: it asks
+    for the offer's tail only; the blocks it skips are never exposed and go
+    back to vLLM with the offer, on the DONE of the tail."""
+    offers, _, (_, ppool), (dep, dpool, dbuf) = rig(unclaimed_s=5, exposed_s=5)
+    oid = prefill.new_offer_id()
+    offers.offer("req-1", oid, [2, 5, 6])
+    offers.finished(["req-1"])
+    for pages, skip in ((0, 3), (2, 2), (3, 1)):
+        assert offers.claim(fetch(oid, dep, pages, skip), "decode")["error"] == "pages", (pages, skip)
+    remote = claimed(offers, oid, dep, 1, skip=2)
+    assert remote.pages == 1
+    # The skipped blocks were never exposed: they are free in the pool.
+    ppool.reserve([2, 5]).release()
+    t = dep.read(dpool.reserve([0]), remote)
+    assert t.wait(10.0) == "success", t.error
+    t.take_lease().release()
+    assert poll_until(offers, "req-1") == {"req-1"}
+    assert offers.counters["settled_by_done"] == 1
+
+
+def test_a_claim_on_a_block_another_offer_has_exposed_is_refused_busy_until_that_one_is_proven():
+    """Two requests sharing a cached prefix share its blocks in the
+    prefill: one exposure per block at a time, the other claim is refused
+    ``busy`` (the decode asks again) until the first one's DONE."""
+    offers, _, _, (dep, dpool, _) = rig(unclaimed_s=5, exposed_s=5)
+    a, b = prefill.new_offer_id(), prefill.new_offer_id()
+    offers.offer("req-a", a, [2, 3])
+    offers.offer("req-b", b, [2, 4])
+    offers.finished(["req-a", "req-b"])
+    remote = claimed(offers, a, dep, 2)
+    assert offers.claim(fetch(b, dep, 2), "decode")["error"] == "busy"
+    t = dep.read(dpool.reserve([0, 1]), remote)
+    assert t.wait(10.0) == "success", t.error
+    t.take_lease().release()
+    assert poll_until(offers, "req-a") == {"req-a"}
+    assert claimed(offers, b, dep, 2).pages == 2

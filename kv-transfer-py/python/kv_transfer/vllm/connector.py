@@ -131,8 +131,8 @@ class Settings:
         if tp != 1 and not extra.get("experimental_tp"):
             # The per-worker offers, side ports and pulls are built and tested
             # without vLLM; in a real vLLM at TP 2 a decode request does not
-            # complete yet (a decode worker dies after its claim is answered;
-            # issue 47).
+            # complete reliably yet (a prefill worker stops answering its
+            # side port; issue 47).
             raise kv_transfer.DescriptorError(
                 f"kv_transfer.vllm at TP {tp} is not proven in a real vLLM yet: set "
                 "kv_connector_extra_config.experimental_tp to try it")
@@ -302,8 +302,12 @@ class KvTransferConnector(KVConnectorBase_V1):
         if not (self.settings.consumer and wire.is_offer(params) and params.get("do_remote_prefill")):
             return
         params["do_remote_prefill"] = False  # handled: request_finished must not release it again
-        if num_external_tokens > 0:
-            self._next.loads.append((request.request_id, list(blocks.get_block_ids()[0]), dict(params)))
+        # Only blocks this decode's prefix cache does not hold (unhashed):
+        # a cached block may be shared with running requests, and is never
+        # written. They are the tail of the prompt, so of the offer.
+        lacking = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        if lacking:
+            self._next.loads.append((request.request_id, lacking, dict(params)))
         else:
             self._next.releases.append(dict(params))
 

@@ -117,6 +117,8 @@ class DecodeLoads:
         self.counters: Dict[str, int] = {
             "loads": 0, "loaded": 0, "load_failures": 0, "cancelled": 0, "releases_sent": 0, "release_failures": 0,
             "refused_unnamed_prefill": 0, "refused_tp_mismatch": 0,
+            # Blocks READ from prefills (with a prefix cache hit here, fewer than offered).
+            "blocks_pulled": 0,
         }
         self._thread = threading.Thread(target=self._run, name="kvt-vllm-puller", daemon=True)
         self._thread.start()
@@ -131,7 +133,9 @@ class DecodeLoads:
         (its blocks reported as load errors); nothing else."""
         try:
             offer = wire.parse_offer(params)
-            if len(offer.blocks) != len(blocks):
+            # With a prefix cache hit here, vLLM allocated blocks only for
+            # the tail of the prompt: the offer's last ``len(blocks)``.
+            if not 0 < len(blocks) <= len(offer.blocks):
                 raise wire.ParamsError(f"the prefill offers {len(offer.blocks)} blocks, vLLM allocated {len(blocks)}")
             if not self._named(offer):
                 self.counters["refused_unnamed_prefill"] += 1
@@ -229,6 +233,8 @@ class DecodeLoads:
             try:
                 if kind == "load":
                     self._pull(arg)
+                elif kind == "retry":
+                    self._ask_fetch(*arg)
                 else:
                     self._fetched(*arg)
             except Exception:  # the puller must outlive any one request
@@ -259,31 +265,34 @@ class DecodeLoads:
             return self._fail(req_id, f"no common backend: the prefill serves {list(q.offer.backends)}, "
                                       f"this decode {list(self.sides)}")
         endpoint, _ = self.sides[backend]
-        self._ask_fetch(req_id, q.offer, backend, endpoint, time.monotonic() + EARLY_FOR_S)
+        self._ask_fetch(req_id, q.offer, backend, endpoint, time.monotonic() + EARLY_FOR_S, len(q.blocks))
 
-    def _ask_fetch(self, req_id: str, offer: wire.Offer, backend: str, endpoint: Any, early_until: float) -> None:
-        """Sends the fetch; its answer comes back to the puller (never waited for)."""
-        req = wire.fetch_request(offer.offer, backend, endpoint.descriptor(), len(offer.blocks))
+    def _ask_fetch(self, req_id: str, offer: wire.Offer, backend: str, endpoint: Any, early_until: float,
+                   pages: int) -> None:
+        """Sends the fetch for the offer's last ``pages`` blocks; its answer
+        comes back to the puller (never waited for)."""
+        req = wire.fetch_request(offer.offer, backend, endpoint.descriptor(), pages, len(offer.blocks) - pages)
         f = self.plane.request(offer.host, self._port(offer), req, SIDE_TIMEOUT_S)
-        f.add_done_callback(lambda f: self._work.put(("fetched", (req_id, offer, backend, early_until, f))))
+        f.add_done_callback(lambda f: self._work.put(("fetched", (req_id, offer, backend, early_until, pages, f))))
 
-    def _fetched(self, req_id: str, offer: wire.Offer, backend: str, early_until: float,
+    def _fetched(self, req_id: str, offer: wire.Offer, backend: str, early_until: float, pages: int,
                  f: "concurrent.futures.Future[bytes]") -> None:
         endpoint, pool = self.sides[backend]
         try:
             remote_b, descriptor = wire.parse_fetch_reply(f.result())
         except wire.Refused as e:
-            if e.kind == "unknown_offer" and time.monotonic() < early_until:
+            if e.kind in ("unknown_offer", "busy") and time.monotonic() < early_until:
                 # The prefill's worker learns of an offer one engine step
-                # after its scheduler published it: ask again shortly.
-                t = threading.Timer(EARLY_RETRY_S, self._ask_fetch, (req_id, offer, backend, endpoint, early_until))
-                t.daemon = True
-                t.start()
+                # after its scheduler published it; or a block this offer
+                # shares with another (a cached prefix) is exposed to that
+                # one's claimant for a moment: ask again shortly.
+                self.plane.call_later(EARLY_RETRY_S, self._work.put,
+                                      ("retry", (req_id, offer, backend, endpoint, early_until, pages)))
                 return
             return self._fail(req_id, f"the prefill refused the fetch: {e}")
         except (kv_transfer.KvTransferError, ProtocolError, OSError, concurrent.futures.TimeoutError) as e:
             return self._fail(req_id, f"fetch from {offer.host}:{self._port(offer)}: {type(e).__name__}: {e}")
-        got = self._check_exposure(offer, backend, endpoint, remote_b, descriptor)
+        got = self._check_exposure(offer, backend, endpoint, remote_b, descriptor, pages)
         if isinstance(got, str):
             return self._fail(req_id, got)
         remote, _ = got
@@ -319,10 +328,11 @@ class DecodeLoads:
         t1 = time.perf_counter()
         n = len(q.blocks)
         with self._lock:
+            self.counters["blocks_pulled"] += n
             ld.state = Posted(backend, t, t1, t1 - t0, n * sum(pool.page_bytes), n * pool.buffers)
 
     def _check_exposure(self, offer: wire.Offer, backend: str, endpoint: Any, remote_b: bytes,
-                        descriptor: bytes) -> Union[str, Tuple[Any, int]]:
+                        descriptor: bytes, pages: int) -> Union[str, Tuple[Any, int]]:
         try:
             key = (backend, bytes(descriptor))
             peer = self._peers.get(key)
@@ -333,9 +343,9 @@ class DecodeLoads:
         except kv_transfer.KvTransferError as e:
             self._send_release(offer)
             return f"the prefill's exposure: {e}"
-        if remote.pages != len(offer.blocks):
+        if remote.pages != pages:
             self._send_release(offer)
-            return f"the prefill exposed {remote.pages} blocks, the offer names {len(offer.blocks)}"
+            return f"the prefill exposed {remote.pages} blocks, this decode asked for {pages}"
         return remote, peer
 
     def _send_release(self, offer: wire.Offer) -> None:

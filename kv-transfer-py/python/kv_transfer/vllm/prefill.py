@@ -249,10 +249,17 @@ class PrefillOffers:
             if not isinstance(s, Waiting):
                 kind = "claimed" if isinstance(s, (Exposed, Draining)) else "released"
                 return self._refuse(kind, f"the offer is {type(s).__name__.lower()}")
-            if req.pages != len(s.blocks):
-                return self._refuse("pages", f"the decode asks for {req.pages} blocks, the offer has {len(s.blocks)}")
+            if req.pages < 1 or req.skip + req.pages != len(s.blocks):
+                return self._refuse("pages", f"the decode asks for {req.pages} blocks after {req.skip}, the offer "
+                                             f"has {len(s.blocks)}")
             try:
-                lease = pool.reserve(list(s.blocks))
+                # Only the blocks the decode lacks (its prefix cache holds
+                # the first ``skip``); the rest go back with the offer.
+                lease = pool.reserve(list(s.blocks[req.skip:]))
+            except kv_transfer.AdmissionRefused as e:
+                # A block another offer shares (a cached prefix) is exposed
+                # to its claimant now: the decode asks again shortly.
+                return self._refuse("busy", f"a block is exposed for another offer: {e}")
             except kv_transfer.KvTransferError as e:
                 # A block of the offer is busy in our pool: vLLM handed it to
                 # this request while we still hold it for another. Nothing is

@@ -7,7 +7,7 @@ block, no peer). Nothing here imports vLLM.
 
 Side-port frames (:mod:`kv_transfer.frames`: 4-byte length, JSON):
 
-* ``{"op": "fetch", "offer": HEX, "backend": NAME, "descriptor": B64, "pages": N}``:
+* ``{"op": "fetch", "offer": HEX, "backend": NAME, "descriptor": B64, "pages": N, "skip": K}``:
   the decode claims an offer. The prefill exposes the offer's blocks to the
   peer that ``descriptor`` names and answers ``{"ok": true, "remote": B64,
   "descriptor": B64}`` (the exposure, and its own descriptor), or
@@ -124,6 +124,9 @@ class Fetch:
     backend: str
     descriptor: bytes
     pages: int
+    #: The offer's first ``skip`` blocks are not wanted (the decode's prefix
+    #: cache holds them): only the ``pages`` after them are exposed.
+    skip: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,14 +159,17 @@ def parse_request(data: bytes) -> Any:
         assert descriptor is not None
         if not descriptor:
             raise ProtocolError("empty descriptor")
-        return Fetch(offer, backend, descriptor, _uint(obj, "pages", MAX_BLOCKS + 1))
+        skip = _uint(obj, "skip", MAX_BLOCKS + 1) if "skip" in obj else 0
+        return Fetch(offer, backend, descriptor, _uint(obj, "pages", MAX_BLOCKS + 1), skip)
     raise ProtocolError(f"unknown op {op[:32]!r}")
 
 
-def fetch_request(offer: str, backend: str, descriptor: bytes, pages: int) -> bytes:
-    return json.dumps(
-        {"op": "fetch", "offer": offer, "backend": backend, "descriptor": base64.b64encode(descriptor).decode(), "pages": pages}
-    ).encode()
+def fetch_request(offer: str, backend: str, descriptor: bytes, pages: int, skip: int = 0) -> bytes:
+    req = {"op": "fetch", "offer": offer, "backend": backend, "descriptor": base64.b64encode(descriptor).decode(),
+           "pages": pages}
+    if skip:
+        req["skip"] = skip
+    return json.dumps(req).encode()
 
 
 def release_request(offer: str) -> bytes:
