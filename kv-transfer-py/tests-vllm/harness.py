@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from engine_servers import EngineServer, free_port, http_get, sse_events, start_all  # noqa: F401  (start_all: the tests')
+from engine_servers import EngineServer, free_port, http_get, http_post, sse_events, start_all  # noqa: F401  (start_all: the tests')
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Where the servers' logs go (kept after the run for a failure's post-mortem).
@@ -82,15 +82,9 @@ def complete(port: int, prompt: List[int], max_tokens: int, params: Optional[Dic
                             "return_token_ids": True, "ignore_eos": True}
     if params is not None:
         body["kv_transfer_params"] = params
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        r = c.getresponse()
-        data = r.read()
-    finally:
-        c.close()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {data[:500]!r}")
+    status, data = http_post(port, "/v1/completions", body, timeout)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {data[:500]!r}")
     out = json.loads(data)
     ch = out["choices"][0]
     return {"tokens": list(ch.get("token_ids") or []), "kv_transfer_params": out.get("kv_transfer_params"),

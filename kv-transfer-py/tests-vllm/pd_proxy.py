@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import product
 from typing import Any, List, Tuple
 
-from engine_servers import free_port
+from engine_servers import free_port, http_post
 
 TIMEOUT_S = 300.0
 
@@ -74,15 +74,9 @@ class PdProxy:
     def _prefill(port: int, body: dict) -> dict:
         pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         pre.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)
-        try:
-            c.request("POST", "/v1/completions", json.dumps(pre), {"Content-Type": "application/json"})
-            r = c.getresponse()
-            data = r.read()
-        finally:
-            c.close()
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {data[:200]!r}")
+        status, data = http_post(port, "/v1/completions", pre, TIMEOUT_S)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
         params = json.loads(data).get("kv_transfer_params")
         if not params:
             raise RuntimeError("no kv_transfer_params in the prefill's answer")
