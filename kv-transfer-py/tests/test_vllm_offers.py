@@ -148,7 +148,9 @@ def test_an_exposed_offer_past_its_deadline_is_aborted_and_held_until_drained_ne
     clock.now += 6
     assert offers.poll() == set()
     assert offers.held()["draining"] == 1 and offers.counters["aborted"] == 1
-    assert not ppool.is_free(1)
+    # Not given back to vLLM by the deadline. (The pool's slot itself may
+    # already be free here: the decode's endpoint can answer the ABORT within
+    # microseconds, and that answer is the proof, not the timer.)
     # The decode's endpoint answers the ABORT (nothing in flight): the drain is the proof.
     assert poll_until(offers, "req-2") == {"req-2"}
     assert offers.counters["drained"] == 1 and ppool.is_free(1)

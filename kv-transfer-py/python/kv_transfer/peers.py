@@ -48,13 +48,13 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import queue
 import select
 import socket
 import struct
 import threading
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -116,51 +116,6 @@ class PlaneLimits:
     #: (``refused_handshakes_busy``), the old behaviour, for positive
     #: controls only.
     evict_oldest_handshake: bool = True
-
-
-class _HandlerPool:
-    """A fixed set of handler threads, all started by the constructor.
-
-    Not a ``ThreadPoolExecutor``: that starts its threads lazily, from the
-    thread that submits, and ``Thread.start`` waits until the new thread
-    runs. Submitting from the event loop then stalls every connection for as
-    long as a new thread waits for a CPU: seen for seconds in a vLLM worker
-    at TP 2 on two cores, where the busy workers pin and spin on them. Here
-    threads start where the plane is made (a caller that pins threads makes
-    it with a wide CPU mask) and the loop only queues."""
-
-    def __init__(self, threads: int, name: str):
-        self._q: "queue.SimpleQueue[Optional[Tuple[concurrent.futures.Future, Callable[..., Any], tuple]]]" = (
-            queue.SimpleQueue())
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
-        self._closed = False
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
-        if self._closed:
-            raise RuntimeError("the handler pool is shut down")
-        fut: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
-        self._q.put((fut, fn, args))
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 (handed to the future's owner)
-                fut.set_exception(e)
-
-    def shutdown(self) -> None:
-        self._closed = True
-        for _ in self._threads:
-            self._q.put(None)
 
 
 class _PeerState:
@@ -496,7 +451,7 @@ class ControlPlane:
         self.counters: Counter = Counter()
         self._services: Dict[Tuple[str, int], _Service] = {}
         self._links: Dict[Tuple[str, int], _Link] = {}
-        self._pool = _HandlerPool(max(1, limits.handler_threads), "kvt-plane")
+        self._pool = ThreadPoolExecutor(max_workers=max(1, limits.handler_threads), thread_name_prefix="kvt-plane")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"kvt-plane-{name}", daemon=True)
         self._thread.start()
@@ -812,7 +767,7 @@ class ControlPlane:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
-        self._pool.shutdown()
+        self._pool.shutdown(wait=False)
 
 
 async def _read_handshake(reader: asyncio.StreamReader) -> bytes:
