@@ -233,6 +233,8 @@ class DecodeLoads:
             try:
                 if kind == "load":
                     self._pull(arg)
+                elif kind == "retry":
+                    self._ask_fetch(*arg)
                 else:
                     self._fetched(*arg)
             except Exception:  # the puller must outlive any one request
@@ -284,11 +286,11 @@ class DecodeLoads:
                 # after its scheduler published it; or a block this offer
                 # shares with another (a cached prefix) is exposed to that
                 # one's claimant for a moment: ask again shortly.
-                # Sent from the loop's timer itself (the fetch only queues a
-                # frame): a hop through the puller would wait for the GIL
-                # once more, a whole switch interval under a busy engine.
-                self.plane.call_later(EARLY_RETRY_S, self._ask_fetch, req_id, offer, backend, endpoint, early_until,
-                                      pages)
+                # The loop's timer only queues the retry (call_later's
+                # contract: nothing that may block runs on the loop); the
+                # puller sends it.
+                self.plane.call_later(EARLY_RETRY_S, self._work.put,
+                                      ("retry", (req_id, offer, backend, endpoint, early_until, pages)))
                 return
             return self._fail(req_id, f"the prefill refused the fetch: {e}")
         except (kv_transfer.KvTransferError, ProtocolError, OSError, concurrent.futures.TimeoutError) as e:

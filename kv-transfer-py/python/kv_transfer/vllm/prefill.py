@@ -261,8 +261,7 @@ class PrefillOffers:
                 # to its claimant now: the decode asks again shortly.
                 return self._refuse("busy", f"a block is exposed for another offer: {e}")
             except kv_transfer.KvTransferError as e:
-                # A block of the offer is busy in our pool: vLLM handed it to
-                # this request while we still hold it for another. Nothing is
+                # The pool failed otherwise (not a busy block). Nothing is
                 # exposed; the offer stays for a proof-carrying release.
                 logger.error("kv_transfer.vllm: cannot reserve %s's blocks: %s", o.req_id, e)
                 return self._refuse("expose", str(e))
