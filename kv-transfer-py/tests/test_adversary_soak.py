@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -150,6 +150,20 @@ def sources_bindable() -> bool:
         return False
 
 
+class KeptErrors(logging.Handler):
+    """The first few ERROR records of the vLLM side, kept as text (a failed load's cause)."""
+
+    LIMIT = 20
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.kept: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.kept) < self.LIMIT:
+            self.kept.append(record.getMessage()[:300])
+
+
 class Honest:
     """The honest side: planes, ports, and one driver loop (this thread) with its latencies."""
 
@@ -205,6 +219,7 @@ class Honest:
         self.next_reregister = 0.0
         self.next_victim = 0.0
         self.targets: Dict[str, Any] = {}
+        self.errors: Optional[KeptErrors] = None
 
     def _register(self) -> dict:
         """The prefill's registration, made by hand as put_registration does: (body, headers) is
@@ -462,7 +477,16 @@ def test_adversary_soak(tmp_path):
     levels = [lg.level for lg in quiet]
     for lg in quiet:  # every refusal logs a warning: kept out of pytest's capture (its memory is not ours)
         lg.setLevel(logging.CRITICAL)
+    # An honest load's failure is logged at ERROR by the vLLM side: kept (bounded) so that a failure
+    # names its cause.
+    vllm_log = logging.getLogger("kv_transfer.vllm")
+    vllm_level, vllm_propagate = vllm_log.level, vllm_log.propagate
+    errors = KeptErrors()
+    vllm_log.addHandler(errors)
+    vllm_log.setLevel(logging.ERROR)
+    vllm_log.propagate = False
     h = Honest(str(tmp_path / "leaked-offers"))
+    h.errors = errors
     children: List[tuple] = []
     try:
         _soak(h, str(tmp_path), children)
@@ -475,6 +499,9 @@ def test_adversary_soak(tmp_path):
         h.close()
         for lg, lv in zip(quiet, levels):
             lg.setLevel(lv)
+        vllm_log.removeHandler(errors)
+        vllm_log.setLevel(vllm_level)
+        vllm_log.propagate = vllm_propagate
 
 
 def _soak(h: Honest, tmp: str, children: List[tuple]) -> None:
@@ -580,7 +607,7 @@ def _soak(h: Honest, tmp: str, children: List[tuple]) -> None:
             print(f"  {role} note: {n}")
 
     # --- nothing gained ----------------------------------------------------------------
-    assert h.failures[fail0:] == [], h.failures[fail0:][:10]
+    assert h.failures[fail0:] == [], (h.failures[fail0:][:10], h.errors.kept)
     assert results["outsider"]["sessions"] == 0, "an outsider without the key completed a handshake"
     assert results["outsider"]["foreign_bytes"] == 0 and results["insider"]["foreign_bytes"] == 0
     gained = {k: r["gained"] for k, r in kinds.items() if r["gained"]}
@@ -627,7 +654,7 @@ def _soak(h: Honest, tmp: str, children: List[tuple]) -> None:
     # First the flood's challenges expire (honest traffic meanwhile), so a per-address cap cannot
     # stand in for the secret's check.
     h.run(BOOT_REGISTRY.challenge_ttl_s + 0.5, attacked=False)
-    assert h.failures[fail0:] == [], h.failures[fail0:][:10]
+    assert h.failures[fail0:] == [], (h.failures[fail0:][:10], h.errors.kept)
     pos_cfg = dict(cfg, seed=SEED * 2 + 3, seconds=5, key_secret=KEY_SECRET, boot_secret=BOOT_SECRET.decode())
     pos = start_child(tmp, "outsider", "positive", pos_cfg)
     children.append(pos)

@@ -6,6 +6,7 @@ format, with its positive control. None of these needs SGLang.
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 import threading
 import time
@@ -178,6 +179,65 @@ def test_hostile_many_names_hold_at_most_the_peer_cap_and_never_keep_an_honest_p
         decode.close()
         for r in held:
             r.close()
+
+
+def _busy_peer_under_a_name_flood(listener, limits: PlaneLimits, seconds: float):
+    """An honest peer sends requests back to back while an insider opens
+    new names as fast as it can (each held a while, then closed), so that
+    the honest peer is, now and then, the idlest at the cap. Returns the
+    honest peer's answers, its failures, its GOAWAYs and the evictions."""
+    cap = 4
+    p, host, port = listener(limits)
+    stop = threading.Event()
+
+    def flood() -> None:
+        held = []
+        for i in range(100_000):  # bounded in count, and by the honest side's time
+            if stop.is_set():
+                break
+            try:
+                held.append(RawPeer(port, ATTACKER, f"made-up-{i}", key=KEY))
+            except (OSError, kv_transfer.KvTransferError):
+                pass
+            if len(held) > 2 * cap:
+                held.pop(0).close()
+        for r in held:
+            r.close()
+
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    honest = ControlPlane("honest", KEY)
+    answered, failures = 0, []
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:  # bounded in time
+            try:
+                assert honest.call(host, port, b"x", timeout=5) == b"honest:x"
+                answered += 1
+            except (peers.PlaneClosed, TimeoutError, concurrent.futures.TimeoutError) as e:
+                failures.append(f"{type(e).__name__}: {e}")
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        t.join(10)
+        goaways = honest.stats().get("goaways", 0)
+        honest.close()
+    return answered, failures, goaways, p.stats().get("peers_evicted", 0)
+
+
+def test_hostile_a_name_flood_that_evicts_a_busy_honest_peer_costs_it_no_request(listener):
+    answered, failures, goaways, evicted = _busy_peer_under_a_name_flood(listener, PlaneLimits(max_peers=4), 4.0)
+    print(f"name flood, GOAWAY: {answered} answered, {len(failures)} failed, the honest peer let go {goaways} "
+          f"times, {evicted} evictions")
+    assert evicted > 0 and goaways > 0, "the flood never made the honest peer give way: the test proves nothing"
+    assert answered > 0 and failures == [], failures[:5]
+
+
+def test_hostile_positive_control_a_name_flood_that_closes_an_evicted_peer_fails_its_requests(listener):
+    limits = PlaneLimits(max_peers=4, goaway=False)
+    answered, failures, _, evicted = _busy_peer_under_a_name_flood(listener, limits, 4.0)
+    print(f"name flood, closed on eviction: {answered} answered, {len(failures)} failed, {evicted} evictions")
+    assert evicted > 0 and failures, "closing an evicted peer's connection failed none of its requests"
 
 
 def test_hostile_a_peers_requests_in_flight_are_capped_and_it_waits_only_behind_its_own(listener):

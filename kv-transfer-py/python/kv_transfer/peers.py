@@ -13,7 +13,7 @@ Frame (after the handshake)::
 
     body_len:u32 | request_id:u64 | kind:u8 | body | tag (32 bytes: the session's seal of all before it)
 
-``kind`` is REQUEST, REPLY or ERROR. What a peer can make a listener hold is
+``kind`` is REQUEST, REPLY, ERROR or GOAWAY. What a peer can make a listener hold is
 its own share, bounded (DESIGN.md rule 9): handshakes in flight (in all and
 per source address, each by a deadline), authenticated peers (in all, and
 connections per proven name), requests in flight and their bytes (per peer
@@ -24,7 +24,12 @@ the oldest handshake still in flight gives way to the new connection
 (closed, counted), so many source addresses, each under its own cap, cannot
 hold the listener full and keep an honest peer out (issue 46, attack 8):
 they would have to open a cap's worth of connections within one honest
-handshake (about a millisecond), not just hold them. Handlers run on a
+handshake (about a millisecond), not just hold them. A listener that
+lets a peer go (the peer cap's eviction, the idle timeout) does it with a
+GOAWAY (empty body, request id 0) once that peer has nothing in flight:
+every request the peer sent that it has not had an answer to was never
+read, so the dialer sends those again on a new connection instead of
+failing them. Handlers run on a
 fixed pool of threads, one request at a time per peer, so a peer's slow
 request waits only behind its own.
 
@@ -64,7 +69,11 @@ logger = logging.getLogger("kv_transfer.peers")
 
 #: The handshake's context: a handshake for another protocol is refused.
 CONTEXT = "kvt-py-control-v1"
-REQUEST, REPLY, ERROR = 1, 2, 3
+REQUEST, REPLY, ERROR, GOAWAY = 1, 2, 3, 4
+#: How long a listener that sent GOAWAY keeps reading (and dropping) what
+#: the peer had already sent, so that its close is a FIN, not a reset that
+#: could cost the peer the GOAWAY itself.
+GOAWAY_DRAIN_S = 2.0
 _HDR = struct.Struct(">IQB")
 TAG_LEN = 32
 
@@ -116,6 +125,11 @@ class PlaneLimits:
     #: (``refused_handshakes_busy``), the old behaviour, for positive
     #: controls only.
     evict_oldest_handshake: bool = True
+    #: A peer let go (evicted at ``max_peers``, or idle past
+    #: ``idle_timeout_s``) gets a GOAWAY, and its unanswered requests are
+    #: sent again. False: its connections are closed, and a request it had
+    #: on the way fails (the old behaviour, for positive controls only).
+    goaway: bool = True
 
 
 class _PeerState:
@@ -214,6 +228,8 @@ class _ServerConn(asyncio.Protocol):
         self._arm(lim.handshake_deadline_s, self._handshake_late)
 
     def data_received(self, data: bytes) -> None:
+        if self.state == "draining":  # sent before our GOAWAY reached the peer: never read
+            return
         self.buf += data
         try:
             while self.state != "closed" and self._step():
@@ -366,7 +382,7 @@ class _ServerConn(asyncio.Protocol):
         return True
 
     def _answer(self, rid: int, reply: bytes, kind: int) -> None:
-        if self.state == "closed" or self.transport is None or self.transport.is_closing():
+        if self.state != "frames" or self.transport is None or self.transport.is_closing():
             return
         hdr = _HDR.pack(len(reply), rid, kind)
         self.transport.write(hdr + reply + self.session.seal(hdr + reply))
@@ -384,8 +400,30 @@ class _ServerConn(asyncio.Protocol):
             self.close()
 
     def _idle(self) -> None:
-        if self.state == "frames" and self.partial is None:
+        if self.state == "frames" and self.partial is None and self.st is not None and self.st.inflight == 0:
             self.plane._count("idle_cuts")
+            if self.plane.limits.goaway:
+                self.go_away()
+            else:
+                self.close()
+
+    def go_away(self) -> None:
+        """Lets the peer go without failing a request of its: a sealed GOAWAY
+        says that nothing it sent after its last answer was read (so it
+        sends those again elsewhere), then this side stops writing and
+        drops whatever still arrives until the peer closes, or for
+        ``GOAWAY_DRAIN_S``. Only with nothing in flight (the caller's
+        check): an answer owed would be lost."""
+        if self.state != "frames" or self.transport is None or self.transport.is_closing():
+            return self.close()
+        self._answer(0, b"", GOAWAY)
+        self._leave_peer()
+        self.state = "draining"
+        self.buf.clear()
+        self._arm(GOAWAY_DRAIN_S, self.close)
+        try:
+            self.transport.write_eof()
+        except (OSError, RuntimeError):
             self.close()
 
     def _frame_late(self) -> None:
@@ -402,6 +440,14 @@ class _ServerConn(asyncio.Protocol):
         self._handshake_over()
         service, st = self.service, self.st
         service.conns.discard(self)
+        self._leave_peer()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _leave_peer(self) -> None:
+        """Gives back this connection's share of its peer's (and the peer's
+        place, with its last connection and nothing in flight)."""
+        service, st = self.service, self.st
         if self.partial is not None and st is not None:
             self.plane._uncharge(service, st, self.partial[1])
             self.partial = None
@@ -410,8 +456,6 @@ class _ServerConn(asyncio.Protocol):
                 st.conns.remove(self)
             if not st.conns and st.inflight == 0 and service.peers.get(self.peer) is st:
                 del service.peers[self.peer]
-        if self.transport is not None:
-            self.transport.close()
 
 
 class _Link:
@@ -423,7 +467,8 @@ class _Link:
     interpreter (a serving engine's scheduler) can wait a whole GIL switch
     interval. The loop only connects and reads the answers."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, key: Tuple[str, int], window: int) -> None:
+        self.key = key
         # Requests in flight on the link: at most what a listener grants a
         # peer (the same limits), so an honest dialer never trips the cap.
         self.window = max(1, window)
@@ -432,8 +477,9 @@ class _Link:
         self.sock: Optional[socket.socket] = None
         self.writer: Optional[asyncio.StreamWriter] = None
         self.session: Any = None
-        #: request id -> (its future, its deadline on the monotonic clock)
-        self.pending: Dict[int, Tuple[concurrent.futures.Future, float]] = {}
+        #: request id -> (its future, its deadline on the monotonic clock,
+        #: its body: sent again on a new connection after a GOAWAY)
+        self.pending: Dict[int, Tuple[concurrent.futures.Future, float, bytes]] = {}
         self.ids = itertools.count(1)
 
 
@@ -492,17 +538,22 @@ class ControlPlane:
         return self._run(start(), 10)
 
     def _evict_idlest(self, service: _Service) -> bool:
-        """At the peer cap: the peer idle longest with nothing in flight is
-        dropped (its connections closed; it reconnects on its next
-        request), so peers that hold connections and send nothing cannot
-        keep a new peer out. False if every peer has requests in flight."""
+        """At the peer cap: the peer idle longest with nothing in flight
+        gives way (a GOAWAY on each of its connections: it reconnects, and
+        sends again what it had sent unanswered, on its next request), so
+        peers that hold connections and send nothing cannot keep a new peer
+        out, and an honest peer that loses its place loses no request.
+        False if every peer has requests in flight."""
         idle = [(st.last_active, name) for name, st in service.peers.items() if st.inflight == 0]
         if not idle:
             return False
         _, name = min(idle)
         st = service.peers.pop(name)
         for c in list(st.conns):
-            c.close()
+            if self.limits.goaway:
+                c.go_away()
+            else:
+                c.close()
         self._count("peers_evicted")
         return True
 
@@ -590,7 +641,7 @@ class ControlPlane:
             rid = next(link.ids)
             hdr = _HDR.pack(len(body), rid, REQUEST)
             frame = hdr + body + link.session.seal(hdr + body)
-            link.pending[rid] = (fut, deadline)
+            link.pending[rid] = (fut, deadline, body)
             try:
                 _send_all(link.sock, frame, deadline)
             except (OSError, TimeoutError) as e:
@@ -606,7 +657,7 @@ class ControlPlane:
         try:
             link = self._links.get(key)
             if link is None:
-                link = self._links[key] = _Link(self.limits.max_inflight_per_peer)
+                link = self._links[key] = _Link(key, self.limits.max_inflight_per_peer)
             while True:
                 if link.sock is None:
                     if link.connecting is None:
@@ -637,9 +688,28 @@ class ControlPlane:
             except OSError:
                 pass
         pending, link.pending = link.pending, {}
-        for fut, _ in pending.values():
+        for fut, _, _ in pending.values():
             if not fut.done():
                 fut.set_exception(why)
+
+    def _gone_away(self, link: _Link, raw: socket.socket) -> None:
+        """The listener let this link go (GOAWAY): it read nothing we sent
+        after its last answer, so every request still unanswered is sent
+        again, on a new connection, within its own deadline."""
+        with link.lock:
+            if link.sock is not raw:
+                return
+            link.sock, link.session = None, None
+            pending, link.pending = link.pending, {}
+        try:
+            raw.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._count("goaways")
+        for fut, deadline, body in pending.values():
+            if not fut.done():
+                self._count("resent_after_goaway")
+                asyncio.ensure_future(self._request_slow(link.key, body, deadline, fut))
 
     async def _expire(self) -> None:
         """Fails requests past their deadline (their answer is then dropped)."""
@@ -648,9 +718,9 @@ class ControlPlane:
             now = time.monotonic()
             for link in list(self._links.values()):
                 with link.lock:
-                    late = [rid for rid, (_, d) in link.pending.items() if d <= now]
+                    late = [rid for rid, (_, d, _) in link.pending.items() if d <= now]
                     for rid in late:
-                        fut, _ = link.pending.pop(rid)
+                        fut, _, _ = link.pending.pop(rid)
                         if not fut.done():
                             fut.set_exception(TimeoutError("no answer in time"))
 
@@ -694,13 +764,18 @@ class ControlPlane:
             while True:
                 hdr = await reader.readexactly(_HDR.size)
                 n, rid, kind = _HDR.unpack(hdr)
-                if n > self.limits.max_frame or kind not in (REPLY, ERROR):
+                if n > self.limits.max_frame or kind not in (REPLY, ERROR, GOAWAY):
                     why = PlaneClosed(f"a reply frame of {n} B, kind {kind}: connection dropped")
                     return
                 rest = await reader.readexactly(n + TAG_LEN)
                 with link.lock:
                     link.session.open(hdr + rest[:n], rest[n:])
-                    entry = link.pending.pop(rid, None)
+                    if kind == GOAWAY:
+                        entry = None
+                    else:
+                        entry = link.pending.pop(rid, None)
+                if kind == GOAWAY:
+                    return self._gone_away(link, raw)
                 if entry is None or entry[0].done():
                     continue  # its request timed out
                 if kind == REPLY:
