@@ -47,6 +47,7 @@ class Fleet:
         self.nd: Optional[h.Server] = None
         self.rd: Optional[h.Server] = None
         self.rd_side = 0
+        self.cd: Optional[h.Server] = None
 
     def recompute_decode(self) -> h.Server:
         """A second decode of ours whose load failures vLLM recomputes
@@ -62,6 +63,17 @@ class Fleet:
             self.servers.append(self.rd)
             h.start_all([self.rd])
         return self.rd
+
+    def cost_decode(self) -> h.Server:
+        """A decode of ours with the connector as it ships (no test hooks:
+        its READs are posted from vLLM's own poll), for the cost table."""
+        if self.cd is None:
+            assert self.p is not None
+            kv = h.ours("kv_consumer", h.free_port(), ",".join(BACKENDS), prefills=[f"127.0.0.1:{self.p_side}"])
+            self.cd = h.Server("decode-cost", h.MODEL_NAME[0], kv, 1, BLOCKS)
+            self.servers.append(self.cd)
+            h.start_all([self.cd])
+        return self.cd
 
     def nixl_pair(self) -> None:
         if self.np is None:
@@ -158,13 +170,15 @@ def test_metrics_operators_scrape_move_with_the_transfers(fleet: Fleet, vocab: i
         return {"xfers": fleet.d.metric("vllm:kvt_xfer_time_seconds_count"),
                 "bytes": fleet.d.metric("vllm:kvt_bytes_transferred_sum"),
                 "descs": fleet.d.metric("vllm:kvt_num_descriptors_sum"),
+                "claims": fleet.d.metric("vllm:kvt_claim_time_seconds_count"),
+                "claim_s": fleet.d.metric("vllm:kvt_claim_time_seconds_sum"),
                 "proofs": fleet.p.metric("vllm:kvt_num_proofs_completed_total")}
 
     def scrape_or_zero():
         try:
             return scrape()
         except KeyError:  # a series appears with its first observation
-            return {"xfers": 0.0, "bytes": 0.0, "descs": 0.0, "proofs": 0.0}
+            return {"xfers": 0.0, "bytes": 0.0, "descs": 0.0, "claims": 0.0, "claim_s": 0.0, "proofs": 0.0}
 
     before = scrape_or_zero()
     for pr in prompts:
@@ -174,6 +188,9 @@ def test_metrics_operators_scrape_move_with_the_transfers(fleet: Fleet, vocab: i
     h.wait_until("the proofs on /metrics", lambda: scrape_or_zero()["proofs"] - before["proofs"] >= len(prompts), 30)
     after = scrape()
     assert after["bytes"] > before["bytes"] and after["descs"] > before["descs"], (before, after)
+    # Every load's claim (vLLM's ask to the prefill's exposure) timed.
+    assert after["claims"] - before["claims"] == after["xfers"] - before["xfers"], (before, after)
+    assert after["claim_s"] > before["claim_s"], (before, after)
     pools_whole(fleet)
     for s in (fleet.p, fleet.d):
         for name in ("vllm:kvt_num_failed_transfers_total", "vllm:kvt_num_kv_expired_reqs_total"):
@@ -324,11 +341,12 @@ def test_positive_control_nixl_connector_frees_on_its_lease_and_decodes_another_
 
 def test_cost_decode_latency_against_nixl_connector(fleet: Fleet, vocab: int, report):
     fleet.nixl_pair()
+    ours_d = fleet.cost_decode()
     prompts = h.prompts(vocab, [97, 150, 64], seed=3)
     lat: Dict[str, Dict[str, List[float]]] = {"ours": {"ttft": [], "total": []}, "nixl": {"ttft": [], "total": []}}
 
     def decode_once(which: str, pr: List[int]) -> None:
-        p, d = (fleet.p, fleet.d) if which == "ours" else (fleet.np, fleet.nd)
+        p, d = (fleet.p, ours_d) if which == "ours" else (fleet.np, fleet.nd)
         params = h.complete(p.port, pr, 1, {"do_remote_decode": True})["kv_transfer_params"]
         if which == "ours":
             params["kvt_backends"] = ["nixl"]
@@ -357,7 +375,7 @@ def test_cost_decode_latency_against_nixl_connector(fleet: Fleet, vocab: int, re
         ours, theirs = lat["ours"][m], lat["nixl"][m]
         rows[m] = (statistics.median(ours) / statistics.median(theirs), percentile(ours, 0.99) / percentile(theirs, 0.99),
                    statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3)
-    report("\ncost, ours / NixlConnector (40 alternating decode requests each, nixl backend underneath):",
+    report("\ncost, ours (the connector as it ships) / NixlConnector (40 alternating decode requests each, nixl backend underneath):",
            *(f"  {m:5s}: median {rm:.2f} ({om:.1f} ms vs {tm:.1f} ms), p99 {r99:.2f}" for m, (rm, r99, om, tm) in rows.items()))
     # The goal is 1.05 (README); the assertion only catches a gross regression on a noisy machine.
     assert rows["total"][0] < 1.5, rows

@@ -358,9 +358,14 @@ class KvTransferConnector(KVConnectorBase_V1):
             if self.settings.producer:
                 self.offers = prefill.PrefillOffers(self.sides, self.settings.limits)
             if self.settings.consumer:
+                # A before-post hook may block, so a READ waits for it on the
+                # puller; without one (this class's is empty) the READ is
+                # posted from vLLM's own poll, a thread hop sooner.
+                hooked = type(self)._before_post is not KvTransferConnector._before_post
                 self.loads = decode.DecodeLoads(self.sides, self.plane, set(self.settings.prefills),
                                                 rank=self.rank, tp=self.settings.tp,
-                                                before_post=self._before_post, after_load=self._after_load,
+                                                before_post=self._before_post if hooked else None,
+                                                after_load=self._after_load,
                                                 on_loaded=self._stats.record_transfer)
             if self.settings.side_port is not None:
                 # Worker r of the engine: side port + r (the offer names the first).

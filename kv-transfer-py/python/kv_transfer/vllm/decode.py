@@ -30,8 +30,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Optional, Sequence, Set, Tuple, Union
 
 import kv_transfer
 
@@ -59,11 +60,13 @@ class Queued:
 class Posted:
     backend: str
     transfer: Any  # kv_transfer.Transfer (a READ)
-    #: When the post returned, how long it took, its bytes and descriptors (for the metrics).
+    #: When the post returned, how long it took, its bytes and descriptors,
+    #: and how long the claim took before it (for the metrics).
     posted_at: float = 0.0
     post_s: float = 0.0
     nbytes: int = 0
     descriptors: int = 0
+    claim_s: float = 0.0
 
 
 @dataclass
@@ -82,6 +85,8 @@ class _Load:
     params: Dict[str, Any]
     state: LoadState
     cancelled: bool = False
+    #: When vLLM asked for the load (perf_counter): the claim's time runs from here.
+    asked_at: float = 0.0
 
 
 class DecodeLoads:
@@ -100,7 +105,7 @@ class DecodeLoads:
                  rank: int = 0, tp: int = 1,
                  before_post: Optional[Callable[[str, Dict[str, Any]], None]] = None,
                  after_load: Optional[Callable[[str, Sequence[int], Dict[str, Any]], None]] = None,
-                 on_loaded: Optional[Callable[[float, float, int, int], None]] = None):
+                 on_loaded: Optional[Callable[[float, float, int, int, float], None]] = None):
         self.sides = sides
         self.plane = plane
         self.prefills = prefills
@@ -108,12 +113,17 @@ class DecodeLoads:
         self.tp = tp
         self._before_post = before_post
         self._after_load = after_load
-        #: Told of each load's transfer time, post time, bytes and descriptors.
+        #: Told of each load's transfer time, post time, bytes, descriptors
+        #: and claim time (from vLLM's ask to the prefill's exposure: the
+        #: round trip, retries included, that admission costs per request).
         self._on_loaded = on_loaded
         self._lock = threading.Lock()
         self._loads: Dict[str, _Load] = {}
         self._peers: Dict[Tuple[str, bytes], int] = {}
         self._work: "queue.Queue[Optional[Tuple[str, Any]]]" = queue.Queue()
+        #: Answered fetches, taken (once each) by whichever comes first: the
+        #: thread that polls (vLLM's, every engine step) or the puller.
+        self._answered: "Deque[Tuple[Any, ...]]" = deque()
         self.counters: Dict[str, int] = {
             "loads": 0, "loaded": 0, "load_failures": 0, "cancelled": 0, "releases_sent": 0, "release_failures": 0,
             "refused_unnamed_prefill": 0, "refused_tp_mismatch": 0,
@@ -152,10 +162,14 @@ class DecodeLoads:
             if req_id in self._loads:
                 logger.error("kv_transfer.vllm: request %s loaded twice; kept the first", req_id)
                 return
-            self._loads[req_id] = _Load(req_id, tuple(blocks), params, state)
+            self._loads[req_id] = _Load(req_id, tuple(blocks), params, state, asked_at=time.perf_counter())
             self.counters["loads"] += 1
         if isinstance(state, Queued):
-            self._work.put(("load", req_id))
+            # Sent from this thread (vLLM's, in its step): a hop to the
+            # puller would wait for the interpreter's lock behind a busy
+            # engine loop, once per request (up to a switch interval, 5 ms,
+            # and more on a loaded host).
+            self._pull(req_id)
 
     def release(self, params: Dict[str, Any]) -> None:
         """The request will never read its offer (aborted before it was scheduled)."""
@@ -185,6 +199,7 @@ class DecodeLoads:
         reported once), and the blocks of those that failed."""
         done: Set[str] = set()
         bad: Set[int] = set()
+        self._take_answers(inline=True)
         with self._lock:
             for r, ld in list(self._loads.items()):
                 if isinstance(ld.state, Posted):
@@ -208,7 +223,7 @@ class DecodeLoads:
             ld.state = Done(True, "loaded")
             self.counters["loaded"] += 1
             if self._on_loaded is not None:
-                self._on_loaded(time.perf_counter() - s.posted_at, s.post_s, s.nbytes, s.descriptors)
+                self._on_loaded(time.perf_counter() - s.posted_at, s.post_s, s.nbytes, s.descriptors, s.claim_s)
         else:
             why = s.transfer.error or status
             s.transfer.release()
@@ -231,14 +246,14 @@ class DecodeLoads:
                 return
             kind, arg = item
             try:
-                if kind == "load":
-                    self._pull(arg)
-                elif kind == "retry":
+                if kind == "retry":
                     self._ask_fetch(*arg)
+                elif kind == "answered":
+                    self._take_answers(inline=False)
                 else:
                     self._fetched(*arg)
             except Exception:  # the puller must outlive any one request
-                logger.exception("kv_transfer.vllm: puller: %s %s", kind, arg if kind == "load" else "")
+                logger.exception("kv_transfer.vllm: puller: %s", kind)
 
     def _fail(self, req_id: str, why: str) -> None:
         with self._lock:
@@ -269,11 +284,43 @@ class DecodeLoads:
 
     def _ask_fetch(self, req_id: str, offer: wire.Offer, backend: str, endpoint: Any, early_until: float,
                    pages: int) -> None:
-        """Sends the fetch for the offer's last ``pages`` blocks; its answer
-        comes back to the puller (never waited for)."""
+        """Sends the fetch for the offer's last ``pages`` blocks (never
+        waited for); its answer is taken by the polling thread or the
+        puller, whichever comes first (:meth:`_take_answers`)."""
         req = wire.fetch_request(offer.offer, backend, endpoint.descriptor(), pages, len(offer.blocks) - pages)
         f = self.plane.request(offer.host, self._port(offer), req, SIDE_TIMEOUT_S)
-        f.add_done_callback(lambda f: self._work.put(("fetched", (req_id, offer, backend, early_until, pages, f))))
+
+        def answered(f: "concurrent.futures.Future[bytes]") -> None:
+            self._answered.append((req_id, offer, backend, early_until, pages, f))
+            self._work.put(("answered", None))
+
+        f.add_done_callback(answered)
+
+    def _take_answers(self, inline: bool) -> None:
+        """Handles the answered fetches. ``inline`` (the polling thread):
+        those whose prefill this decode already knows on that backend; one
+        that would first connect to a new prefill goes to the puller (a
+        handshake has no place in an engine step), and so does every one
+        when a ``before_post`` hook is set (a hook may block)."""
+        for _ in range(len(self._answered)):  # bounded: what is there now
+            try:
+                args = self._answered.popleft()
+            except IndexError:
+                return
+            if inline and (self._before_post is not None or self._needs_new_peer(args[2], args[5])):
+                self._work.put(("fetched", args))
+                continue
+            self._fetched(*args)
+
+    def _needs_new_peer(self, backend: str, f: "concurrent.futures.Future[bytes]") -> bool:
+        """Whether the READ this answer allows would first connect to a
+        prefill this decode has no peer for on ``backend``. A refusal or an
+        error needs none (it is handled, or retried, without one)."""
+        try:
+            _, descriptor = wire.parse_fetch_reply(f.result())
+        except Exception:  # noqa: BLE001 (whatever it is, _fetched types it)
+            return False
+        return (backend, bytes(descriptor)) not in self._peers
 
     def _fetched(self, req_id: str, offer: wire.Offer, backend: str, early_until: float, pages: int,
                  f: "concurrent.futures.Future[bytes]") -> None:
@@ -332,7 +379,7 @@ class DecodeLoads:
         n = len(q.blocks)
         with self._lock:
             self.counters["blocks_pulled"] += n
-            ld.state = Posted(backend, t, t1, t1 - t0, n * sum(pool.page_bytes), n * pool.buffers)
+            ld.state = Posted(backend, t, t1, t1 - t0, n * sum(pool.page_bytes), n * pool.buffers, t0 - ld.asked_at)
 
     def _check_exposure(self, offer: wire.Offer, backend: str, endpoint: Any, remote_b: bytes,
                         descriptor: bytes, pages: int) -> Union[str, Tuple[Any, int]]:

@@ -7,7 +7,9 @@ each transfer from its post to its completion, the time the post itself
 took, the bytes and descriptors (blocks x buffers) of each, and the failed
 transfers, failed notifications (here: a decode's release that did not
 reach the prefill) and expired requests (an offer withdrawn unclaimed, or
-an exposure aborted at its deadline). Then ours: the proofs that gave
+an exposure aborted at its deadline). Then ours: each load's claim time
+(from vLLM's request to the prefill's exposure, the round trip that
+admission before exposure costs), the proofs that gave
 blocks back, by kind (``completed``: the peer's DONE; ``revoked``,
 ``fenced``: the ladder's), the refusals (claims, releases and loads
 refused, and what the pools refused: stale or forged tokens, admission),
@@ -38,6 +40,10 @@ TIMED = (
      [2 ** (10 + i) for i in range(1, 25, 2)]),
     ("num_descriptors", "vllm:kvt_num_descriptors", "Descriptors (blocks x buffers) of a KV transfer.",
      [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]),
+    ("claim_duration", "vllm:kvt_claim_time_seconds",
+     "Time from vLLM's load request to the prefill's exposure (the claim's round trip, retries included), "
+     "before the transfer is posted. NixlConnector has no such step.",
+     [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]),
 )
 #: Events counted: (key, Prometheus name, help).
 COUNTED = (
@@ -73,9 +79,10 @@ class KvtKVConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data: Dict[str, List[Any]] = {k: [] for k, *_ in TIMED + COUNTED + GAUGED}
 
-    def record_transfer(self, duration_s: float, post_s: float, nbytes: int, descriptors: int) -> None:
-        for key, v in zip(("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors"),
-                          (duration_s, post_s, nbytes, descriptors)):
+    def record_transfer(self, duration_s: float, post_s: float, nbytes: int, descriptors: int,
+                        claim_s: float = 0.0) -> None:
+        for key, v in zip(("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors",
+                           "claim_duration"), (duration_s, post_s, nbytes, descriptors, claim_s)):
             self.data[key].append(v)
 
     def count(self, key: str, n: int) -> None:
@@ -115,6 +122,8 @@ class KvtKVConnectorStats(KVConnectorStats):
             out["Avg xfer time (ms)"] = round(sum(xfer) / n * 1e3, 3)
             out["Avg post time (ms)"] = round(sum(self.data["post_duration"]) / n * 1e3, 3)
             out["Avg MB per transfer"] = round(sum(self.data["bytes_transferred"]) / n / 2**20, 3)
+            claims = self.data.get("claim_duration") or [0.0]
+            out["Avg claim time (ms)"] = round(sum(claims) / len(claims) * 1e3, 3)
         for key, *_ in COUNTED:
             out[key] = sum(self.data[key])
         out.update(self.gauges())
